@@ -1,0 +1,242 @@
+"""Recipe or HF Llama config -> Megatron-Core `TransformerConfig`, layer spec and `GPTModel`.
+
+The HF `config.json` dict (transformers-4 form: `rope_theta` + `rope_scaling`) is the one
+architecture description every part shares: the recipe is turned into it, the converter writes
+it into checkpoint metadata, and the model is built from it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.recipe import Recipe, RecipeError, RopeConfig
+
+_ROPE_SCALING_KEYS = [f for f in RopeConfig.__dataclass_fields__ if f not in ("rope_theta", "rope_type",
+                                                                                 "partial_rotary_factor")]
+
+
+def normalize_hf_config(cfg: dict) -> dict:
+    """Copy of an HF Llama config in transformers-4 form, with head_dim and KV heads filled in.
+
+    Accepts the transformers-5 form (`rope_parameters`) and the old `rope_scaling.type` key.
+    """
+    out = copy.deepcopy(cfg)
+    params = out.pop("rope_parameters", None)
+    if params:
+        params = dict(params)
+        if "rope_theta" in params:
+            out["rope_theta"] = params.pop("rope_theta")
+        if "partial_rotary_factor" in params:
+            out["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+        rope_type = params.pop("rope_type", params.pop("type", "default"))
+        out["rope_scaling"] = None if rope_type == "default" and not params else {"rope_type": rope_type, **params}
+    scaling = out.get("rope_scaling")
+    if scaling:
+        scaling = dict(scaling)
+        if "type" in scaling:
+            scaling.setdefault("rope_type", scaling.pop("type"))
+            scaling.pop("type", None)
+        out["rope_scaling"] = None if scaling.get("rope_type") == "default" and len(scaling) == 1 else scaling
+    out.setdefault("rope_theta", 10000.0)
+    out.setdefault("rope_scaling", None)
+    out.setdefault("num_key_value_heads", out["num_attention_heads"])
+    if out.get("head_dim") is None:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    out.setdefault("rms_norm_eps", 1e-5)
+    out.setdefault("tie_word_embeddings", False)
+    return out
+
+
+def hf_config_from_recipe(recipe: Recipe) -> dict:
+    """The HF Llama `config.json` dict (transformers-4 form) that the recipe's model and rope describe."""
+    m, r = recipe.model, recipe.rope
+    scaling = None
+    if r.rope_type != "default":
+        scaling = {"rope_type": r.rope_type}
+        for key in _ROPE_SCALING_KEYS:
+            value = getattr(r, key)
+            if value is not None:
+                scaling[key] = list(value) if isinstance(value, tuple) else value
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.num_hidden_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_key_value_heads or m.num_attention_heads,
+        "head_dim": m.head_dim or m.hidden_size // m.num_attention_heads,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.rms_norm_eps,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "max_position_embeddings": m.max_position_embeddings or recipe.train.seq_length,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": m.initializer_range,
+        "rope_theta": r.rope_theta,
+        "rope_scaling": scaling,
+    }
+    if r.partial_rotary_factor != 1.0:
+        cfg["partial_rotary_factor"] = r.partial_rotary_factor
+    return cfg
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Rows of the embedding table: vocab rounded up to a multiple of `divisible_by` x TP (Megatron-LM's rule)."""
+    multiple = max(1, divisible_by) * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything besides the architecture that decides how the Megatron model is built."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    cp_comm_type: str = "p2p"
+    hierarchical_context_sizes: tuple[int, ...] | None = None
+    sequence_parallel: bool = False
+    device: str = "cpu"
+    attention: str = "auto"  # auto | te | sdpa
+    precision: str = "fp32"  # fp32 | bf16
+    recompute: str = "none"  # none | selective | full
+    fp8: str | None = None
+    fp8_attention: bool = False
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 4096
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> "BuildOptions":
+        p, rt = recipe.parallel, recipe.runtime
+        return cls(
+            tensor=p.tensor, pipeline=p.pipeline, context=p.context, cp_comm_type=p.cp_comm_type,
+            hierarchical_context_sizes=p.hierarchical_context_sizes, sequence_parallel=p.sequence_parallel,
+            device=rt.device, attention=rt.attention, precision=recipe.train.precision,
+            recompute=recipe.train.recompute, fp8=rt.fp8, fp8_attention=rt.fp8_attention,
+            make_vocab_size_divisible_by=recipe.model.make_vocab_size_divisible_by, seq_length=recipe.train.seq_length,
+        )
+
+    def use_te(self) -> bool:
+        """Transformer Engine spec: asked for, or `auto` on cuda when TE imports."""
+        from megatron_ext.runtime import te_available
+
+        if self.attention == "te":
+            if not te_available():
+                raise RecipeError("runtime.attention = 'te' but transformer_engine does not import here; "
+                                  "install the [gpu] extra or use runtime.attention=sdpa")
+            return True
+        return self.attention == "auto" and self.device == "cuda" and te_available()
+
+
+def transformer_config(hf_cfg: dict, opts: BuildOptions):
+    """Megatron `TransformerConfig` for a Llama-3.1-family HF config."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = normalize_hf_config(hf_cfg)
+    use_te = opts.use_te()
+    dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
+    recompute = {}
+    if opts.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif opts.recompute == "selective":
+        recompute = dict(recompute_granularity="selective")
+    fused = use_te  # fusions need TE/Apex kernels
+    return TransformerConfig(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg["head_dim"],
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg["rms_norm_eps"],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.get("initializer_range", 0.02),
+        bf16=opts.precision == "bf16",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=opts.tensor,
+        pipeline_model_parallel_size=opts.pipeline,
+        context_parallel_size=opts.context,
+        cp_comm_type=opts.cp_comm_type,
+        hierarchical_context_parallel_sizes=list(opts.hierarchical_context_sizes)
+        if opts.hierarchical_context_sizes else None,
+        sequence_parallel=opts.sequence_parallel,
+        transformer_impl="transformer_engine" if use_te else "local",
+        use_cpu_initialization=opts.device == "cpu",
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused,
+        persist_layer_norm=fused,
+        gradient_accumulation_fusion=fused,
+        apply_rope_fusion=False,  # our RoPE tables carry YaRN's attention factor; see rope.py
+        calculate_per_token_loss=True,
+        fp8=opts.fp8,
+        fp8_dot_product_attention=opts.fp8_attention,
+        **recompute,
+    )
+
+
+def layer_spec(config, opts: BuildOptions):
+    """TE spec when TE is used, else Megatron's local spec with torch SDPA core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if config.transformer_impl == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron_ext.attention import TorchSDPAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+    return spec
+
+
+def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = None,
+                post_process: bool | None = None):
+    """A Megatron `GPTModel` for this rank (TP/PP shard) of the HF Llama architecture `hf_cfg`.
+
+    Parallel state must be initialised. RoPE comes from `megatron_ext.rope` and follows `hf_cfg`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.rope import attach_rotary_embedding
+
+    cfg = normalize_hf_config(hf_cfg)
+    config = transformer_config(cfg, opts)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, opts),
+        vocab_size=padded_vocab_size(cfg["vocab_size"], opts.make_vocab_size_divisible_by, opts.tensor),
+        max_sequence_length=max(opts.seq_length, cfg.get("max_position_embeddings") or 0),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(cfg["tie_word_embeddings"]),
+        position_embedding_type="rope",
+        rotary_base=cfg["rope_theta"],
+        rotary_percent=cfg.get("partial_rotary_factor", 1.0),
+    )
+    attach_rotary_embedding(model, cfg)
+    return model
+
+
+def build_model_from_recipe(recipe: Recipe, **kwargs):
+    """`build_model` for the recipe's architecture and layout."""
+    return build_model(hf_config_from_recipe(recipe), BuildOptions.from_recipe(recipe), **kwargs)

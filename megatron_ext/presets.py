@@ -1,0 +1,69 @@
+"""Model architecture presets, as Hugging Face Llama `config.json` fields (transformers-4 form).
+
+Pure data, importable without torch, so that recipe checks stay fast on a login node.
+"""
+
+from __future__ import annotations
+
+# Exact shapes of meta-llama/Llama-3.1-8B(-Instruct) (config.json of the release).
+LLAMA31_8B: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
+# A Llama-3.1-shaped model small enough for 2 CPU cores: GQA (4 heads, 2 KV heads), SwiGLU,
+# RMSNorm, llama3-type RoPE at a short original context.
+TINY: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+
+PRESETS: dict[str, dict] = {"llama3.1-8b": LLAMA31_8B, "tiny": TINY}

@@ -1,0 +1,613 @@
+"""Typed recipes: YAML -> frozen dataclasses, `extends:`, dotted overrides, validation.
+
+A recipe is data. Every field below has a type and a docstring (`metadata["doc"]`); unknown keys,
+wrong types and impossible layouts are `RecipeError`s raised at load, before any process group or
+allocation. Each error is one line naming the field path, the value and what would be valid.
+
+    recipe = load_recipe("recipes/cpt_4m.yaml", ["train.steps=10"], world_size=256)
+
+Command line: `python -m megatron_ext.recipe check FILE... [--world-size N] [--set KEY=VALUE ...]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from megatron_ext.presets import PRESETS
+
+
+class RecipeError(ValueError):
+    """A user mistake in a recipe or override: the message names the field, the value and the fix."""
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture, in Hugging Face Llama `config.json` names. `preset` or `hf_config` fill unset fields."""
+
+    preset: str | None = _f(None, f"Architecture preset: one of {sorted(PRESETS)}; fills every field left unset.")
+    hf_config: str | None = _f(None, "Path to an HF `config.json` (or its folder); fills every field left unset.")
+    tokenizer: str | None = _f(None, "HF tokenizer folder or name (used by data preparation, SFT and evaluation).")
+    num_hidden_layers: int | None = _f(None, "Transformer layers.")
+    hidden_size: int | None = _f(None, "Model width.")
+    intermediate_size: int | None = _f(None, "SwiGLU FFN width.")
+    num_attention_heads: int | None = _f(None, "Query heads.")
+    num_key_value_heads: int | None = _f(None, "Key/value heads (GQA groups); defaults to num_attention_heads.")
+    head_dim: int | None = _f(None, "Per-head width; defaults to hidden_size / num_attention_heads.")
+    vocab_size: int | None = _f(None, "Tokenizer vocabulary size (before padding).")
+    rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+    tie_word_embeddings: bool = _f(False, "Share input embedding and output layer weights.")
+    max_position_embeddings: int | None = _f(None, "Context length the model advertises (HF config field).")
+    initializer_range: float = _f(0.02, "Std of the normal init for a model trained from scratch.")
+    make_vocab_size_divisible_by: int = _f(
+        128, "Pad the embedding rows to a multiple of this x parallel.tensor (as Megatron-LM); 1 = no padding."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary embedding, in HF names (`rope_theta` + the `rope_scaling` fields). Replaced as a whole by `extends`."""
+
+    rope_theta: float = _f(10000.0, "RoPE base frequency theta.")
+    rope_type: Literal["default", "linear", "dynamic", "yarn", "longrope", "llama3"] = _f(
+        "default", f"Scaling method: one of {list(ROPE_TYPES)}."
+    )
+    factor: float | None = _f(None, "Scaling factor s (linear, dynamic, yarn, longrope, llama3).")
+    original_max_position_embeddings: int | None = _f(None, "Context length before scaling (yarn, longrope, llama3).")
+    low_freq_factor: float | None = _f(None, "llama3: low-frequency factor.")
+    high_freq_factor: float | None = _f(None, "llama3: high-frequency factor.")
+    beta_fast: float | None = _f(None, "yarn: ramp bound beta (HF default 32; UltraLong uses 4).")
+    beta_slow: float | None = _f(None, "yarn: ramp bound alpha (HF default 1).")
+    mscale: float | None = _f(None, "yarn: mscale (DeepSeek-style attention factor).")
+    mscale_all_dim: float | None = _f(None, "yarn: mscale_all_dim.")
+    attention_factor: float | None = _f(None, "yarn/longrope: explicit attention (cos/sin) factor.")
+    truncate: bool | None = _f(None, "yarn: round the correction range to integers (HF default true).")
+    short_factor: tuple[float, ...] | None = _f(None, "longrope: per-frequency factors for short contexts.")
+    long_factor: tuple[float, ...] | None = _f(None, "longrope: per-frequency factors for long contexts.")
+    partial_rotary_factor: float = _f(1.0, "Fraction of head_dim that is rotated.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model parallel layout; data parallel size is what remains of the world size."""
+
+    tensor: int = _f(1, "Tensor parallel size (TP).")
+    pipeline: int = _f(1, "Pipeline parallel size (PP).")
+    context: int = _f(1, "Context parallel size (CP): each sequence is split over this many ranks.")
+    cp_comm_type: Literal["p2p", "a2a", "all_gather", "a2a+p2p"] = _f(
+        "p2p", f"Context-parallel attention communication: one of {list(CP_COMM_TYPES)}."
+    )
+    hierarchical_context_sizes: tuple[int, ...] | None = _f(
+        None, "For cp_comm_type a2a+p2p: [a2a size, p2p size], product = context."
+    )
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs TP > 1 and Transformer Engine).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where the recipe is meant to run (Slurm headers, planner, static layout checks)."""
+
+    nodes: int = _f(1, "Nodes.")
+    gpus_per_node: int = _f(8, "Processes (GPUs) per node.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation and schedule."""
+
+    stage: Literal["cpt", "sft"] = _f("cpt", "cpt: fixed-length samples crossing documents; sft: packed chat samples.")
+    seq_length: int = _f(None, "Tokens per sequence (required).")
+    global_batch_size: int = _f(1, "Sequences per optimizer step, over all data-parallel ranks.")
+    micro_batch_size: int = _f(1, "Sequences per forward pass on one rank.")
+    steps: int = _f(None, "Optimizer steps (required).")
+    lr: float = _f(None, "Peak learning rate (required).")
+    min_lr: float = _f(0.0, "Final learning rate of linear/cosine decay.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "Decay after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps.")
+    weight_decay: float = _f(0.1, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.95, "AdamW beta2.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    clip_grad: float = _f(1.0, "Global gradient-norm clip; 0 disables.")
+    seed: int = _f(1234, "Random seed (init, data order).")
+    precision: Literal["bf16", "fp32"] = _f("bf16", "Parameter/compute dtype; optimizer state is fp32.")
+    recompute: Literal["none", "selective", "full"] = _f("none", "Activation recomputation.")
+    distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
+    log_interval: int = _f(1, "Print a progress line every this many steps.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training data: a Megatron indexed dataset written by `tools/prepare_data.py`."""
+
+    prefix: str | None = _f(None, "Indexed dataset prefix (PREFIX.bin/.idx/.json).")
+    split: str = _f("100,0,0", "Train/valid/test split weights of the documents.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where checkpoints and metrics go, and where training starts from."""
+
+    dir: str | None = _f(None, "Output folder: iter_NNNNNNN/, latest_checkpointed_iteration.txt, metrics.jsonl.")
+    init_from: str | None = _f(None, "Megatron checkpoint to start from (weights only), e.g. a converted HF model.")
+    interval: int = _f(0, "Save every this many steps (0: only at the end).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Device and kernels."""
+
+    device: Literal["cuda", "cpu"] = _f("cuda", "cuda (NCCL) or cpu (gloo, CPU backend).")
+    attention: Literal["auto", "te", "sdpa"] = _f(
+        "auto", "Core attention: te (Transformer Engine), sdpa (torch), auto = te when importable on cuda."
+    )
+    fp8: Literal["hybrid", "e4m3"] | None = _f(None, "FP8 format for TE linear layers (needs TE and an sm90+ GPU).")
+    fp8_attention: bool = _f(False, "FP8 dot-product attention (TE FusedAttention; needs fp8).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A whole run. `name` defaults to the file's stem."""
+
+    name: str | None = _f(None, "Run name (defaults to the recipe file name).")
+    model: ModelConfig = _f(None, "Architecture.")
+    rope: RopeConfig = _f(None, "Rotary embedding.")
+    parallel: ParallelConfig = _f(None, "Parallel layout.")
+    cluster: ClusterConfig = _f(None, "Target cluster.")
+    train: TrainConfig = _f(None, "Optimisation.")
+    data: DataConfig = _f(None, "Training data.")
+    checkpoint: CheckpointConfig = _f(None, "Checkpoints and metrics.")
+    runtime: RuntimeConfig = _f(None, "Device and kernels.")
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (tuples as lists), loadable again as a recipe."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP for the recipe's own cluster size."""
+        p = self.parallel
+        return self.cluster.nodes * self.cluster.gpus_per_node // (p.tensor * p.pipeline * p.context)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+_REQUIRED = {"train.seq_length", "train.steps", "train.lr"}
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if get_origin(tp) is tuple:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _bad(path: str, value: Any, expected: str) -> RecipeError:
+    return RecipeError(f"{path} = {value!r}: expected {expected}")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise _bad(path, value, f"a mapping with keys {[f.name for f in fields(tp)]}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, path)
+            except RecipeError:
+                pass
+        raise _bad(path, value, _type_name(tp))
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise _bad(path, value, _type_name(tp))
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _bad(path, value, _type_name(tp))
+        return tuple(_coerce(v, get_args(tp)[0], f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(path, value, "true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _bad(path, value, "an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-5` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _bad(path, value, "a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _bad(path, value, "a string")
+    raise TypeError(f"unsupported recipe field type {tp!r} at {path}")
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> RecipeError:
+    near = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    where = f"{path}.{key}" if path else key
+    return RecipeError(f"{where}: unknown key{hint}; valid keys here: {', '.join(valid)}")
+
+
+def _build(cls: type, raw: dict, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in fields(cls)]
+    for key in raw:
+        if key not in valid:
+            raise _unknown_key(path, str(key), valid)
+    kwargs = {}
+    for f in fields(cls):
+        sub = f"{path}.{f.name}" if path else f.name
+        if f.name in raw:
+            kwargs[f.name] = _coerce(raw[f.name], hints[f.name], sub)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], {}, sub)
+        elif sub in _REQUIRED:
+            raise RecipeError(f"{sub}: missing required field ({_type_name(hints[f.name])}: {f.metadata['doc']})")
+    return cls(**kwargs)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} not found; give the path to a .yaml recipe (see recipes/)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe file {str(path)!r}: top level must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def _merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for key, value in child.items():
+        # The rope fields only make sense together (a yarn child must not inherit llama3's freq factors).
+        if key != "rope" and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise RecipeError(f"recipe {str(path)!r}: `extends` forms a cycle through {[str(p) for p in seen]}")
+    raw = _read_yaml(path)
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise _bad(f"{path.name}: extends", parent, "a path to another recipe, relative to this file")
+    return _merge(_resolve_extends(path.parent / parent, seen + (path,)), raw)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML)."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r}: expected dotted.key=value, e.g. train.steps=10")
+    key, value = text.split("=", 1)
+    keys = key.strip().split(".")
+    if not all(keys):
+        raise RecipeError(f"override {text!r}: empty key part; expected dotted.key=value, e.g. train.steps=10")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return keys, parsed
+
+
+def _apply_override(raw: dict, keys: list[str], value: Any) -> None:
+    cls, node = Recipe, raw
+    for depth, key in enumerate(keys):
+        valid = [f.name for f in fields(cls)]
+        if key not in valid:
+            raise _unknown_key(".".join(keys[:depth]), key, valid)
+        hint = typing.get_type_hints(cls)[key]
+        if depth == len(keys) - 1:
+            node[key] = value
+            return
+        if not dataclasses.is_dataclass(hint):
+            raise RecipeError(f"{'.'.join(keys)}: {'.'.join(keys[:depth + 1])} is a value, not a section")
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise _bad(".".join(keys[: depth + 1]), node, "a mapping")
+        cls = hint
+
+
+# ---------------------------------------------------------------------------- resolution
+
+
+def _hf_config_file(path: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise RecipeError(f"model.hf_config = {path!r}: no config.json there; give an HF model folder or config.json")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"model.hf_config = {path!r}: not valid JSON ({e})") from None
+
+
+def _architecture_source(model: dict) -> dict | None:
+    preset, hf = model.get("preset"), model.get("hf_config")
+    if preset is not None and hf is not None:
+        raise RecipeError("model.preset and model.hf_config are both set; keep one")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise _bad("model.preset", preset, f"one of {sorted(PRESETS)}")
+        return PRESETS[preset]
+    if hf is not None:
+        if not isinstance(hf, str):
+            raise _bad("model.hf_config", hf, "a path")
+        return _hf_config_file(hf)
+    return None
+
+
+def _rope_from_hf(cfg: dict) -> dict:
+    """RoPE section from an HF config in either transformers-4 or -5 form."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        if "rope_theta" in cfg:
+            params["rope_theta"] = cfg["rope_theta"]
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.pop("type", None)
+    if "partial_rotary_factor" in cfg:
+        params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    valid = {f.name for f in fields(RopeConfig)}
+    return {k: v for k, v in params.items() if k in valid}
+
+
+def _fill_rope(raw: dict) -> None:
+    """Without a `rope` section, the rope of the preset / HF config applies (and overrides edit it)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or "rope" in raw:
+        return
+    source = _architecture_source(model)
+    if source is not None:
+        raw["rope"] = _rope_from_hf(source)
+
+
+def _fill_model(raw: dict) -> None:
+    model = raw.get("model") or {}
+    if not isinstance(model, dict):
+        raise _bad("model", model, "a mapping (e.g. {preset: llama3.1-8b})")
+    model = dict(model)
+    source = _architecture_source(model)
+    if source is not None:
+        for f in fields(ModelConfig):
+            if f.name in source and model.get(f.name) is None and f.name not in ("preset", "hf_config"):
+                model[f.name] = source[f.name]
+    raw["model"] = model
+
+
+def load_recipe(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    world_size: int | None = None,
+    raw: dict | None = None,
+) -> Recipe:
+    """Load, merge `extends`, apply dotted overrides, type-check and validate a recipe.
+
+    `world_size` is the number of processes the run will have; defaults to cluster.nodes x gpus_per_node.
+    """
+    if raw is None:
+        if path is None:
+            raise RecipeError("no recipe given; pass --recipe FILE (see recipes/)")
+        raw = _resolve_extends(Path(path))
+        raw.setdefault("name", Path(path).stem)
+    raw = json.loads(json.dumps(raw))  # deep copy, also rejects non-plain YAML values early
+    _fill_rope(raw)
+    for text in overrides:
+        _apply_override(raw, *parse_override(text))
+    _fill_model(raw)
+    recipe = _build(Recipe, raw, "")
+    validate(recipe, world_size=world_size)
+    return recipe
+
+
+# ---------------------------------------------------------------------------- cross-field rules
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise RecipeError(message)
+
+
+def validate(recipe: Recipe, world_size: int | None = None) -> None:
+    """Cross-field rules that need no hardware; raises `RecipeError` on the first violation."""
+    m, p, t, r = recipe.model, recipe.parallel, recipe.train, recipe.runtime
+    for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        _require(
+            getattr(m, name) is not None,
+            f"model.{name}: missing required field; set it, or set model.preset ({sorted(PRESETS)}) or model.hf_config",
+        )
+    for section, obj in (("parallel", p), ("cluster", recipe.cluster)):
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, int) and not isinstance(v, bool):
+                _require(v >= 1, f"{section}.{f.name} = {v}: must be >= 1")
+    for name in ("seq_length", "global_batch_size", "micro_batch_size", "steps", "log_interval"):
+        v = getattr(t, name)
+        _require(v >= 1, f"train.{name} = {v}: must be >= 1")
+    _require(t.lr > 0, f"train.lr = {t.lr}: must be > 0")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr}: must be between 0 and train.lr = {t.lr}")
+    _require(t.warmup_steps < t.steps or t.warmup_steps == 0,
+             f"train.warmup_steps = {t.warmup_steps}: must be below train.steps = {t.steps}")
+    _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
+
+    heads = m.num_attention_heads
+    kv_heads = m.num_key_value_heads or heads
+    _require(heads % kv_heads == 0,
+             f"model.num_key_value_heads = {kv_heads}: must divide model.num_attention_heads = {heads}")
+    _require(m.head_dim is not None or m.hidden_size % heads == 0,
+             f"model.hidden_size = {m.hidden_size}: not divisible by num_attention_heads = {heads}; set model.head_dim")
+
+    model_parallel = p.tensor * p.pipeline * p.context
+    world = world_size if world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    source = "the world size" if world_size is not None else "cluster.nodes x cluster.gpus_per_node"
+    _require(world % model_parallel == 0,
+             f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {model_parallel} "
+             f"does not divide {source} = {world}; change parallel.* or the number of processes")
+    dp = world // model_parallel
+    _require(heads % p.tensor == 0,
+             f"parallel.tensor = {p.tensor}: must divide model.num_attention_heads = {heads}")
+    _require(kv_heads % p.tensor == 0,
+             f"parallel.tensor = {p.tensor}: must divide model.num_key_value_heads = {kv_heads} "
+             f"(each TP rank needs whole KV heads); use tensor <= {kv_heads} dividing it")
+    _require(m.num_hidden_layers % p.pipeline == 0,
+             f"parallel.pipeline = {p.pipeline}: must divide model.num_hidden_layers = {m.num_hidden_layers}")
+    if p.context > 1:
+        _require(t.seq_length % (2 * p.context) == 0,
+                 f"train.seq_length = {t.seq_length}: must be divisible by 2 x parallel.context = {2 * p.context} "
+                 f"(causal load balancing splits each sequence into 2 x CP chunks); "
+                 f"e.g. {-(-t.seq_length // (2 * p.context)) * 2 * p.context}")
+    if p.cp_comm_type == "a2a" and p.context > 1:
+        for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            _require((n // p.tensor) % p.context == 0,
+                     f"parallel.cp_comm_type = 'a2a': model.{label} per TP rank = {n // p.tensor} must be divisible "
+                     f"by parallel.context = {p.context}; use cp_comm_type p2p or a2a+p2p")
+    if p.cp_comm_type == "a2a+p2p":
+        sizes = p.hierarchical_context_sizes
+        _require(sizes is not None and len(sizes) == 2 and sizes[0] * sizes[1] == p.context,
+                 f"parallel.hierarchical_context_sizes = {list(sizes) if sizes else None}: cp_comm_type 'a2a+p2p' "
+                 f"needs [a2a size, p2p size] with product parallel.context = {p.context}")
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size = {t.global_batch_size}: must be divisible by micro_batch_size x data parallel "
+             f"= {t.micro_batch_size} x {dp} = {per_step}")
+    if r.device == "cpu":
+        _require(r.fp8 is None, f"runtime.fp8 = {r.fp8!r}: FP8 needs Transformer Engine on an sm90+ GPU; "
+                                "set runtime.fp8=null for runtime.device=cpu")
+        _require(r.attention != "te", "runtime.attention = 'te': Transformer Engine needs runtime.device=cuda; use sdpa")
+        _require(not p.sequence_parallel,
+                 "parallel.sequence_parallel = true: needs Transformer Engine norms (runtime.device=cuda)")
+    _require(not r.fp8_attention or r.fp8 is not None,
+             "runtime.fp8_attention = true: needs runtime.fp8 (hybrid or e4m3)")
+    _require(not (r.fp8_attention and p.context > 1 and p.cp_comm_type in ("all_gather", "a2a+p2p")),
+             f"runtime.fp8_attention with parallel.cp_comm_type = {p.cp_comm_type!r}: TE supports FP8 attention "
+             "under CP only with p2p or a2a")
+    _require(not (r.fp8 is not None and r.attention == "sdpa"),
+             "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
+    _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")
+    _validate_rope(recipe.rope)
+
+
+_ROPE_NEEDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _validate_rope(rope: RopeConfig) -> None:
+    _require(rope.rope_theta > 0, f"rope.rope_theta = {rope.rope_theta}: must be > 0")
+    for name in _ROPE_NEEDS.get(rope.rope_type, ()):
+        _require(getattr(rope, name) is not None,
+                 f"rope.{name}: missing; rope_type {rope.rope_type!r} needs {', '.join(_ROPE_NEEDS[rope.rope_type])}")
+    if rope.factor is not None:
+        _require(rope.factor > 0, f"rope.factor = {rope.factor}: must be > 0")
+    _require(0 < rope.partial_rotary_factor <= 1,
+             f"rope.partial_rotary_factor = {rope.partial_rotary_factor}: must be in (0, 1]")
+
+
+def field_docs(cls: type = Recipe, prefix: str = "") -> dict[str, str]:
+    """Dotted field path -> docstring, for help output."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(field_docs(hints[f.name], path + "."))
+        else:
+            out[path] = f"{f.metadata['doc']} [{_type_name(hints[f.name])}]"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_ext.recipe check FILE... [--world-size N] [--set KEY=VALUE ...] [--fields]`."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.recipe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="validate recipes and print the resolved recipe")
+    check.add_argument("files", nargs="*", help="recipe YAML files")
+    check.add_argument("--world-size", type=int, default=None, help="processes of the run (default: cluster size)")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, e.g. --set train.steps=10 (repeatable)")
+    check.add_argument("--quiet", action="store_true", help="print only one line per file")
+    check.add_argument("--fields", action="store_true", help="list every recipe field with its docstring")
+    args = parser.parse_args(argv)
+    if args.fields:
+        for path, doc in field_docs().items():
+            print(f"{path}: {doc}")
+        return 0
+    if not args.files:
+        parser.error("check: give at least one recipe file (or --fields)")
+    failed = 0
+    for file in args.files:
+        try:
+            recipe = load_recipe(file, args.overrides, world_size=args.world_size)
+        except RecipeError as e:
+            print(f"error: {file}: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        if not args.quiet:
+            print(f"# {file} (resolved)")
+            print(recipe.to_yaml())
+        print(f"ok: {file}", file=sys.stderr if not args.quiet else sys.stdout)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

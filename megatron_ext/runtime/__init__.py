@@ -1,0 +1,21 @@
+"""Runtime: distributed init (torchrun or Slurm), device choice, and the CPU backend."""
+
+from megatron_ext.runtime.distributed import (
+    ProcessEnv,
+    destroy_distributed,
+    first_host,
+    init_distributed,
+    process_env,
+)
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return False
+    return True
+
+
+__all__ = ["ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env", "te_available"]

@@ -1,0 +1,163 @@
+"""CPU backend: lets the real Megatron-Core 0.16.1 (GPTModel, schedules, DDP, optimizer,
+dist_checkpointing, recompute) run on CPU with gloo.
+
+This is the ONE module of the project that patches anything. It is applied only for
+`runtime.device: cpu`, once per process, before any model is built. Megatron-Core assumes CUDA in
+places that have nothing to do with the math; each patch below exists for one such assumption:
+
+P1  `torch.cuda.current_device()` is used as a device in ~175 places (tensor creation, model init);
+    it returns "cpu" here. Models are built with `use_cpu_initialization=True`.
+P2  The model-parallel RNG tracker seeds and swaps CUDA generator states. On CPU there is no CUDA
+    generator; the tracker records seeds and `fork()` is a no-op (dropout is 0 in Llama; weights are
+    initialised on CPU from one generator and then split, so TP ranks still agree).
+P3  Schedules, the optimizer, `clip_grads` and CP RoPE slicing create tensors with
+    `device="cuda"`, call `.cuda()` / `.pin_memory()`, and assert `grad.type() == "torch.cuda.FloatTensor"`.
+    A global `TorchFunctionMode` maps cuda devices to cpu, drops pinning, makes `.cuda()` the
+    identity and reports CPU tensors as `torch.cuda.*Tensor` from no-argument `Tensor.type()`.
+    CUDA stream/event/synchronize/memory calls become no-ops.
+P4  Activation recompute saves and restores the CUDA RNG state (`_get_cuda_rng_state`,
+    `_set_cuda_rng_state`); on CPU the CPU generator state stands in.
+
+Nothing here changes numerics: the same kernels run as without the patches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _to_cpu(value: Any) -> Any:
+    return "cpu" if _is_cuda(value) else value
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """P3: cuda tensor creation and checks, answered on CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if func is torch.Tensor.is_pinned:
+            return True
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:
+            args = tuple(_to_cpu(a) for a in args)
+        return func(*args, **kwargs)
+
+
+class _NoOpEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _NoOpStream(_NoOpEvent):
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpEvent()
+
+
+def _patch_cuda_module() -> None:
+    """P1 and the no-op parts of P3."""
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.device_count = lambda: 0
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.current_stream = lambda *a, **k: _NoOpStream()
+    cuda.default_stream = lambda *a, **k: _NoOpStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda *a, **k: None
+    cuda.manual_seed = lambda *a, **k: None
+
+
+def _patch_rng() -> None:
+    """P2 and P4."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Records seeds like the CUDA tracker; forking keeps the CPU generator (P2)."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.tensor([seed])
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            yield
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def apply_cpu_backend() -> None:
+    """Apply P1-P4 (idempotent). Call before building any Megatron-Core object on CPU."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the CPU backend must not be applied on a machine with CUDA; use runtime.device=cuda")
+    _patch_cuda_module()
+    _patch_rng()
+    _CudaToCpu().__enter__()  # global for the process: never exited
+    _APPLIED = True
+
+
+def cpu_backend_applied() -> bool:
+    return _APPLIED

@@ -1,0 +1,132 @@
+"""Distributed initialisation from torchrun or Slurm environment, and Megatron parallel state."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def first_host(nodelist: str) -> str:
+    """First host name of a Slurm node list: `gpu[003-010,012],cpu1` -> `gpu003`."""
+    nodelist = nodelist.strip()
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m or not m.group(1):
+        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
+    """Read rank/world/rendezvous from torchrun (`RANK`...) or Slurm (`SLURM_PROCID`...) variables.
+
+    torchrun's variables win when both are present (torchrun inside an sbatch job).
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return ProcessEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        # A port derived from the job id lets every task agree without talking; jobs sharing a
+        # node get different ports.
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        return ProcessEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+            master_port=int(env.get("MASTER_PORT") or 15000 + job_id % 20000),
+            launcher="slurm",
+        )
+    return ProcessEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+
+
+def init_distributed(
+    device: str,
+    tensor: int = 1,
+    pipeline: int = 1,
+    context: int = 1,
+    hierarchical_context_sizes: tuple[int, ...] | None = None,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> ProcessEnv:
+    """Create the default process group (NCCL on cuda, gloo on cpu) and Megatron's TP/PP/CP/DP groups.
+
+    On cpu the CPU backend is applied first. Idempotent for the default group.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    penv = process_env()
+    if device == "cpu":
+        from megatron_ext.runtime.cpu_backend import apply_cpu_backend
+
+        apply_cpu_backend()
+        backend = "gloo"
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu")
+        torch.cuda.set_device(penv.local_rank % torch.cuda.device_count())
+        backend = "nccl"
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", penv.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(penv.master_port))
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
+            rank=penv.rank,
+            world_size=penv.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
+        context_parallel_size=context,
+        hierarchical_context_parallel_sizes=list(hierarchical_context_sizes) if hierarchical_context_sizes else None,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return penv
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron parallel state and the default group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,26 @@
+"""TP=2 on two gloo processes computes the same loss as TP=1 on the same weights."""
+
+import pytest
+
+from tests.conftest import ROOT, read_json
+
+WORKER = ROOT / "tests/distributed/workers/tp_loss.py"
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory, torchrun):
+    d = tmp_path_factory.mktemp("tp")
+    torchrun(WORKER, 1, "--tp", "1", "--save", str(d / "ckpt"), "--out", str(d / "tp1.json"))
+    return d
+
+
+def test_tp2_loss_equals_tp1(tp1, torchrun):
+    torchrun(WORKER, 2, "--tp", "2", "--load", str(tp1 / "ckpt"), "--out", str(tp1 / "tp2.json"))
+    loss1, loss2 = read_json(tp1 / "tp1.json")["loss"], read_json(tp1 / "tp2.json")["loss"]
+    assert abs(loss1 - loss2) < 1e-5, (loss1, loss2)
+
+
+def test_negative_control_changed_weight_changes_loss(tp1, torchrun):
+    torchrun(WORKER, 2, "--tp", "2", "--load", str(tp1 / "ckpt"), "--perturb", "--out", str(tp1 / "bad.json"))
+    loss1, bad = read_json(tp1 / "tp1.json")["loss"], read_json(tp1 / "bad.json")["loss"]
+    assert abs(loss1 - bad) > 1e-4, (loss1, bad)

@@ -1,0 +1,187 @@
+"""Recipe schema: types, unknown keys, extends, overrides and every cross-field rule."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_ext.recipe import Recipe, RecipeError, load_recipe, parse_override
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BASE = {
+    "model": {"preset": "tiny"},
+    "train": {"seq_length": 256, "steps": 3, "lr": 3e-5, "global_batch_size": 4},
+    "cluster": {"nodes": 1, "gpus_per_node": 2},
+    "runtime": {"device": "cpu"},
+}
+
+
+def load(overrides=(), raw=None, **kw):
+    return load_recipe(raw=raw if raw is not None else BASE, overrides=list(overrides), **kw)
+
+
+def test_valid_recipe_resolves_preset_and_rope():
+    r = load()
+    assert isinstance(r, Recipe)
+    assert r.model.hidden_size == 64 and r.model.num_key_value_heads == 2
+    assert r.rope.rope_type == "llama3" and r.rope.factor == 8.0
+    assert r.data_parallel_size == 2
+
+
+def test_recipe_is_frozen():
+    r = load()
+    with pytest.raises(Exception):
+        r.train.lr = 1.0
+
+
+def test_string_floats_from_yaml_are_numbers():
+    assert load(["train.lr=3e-5"]).train.lr == pytest.approx(3e-5)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["train.lrr=1"], r"train\.lrr: unknown key \(did you mean 'lr'\?\); valid keys here: .*seq_length"),
+    (["trian.lr=1"], r"trian: unknown key \(did you mean 'train'\?\)"),
+    (["train.steps=abc"], r"train\.steps = 'abc': expected an integer"),
+    (["train.steps=1.5"], r"train\.steps = 1\.5: expected an integer"),
+    (["train.distributed_optimizer=3"], r"train\.distributed_optimizer = 3: expected true or false"),
+    (["parallel.cp_comm_type=ring"], r"parallel\.cp_comm_type = 'ring': expected one of 'p2p', 'a2a', 'all_gather', 'a2a\+p2p'"),
+    (["train.lr.x=1"], r"train\.lr\.x: train\.lr is a value, not a section"),
+    (["train.steps"], r"expected dotted\.key=value"),
+])
+def test_type_and_key_errors(override, message):
+    with pytest.raises(RecipeError, match=message):
+        load(override)
+
+
+def test_missing_required_field():
+    raw = {**BASE, "train": {"steps": 3, "lr": 1e-3}}
+    with pytest.raises(RecipeError, match=r"train\.seq_length: missing required field"):
+        load(raw=raw)
+
+
+def test_missing_architecture():
+    raw = {**BASE, "model": {}}
+    with pytest.raises(RecipeError, match=r"model\.num_hidden_layers: missing required field; .*model\.preset"):
+        load(raw=raw)
+
+
+@pytest.mark.parametrize("override, world, message", [
+    (["parallel.tensor=2", "parallel.context=2"], 2,
+     r"tensor x pipeline x context = 2 x 1 x 2 = 4 does not divide the world size = 2"),
+    (["parallel.context=2", "train.seq_length=250"], 2, r"train\.seq_length = 250: must be divisible by 2 x parallel\.context = 4"),
+    (["train.global_batch_size=3"], 2, r"train\.global_batch_size = 3: must be divisible by micro_batch_size x data parallel = 1 x 2"),
+    (["parallel.tensor=3"], 3, r"parallel\.tensor = 3: must divide model\.num_attention_heads = 4"),
+    (["parallel.tensor=4"], 4, r"parallel\.tensor = 4: must divide model\.num_key_value_heads = 2"),
+    (["parallel.context=2", "parallel.tensor=2", "parallel.cp_comm_type=a2a"], 4,
+     r"cp_comm_type = 'a2a': model\.num_key_value_heads per TP rank = 1 must be divisible by parallel\.context = 2"),
+    (["parallel.context=4", "parallel.cp_comm_type=a2a"], 4,
+     r"model\.num_key_value_heads per TP rank = 2 must be divisible by parallel\.context = 4"),
+    (["parallel.context=2", "parallel.cp_comm_type=a2a+p2p"], 2, r"hierarchical_context_sizes = None: cp_comm_type 'a2a\+p2p' needs"),
+    (["runtime.fp8=hybrid"], 2, r"runtime\.fp8 = 'hybrid': FP8 needs Transformer Engine on an sm90\+ GPU"),
+    (["runtime.attention=te"], 2, r"runtime\.attention = 'te': Transformer Engine needs runtime\.device=cuda"),
+    (["runtime.device=cuda", "runtime.fp8_attention=true"], 2, r"runtime\.fp8_attention = true: needs runtime\.fp8"),
+    (["parallel.pipeline=4"], 4, r"parallel\.pipeline = 4: must divide model\.num_hidden_layers = 2"),
+    (["rope.rope_type=yarn"], 2, None),  # yarn with the inherited factor is fine
+    (["rope={rope_type: yarn}"], 2, r"rope\.factor: missing; rope_type 'yarn' needs factor"),
+    (["train.min_lr=1"], 2, r"train\.min_lr = 1\.0: must be between 0 and train\.lr"),
+])
+def test_cross_field_rules(override, world, message):
+    if message is None:
+        load(override, world_size=world)
+        return
+    with pytest.raises(RecipeError, match=message):
+        load(override, world_size=world)
+
+
+def test_a2a_allowed_when_heads_divide():
+    r = load(["parallel.context=2", "parallel.cp_comm_type=a2a"], world_size=2)
+    assert r.parallel.cp_comm_type == "a2a"
+
+
+def test_world_size_defaults_to_cluster():
+    with pytest.raises(RecipeError, match=r"does not divide cluster\.nodes x cluster\.gpus_per_node = 2"):
+        load(["parallel.context=4"])
+
+
+def test_extends_merges_sections_and_replaces_rope(tmp_path):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**BASE, "rope": {
+        "rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,
+        "original_max_position_embeddings": 32, "rope_theta": 500000}}))
+    (tmp_path / "child.yaml").write_text(
+        "extends: base.yaml\ntrain: {seq_length: 512}\nrope: {rope_type: yarn, factor: 16, rope_theta: 500000}\n")
+    r = load_recipe(tmp_path / "child.yaml")
+    assert r.name == "child"
+    assert r.train.seq_length == 512 and r.train.steps == 3  # merged
+    assert r.rope.rope_type == "yarn" and r.rope.low_freq_factor is None  # replaced whole
+
+
+def test_extends_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(RecipeError, match=r"recipe file '.*nope\.yaml' not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    with pytest.raises(RecipeError, match="is not valid YAML"):
+        load_recipe(tmp_path / "bad.yaml")
+
+
+def test_hf_config_source(tmp_path):
+    import json
+
+    from megatron_ext.presets import TINY
+
+    cfg = {k: v for k, v in TINY.items() if k not in ("rope_theta", "rope_scaling")}
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                              "original_max_position_embeddings": 64}  # transformers-5 form
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    raw = {**BASE, "model": {"hf_config": str(tmp_path)}}
+    r = load(raw=raw)
+    assert r.model.num_hidden_layers == 2 and r.rope.rope_type == "yarn" and r.rope.factor == 4.0
+    with pytest.raises(RecipeError, match=r"model\.hf_config = '.*missing': no config\.json there"):
+        load(raw={**BASE, "model": {"hf_config": str(tmp_path / "missing")}})
+
+
+def test_parse_override_values():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=null") == (["a"], None)
+    assert parse_override("a=[1, 2]") == (["a"], [1, 2])
+
+
+def _check(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_ext.recipe", "check", *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_checks_every_shipped_recipe():
+    files = sorted(str(p) for p in (ROOT / "recipes").rglob("*.yaml"))
+    assert files, "no recipes shipped"
+    proc = _check("--quiet", *files)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ok: ") == len(files)
+
+
+def test_cli_unknown_key_fails_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**BASE, "train": {**BASE["train"], "seq_lenght": 5}}))
+    proc = _check(str(bad))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "train.seq_lenght: unknown key (did you mean 'seq_length'?)" in proc.stderr
+
+
+def test_cli_layout_not_dividing_world_fails(tmp_path):
+    bad = tmp_path / "layout.yaml"
+    bad.write_text(yaml.safe_dump({**BASE, "parallel": {"tensor": 2, "context": 2}}))
+    proc = _check(str(bad))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "= 4 does not divide cluster.nodes x cluster.gpus_per_node = 2" in proc.stderr
+    assert _check(str(bad), "--world-size", "8").returncode == 0
