@@ -13,14 +13,43 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.context_parallel import cp_positions, unshard_order
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over a group; backward sums the gradients of all ranks and keeps ours.
+
+    (An all-reduce instead of a reduce-scatter: gloo has no reduce-scatter.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(size, dim=0)[rank], None
+
 
 class TorchSDPAttention(MegatronModule):
-    """Causal (or padding-free) attention with torch SDPA; GQA without materialising repeated K/V."""
+    """Attention with torch SDPA: causal, GQA-aware, context parallel by all-gathering K/V.
+
+    CP (the Llama-3 approach): each rank keeps its zigzag chunks of Q and gathers K/V of the whole
+    sequence from the CP group, then masks causally on global positions. Packed sequences
+    (THD, `packed_seq_params`) are attended per sample; they are not supported together with CP.
+    """
 
     def __init__(
         self,
@@ -34,24 +63,57 @@ class TorchSDPAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("TorchSDPAttention does not implement context parallelism yet")
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_size = config.context_parallel_size
+        self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+
+    def _cp_group(self):
+        if self.cp_group is None:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+        return self.cp_group
+
+    def _sdpa(self, q, k, v, mask=None, causal=True):
+        """q `[b, nh, sq, d]`, k/v `[b, ng, sk, d]` -> `[b, nh, sq, d]`."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        causal = (attn_mask_type if attn_mask_type is not None else self.attn_mask_type) == AttnMaskType.causal
         if packed_seq_params is not None:
-            raise NotImplementedError("TorchSDPAttention: packed (THD) sequences need Transformer Engine")
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            return self._forward_packed(query, key, value, packed_seq_params, causal)
         s, b, nh, d = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            is_causal=mask_type == AttnMaskType.causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != nh,
-        )
+        if self.cp_size == 1:
+            return self._sdpa(q, k, v, causal=causal).permute(2, 0, 1, 3).reshape(s, b, nh * d)
+        group = self._cp_group()
+        seq = s * self.cp_size
+        order = unshard_order(seq, self.cp_size).to(query.device)
+        # [cp * s_local, b, ng, d] in rank order -> global order
+        k_all = _AllGatherSeq.apply(key, group).index_select(0, order).permute(1, 2, 0, 3)
+        v_all = _AllGatherSeq.apply(value, group).index_select(0, order).permute(1, 2, 0, 3)
+        q_pos = cp_positions(seq, self.cp_size, dist.get_rank(group)).to(query.device)
+        mask = q_pos[:, None] >= torch.arange(seq, device=query.device)[None, :] if causal else None
+        out = self._sdpa(q, k_all, v_all, mask=mask)
         return out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
+
+    def _forward_packed(self, query, key, value, params, causal):
+        """THD: q `[t, nh, d]`, k/v `[t, ng, d]`; samples delimited by `cu_seqlens_q` -> `[t, nh * d]`."""
+        if self.cp_size != 1:
+            raise NotImplementedError("packed sequences with context parallelism need Transformer Engine")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = cu.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                q, k, v = (t[start:end].permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+                outs.append(self._sdpa(q, k, v, causal=causal)[0].permute(1, 0, 2))
+        out = torch.cat(outs, dim=0)
+        return out.reshape(out.shape[0], -1)

@@ -147,6 +147,7 @@ class CheckpointConfig:
     dir: str | None = _f(None, "Output folder: iter_NNNNNNN/, latest_checkpointed_iteration.txt, metrics.jsonl.")
     init_from: str | None = _f(None, "Megatron checkpoint to start from (weights only), e.g. a converted HF model.")
     interval: int = _f(0, "Save every this many steps (0: only at the end).")
+    keep_last: int | None = _f(None, "Keep only the newest this many iter_* folders (null: keep all).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,309 @@
+"""The training loop (CPT and SFT) on Megatron-Core.
+
+    torchrun --nproc_per_node=N -m megatron_ext.train --recipe recipes/tiny/cpt.yaml [dotted.key=value ...]
+    srun python -m megatron_ext.train --recipe recipes/cpt_4m.yaml
+
+Megatron-Core pieces: GPTModel, DistributedDataParallel, the (distributed) optimizer,
+OptimizerParamScheduler, `get_forward_backward_func` schedules, `finalize_model_grads` and
+`dist_checkpointing`. The loss is the exact token mean over all DP x CP ranks and microbatches
+(`calculate_per_token_loss`): each microbatch returns its loss *sum* and token count and
+`finalize_model_grads` divides the gradients by the global token count.
+
+Exit codes: 0 done; 1 user error (one line on stderr); `EXIT_REQUEUE` (= 3) after SIGTERM/SIGUSR1,
+once a checkpoint is written, so that the Slurm scripts requeue the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+
+EXIT_REQUEUE = 3
+
+
+class TrainError(RuntimeError):
+    """A user mistake found at setup (data, checkpoints): one line, non-zero exit."""
+
+
+# ---------------------------------------------------------------------------- formulas
+
+
+def training_flops_per_token(hf_cfg: dict, seq_length: int) -> float:
+    """Model FLOPs per trained token, causal attention (perf.md 5a): 6 N_matmul + 6 L d_attn (S + 1)."""
+    h, layers = hf_cfg["hidden_size"], hf_cfg["num_hidden_layers"]
+    d_attn = hf_cfg["num_attention_heads"] * hf_cfg["head_dim"]
+    d_kv = hf_cfg["num_key_value_heads"] * hf_cfg["head_dim"]
+    per_layer = h * d_attn * 2 + h * d_kv * 2 + 3 * h * hf_cfg["intermediate_size"]
+    n_matmul = layers * per_layer + h * hf_cfg["vocab_size"]
+    return 6.0 * n_matmul + 6.0 * layers * d_attn * (seq_length + 1)
+
+
+# ---------------------------------------------------------------------------- signals
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGUSR1; every rank agrees on it at the end of a step."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# ---------------------------------------------------------------------------- setup
+
+
+def build_optimizer(recipe: Recipe, model_chunks: list):
+    """Megatron optimizer (AdamW, fp32 master weights for bf16) and LR/WD scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = recipe.train
+    config = OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, bf16=t.precision == "bf16",
+        params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+        use_distributed_optimizer=t.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    decay_style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[t.lr_schedule]
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style=decay_style,
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def wrap_ddp(recipe: Recipe, model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=recipe.train.distributed_optimizer, average_in_collective=False,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+# ---------------------------------------------------------------------------- step
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Loss *sum* over this microbatch's unmasked tokens, and their count (the schedule sums both)."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss_sum = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch through the model; batch tensors are `[b, s_local]` (already CP-sharded)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def reduce_loss(reports: list, group) -> tuple[float, int]:
+    """Global token-mean loss of a step from the per-microbatch `[sum, count]` reports."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for report in reports:
+        total += report["lm loss"].double()
+    torch.distributed.all_reduce(total, group=group)
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON line per step (rank 0), truncated to the resumed step on restart."""
+
+    def __init__(self, path: Path, start_step: int, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+        if enabled and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def log(msg: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def train(recipe: Recipe) -> int:
+    """Run the recipe on the already-initialised process group; returns the exit code."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
+    from megatron_ext.training_data import TrainBatches
+
+    t, p = recipe.train, recipe.parallel
+    root = Path(recipe.checkpoint.dir)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
+    hf_cfg = hf_config_from_recipe(recipe)
+    rank0 = torch.distributed.get_rank() == 0
+
+    model = build_model_from_recipe(recipe)
+    ddp_model = wrap_ddp(recipe, model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp_model.no_sync
+    optimizer, scheduler = build_optimizer(recipe, [ddp_model])
+
+    start = 0
+    metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg}
+    if latest_iteration(root) is not None:
+        start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
+        log(f"[train] resumed from {root} at step {start}")
+    elif recipe.checkpoint.init_from:
+        load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
+        log(f"[train] initialised weights from {recipe.checkpoint.init_from} (fresh optimizer)")
+
+    data = TrainBatches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
+                        cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context)
+    metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
+    stop = StopFlag()
+    flops_per_token = training_flops_per_token(hf_cfg, t.seq_length)
+    world = torch.distributed.get_world_size()
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    forward_backward = get_forward_backward_func()
+    tokens_seen = start * t.global_batch_size * t.seq_length
+    log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
+        f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
+
+    step = start
+    while step < t.steps:
+        step_start = time.time()
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward(
+            forward_step_func=forward_step, data_iterator=data.iterator(step, num_microbatches),
+            model=[ddp_model], num_microbatches=num_microbatches, seq_length=t.seq_length // p.context,
+            micro_batch_size=t.micro_batch_size, forward_only=False,
+        )
+        ok, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        step += 1
+        if parallel_state.is_pipeline_last_stage():
+            loss, n_tokens = reduce_loss(reports, dp_cp_group)
+        else:
+            loss, n_tokens = float("nan"), 0
+        elapsed = time.time() - step_start
+        step_tokens = t.global_batch_size * t.seq_length
+        tokens_seen += step_tokens
+        record = {
+            "step": step, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "lr": scheduler.get_lr(optimizer.param_groups[0]), "tokens": tokens_seen,
+            "loss_tokens": n_tokens, "tokens_per_s": step_tokens / elapsed,
+            "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
+            "memory_gib": _memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
+        }
+        metrics.write(record)
+        if step % t.log_interval == 0 or step == t.steps:
+            log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
+                f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
+                f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB")
+        stopping = stop.agreed()
+        interval = recipe.checkpoint.interval
+        if stopping or step == t.steps or (interval and step % interval == 0):
+            save_checkpoint(root, step, [model], optimizer=optimizer, scheduler=scheduler, metadata=metadata,
+                            keep_last=recipe.checkpoint.keep_last)
+            log(f"[train] saved {root}/iter_{step:07d}")
+        if stopping and step < t.steps:
+            log(f"[train] received signal {stop.signal}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
+            return EXIT_REQUEUE
+    return 0
+
+
+def check_setup(recipe: Recipe) -> None:
+    """Static checks on paths before any process group exists."""
+    if recipe.checkpoint.dir is None:
+        raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
+    if recipe.data.prefix is None:
+        raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
+    for suffix in (".bin", ".idx"):
+        if not Path(recipe.data.prefix + suffix).is_file():
+            raise RecipeError(f"data.prefix = {recipe.data.prefix!r}: {recipe.data.prefix + suffix} not found; "
+                              "run tools/prepare_data.py first")
+    init = recipe.checkpoint.init_from
+    if init is not None and not Path(init).is_dir():
+        raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
+                          "(tools/convert.py to-megatron writes one)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
+    args = parser.parse_args(argv)
+
+    from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides, world_size=process_env().world_size)
+        check_setup(recipe)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    p = recipe.parallel
+    init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, context=p.context,
+                     hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
+    try:
+        from megatron_ext.checkpoint import CheckpointError
+        from megatron_ext.training_data import DataError
+
+        return train(recipe)
+    except (TrainError, RecipeError, CheckpointError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
