@@ -143,6 +143,8 @@ class MetricsLog:
     def __init__(self, path: Path, start_step: int, enabled: bool):
         self.path = path
         self.enabled = enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
         if enabled and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= start_step]
