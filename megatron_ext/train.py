@@ -91,6 +91,9 @@ def build_optimizer(recipe: Recipe, model_chunks: list):
         optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
         lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style=decay_style,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+        # The recipe is the source of truth: on resume, its lr/schedule win over the checkpoint's
+        # (only the step count comes from the checkpoint).
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
     return optimizer, scheduler
 
@@ -201,6 +204,10 @@ def train(recipe: Recipe) -> int:
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg}
     if latest_iteration(root) is not None:
         start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
+        # The recipe's schedule wins over the one saved in the optimizer's param groups.
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = t.lr, t.min_lr
+        scheduler.step(increment=0)
         log(f"[train] resumed from {root} at step {start}")
     elif recipe.checkpoint.init_from:
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
