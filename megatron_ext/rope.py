@@ -299,9 +299,9 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     Below pi this is bit-identical to transformers' float32 product (the float64 product of a
     position < 2^24 and a float32 is exact, so the cast is the one rounding fp32 does).
     """
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    turns = torch.round(angles / (2 * math.pi))
-    return torch.where(angles > math.pi, angles - turns * (2 * math.pi), angles).to(torch.float32)
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [n, rot_dim/2]
+    turns = torch.round(angles / (2 * math.pi))  # 0 for angles <= pi, so those are left untouched
+    return angles.sub_(turns.mul_(2 * math.pi)).to(torch.float32)
 
 
 def _concentration_attrs(spec: RopeSpec, factor: float) -> dict:
@@ -436,16 +436,21 @@ def attach_rotary_embedding(model, hf_config: dict) -> None:
     if emb.inv_freq.shape != old.inv_freq.shape:
         raise RopeConfigError(f"rotary channels: the rope config gives {2 * emb.inv_freq.numel()}, the model "
                               f"{2 * old.inv_freq.numel()}; head_dim / partial_rotary_factor disagree")
-    attrs = _concentration_attrs(emb.spec, emb.attention_factor)
     configs = {id(m.config): m.config for m in model.modules() if isinstance(getattr(m, "config", None),
                                                                                TransformerConfig)}
     for config in configs.values():
-        for name, value in attrs.items():
-            if emb.attention_factor == 1.0:
-                config.__dict__.pop(name, None)  # factor 1: Megatron's default when no yarn_* attribute exists
-            else:
-                setattr(config, name, value)
+        set_attention_factor(config, emb)
     model.rotary_pos_emb = emb
     emb.bind(model.config)
     for config in configs.values():  # every attention module must see the same factor
         check_attention_factor(config, emb.attention_factor, emb.spec)
+
+
+def set_attention_factor(config, emb: ScaledRotaryEmbedding) -> None:
+    """Set Megatron's `yarn_*` attributes on a TransformerConfig so that attention built from it
+    multiplies cos and sin by `emb.attention_factor` (and removes them when the factor is 1)."""
+    for name, value in _concentration_attrs(emb.spec, emb.attention_factor).items():
+        if emb.attention_factor == 1.0:
+            config.__dict__.pop(name, None)  # factor 1: Megatron's default when no yarn_* attribute exists
+        else:
+            setattr(config, name, value)
