@@ -9,7 +9,12 @@ UltraLong (arXiv 2504.06214) extends Llama-3.1-8B from 128K to 1M/2M/4M tokens b
 `llama3` scaling with YaRN: `rope_theta` 500000, `original_max_position_embeddings` 8192,
 `factor` 128 / 256 / 512 (= target length / 8192), `beta_fast` 4 and `beta_slow` 1 (YaRN's
 beta = 4, alpha = 1), attention factor 0.1 ln(factor) + 1 = 1.485 / 1.555 / 1.624 (HF default).
-`ULTRALONG_ROPE` holds these blocks.
+`ULTRALONG_ROPE` (= `presets.ROPE_PRESETS`) holds these blocks; recipes use them as
+`rope: {preset: ultralong-1m}` or spelled out. The paper gives no mscale / attention factor, so the
+HF default is assumed (see ../shared/research/paper.md section 2).
+
+Parsing and validation of the rope block (pure Python, also run at recipe load) live in
+`megatron_ext.rope_spec`; this module computes frequencies and the Megatron tables.
 
 How it plugs into Megatron-Core 0.16.1:
 
@@ -24,7 +29,8 @@ How it plugs into Megatron-Core 0.16.1:
   `attach_rotary_embedding` sets those config attributes so that value equals our factor, checks it
   on the config of every module, and the embedding re-checks it at every forward. Paths that ignore
   `mscale` (TE fused RoPE, whose THD branch drops it silently; fused single-QKV RoPE; dynamic-batching
-  inference) are errors when the factor is not 1, at build time and again at forward.
+  inference, flash-decode) are errors when the factor is not 1, at build time and again at forward.
+  `model.py` builds with `apply_rope_fusion=False`; tests/unit/test_rope_model.py guards that.
 
 Limitation: for THD packed sequences Megatron slices the table per sub-sequence inside attention,
 so there the table covers [0, longest sub-sequence) and is not CP-local.
@@ -33,166 +39,19 @@ so there the table covers [0, longest sub-sequence) and is not CP-local.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.recipe import RecipeError
+from megatron_ext.rope_spec import ROPE_TYPES, ULTRALONG_ROPE, RopeConfigError, RopeSpec, rope_spec
 
 try:  # Megatron-Core is needed only for the embedding module, not for `rope_frequencies`
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 except ImportError:  # pragma: no cover
     RotaryEmbedding = torch.nn.Module
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-_KEYS = {
-    "default": set(),
-    "linear": {"factor"},
-    "dynamic": {"factor"},
-    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate"},
-    "longrope": {"factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"},
-    "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
-}
-
-
-def _ultralong(factor: int) -> dict:
-    return {"rope_type": "yarn", "rope_theta": 500000.0, "factor": float(factor),
-            "original_max_position_embeddings": 8192, "beta_fast": 4.0, "beta_slow": 1.0}
-
-
-# HF rope blocks (transformers-5 `rope_parameters` form) of the UltraLong 1M / 2M / 4M models.
-ULTRALONG_ROPE: dict[str, dict] = {"ultralong-1m": _ultralong(128), "ultralong-2m": _ultralong(256),
-                                   "ultralong-4m": _ultralong(512)}
-
-
-class RopeConfigError(RecipeError):
-    """A bad rope block in an HF config: the message names the field, the value and the fix."""
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """A validated rope block. `params` has HF names; `where` is the block's key for messages."""
-
-    rope_type: str
-    theta: float
-    head_dim: int
-    partial_rotary_factor: float
-    dim: int  # rotated channels = int(head_dim * partial_rotary_factor)
-    params: dict
-    max_position_embeddings: int | None
-    where: str
-
-    def get(self, key: str, default=None):
-        return self.params.get(key, default)
-
-
-def _number(where: str, key: str, value, *, minimum: float | None = None, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RopeConfigError(f"{where}.{key} = {value!r}: must be a number")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        raise RopeConfigError(f"{where}.{key} = {value!r}: must be {'>' if strict else '>='} {minimum}")
-    return value
-
-
-def _rope_block(cfg: dict) -> tuple[dict, str]:
-    scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
-    for name, block in (("rope_scaling", scaling), ("rope_parameters", params)):
-        if block is not None and not isinstance(block, dict):
-            raise RopeConfigError(f"{name} = {block!r}: must be a mapping (e.g. {{rope_type: yarn, factor: 128}})")
-    if scaling and params:
-        clash = sorted(k for k in set(scaling) & set(params) if scaling[k] != params[k])
-        if clash:
-            raise RopeConfigError(f"rope_scaling and rope_parameters disagree on {clash}; keep one of the two blocks")
-        return {**params, **scaling}, "rope_scaling"
-    if scaling:
-        return dict(scaling), "rope_scaling"
-    return dict(params or {}), "rope_parameters"
-
-
-def rope_spec(hf_config: dict) -> RopeSpec:
-    """Parse and validate the rope block of an HF config (either form), with transformers' defaults."""
-    block, where = _rope_block(hf_config)
-    rope_type = block.get("rope_type", block.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise RopeConfigError(f"{where}.rope_type = {rope_type!r}: unknown; use one of {list(ROPE_TYPES)}")
-    unknown = sorted(set(block) - _COMMON_KEYS - _KEYS[rope_type])
-    if unknown:
-        raise RopeConfigError(f"{where}.{unknown[0]}: not a field of rope_type {rope_type!r} "
-                              f"(its fields: {sorted(_KEYS[rope_type])}); remove it or change rope_type")
-    theta = block.get("rope_theta")
-    theta = hf_config.get("rope_theta", 10000.0) if theta is None else theta
-    theta = float(_number(where if "rope_theta" in block else "config", "rope_theta", theta, minimum=0, strict=True))
-    prf = block.get("partial_rotary_factor")
-    prf = hf_config.get("partial_rotary_factor", 1.0) if prf is None else prf
-    prf = _number("config", "partial_rotary_factor", prf, minimum=0, strict=True)
-    if prf > 1:
-        raise RopeConfigError(f"config.partial_rotary_factor = {prf}: must be in (0, 1]")
-    head_dim = hf_config.get("head_dim")
-    if head_dim is None:
-        if not hf_config.get("hidden_size") or not hf_config.get("num_attention_heads"):
-            raise RopeConfigError("config.head_dim: missing, and no hidden_size / num_attention_heads to derive it")
-        head_dim = hf_config["hidden_size"] // hf_config["num_attention_heads"]
-    dim = int(head_dim * prf)
-    if dim < 2 or dim % 2:
-        raise RopeConfigError(f"config.head_dim x partial_rotary_factor = {head_dim} x {prf} = {dim} rotated "
-                              "channels: must be even and >= 2")
-    max_pos = hf_config.get("max_position_embeddings")
-    if max_pos is not None:
-        max_pos = int(_number("config", "max_position_embeddings", max_pos, minimum=1))
-    params = {k: v for k, v in block.items() if k not in _COMMON_KEYS}
-
-    if "factor" in _KEYS[rope_type] and rope_type != "longrope" and params.get("factor") is None:
-        raise RopeConfigError(f"{where}.factor: missing; rope_type {rope_type!r} needs a scaling factor >= 1 "
-                              "(e.g. 128 for UltraLong 1M = 1048576 / 8192)")
-    if "original_max_position_embeddings" in _KEYS[rope_type]:
-        # transformers: a top-level `original_max_position_embeddings` wins; else max_position_embeddings
-        orig = hf_config.get("original_max_position_embeddings")
-        orig = params.get("original_max_position_embeddings") if orig is None else orig
-        orig = max_pos if orig is None else orig
-        if orig is None:
-            raise RopeConfigError(f"{where}.original_max_position_embeddings: missing (and no max_position_embeddings);"
-                                  f" rope_type {rope_type!r} needs the pre-scaling context length, e.g. 8192")
-        if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
-            raise RopeConfigError(f"{where}.original_max_position_embeddings = {orig!r}: must be a positive integer")
-        if max_pos is not None and orig > max_pos:
-            raise RopeConfigError(f"{where}.original_max_position_embeddings = {orig}: above max_position_embeddings ="
-                                  f" {max_pos}; the original length must not exceed the (scaled) model length")
-        params["original_max_position_embeddings"] = orig
-    if params.get("factor") is not None:
-        _number(where, "factor", params["factor"], minimum=1)
-    if rope_type == "dynamic" and max_pos is None:
-        raise RopeConfigError("config.max_position_embeddings: missing; rope_type 'dynamic' scales relative to it")
-    if rope_type == "dynamic" and dim <= 2:
-        raise RopeConfigError(f"config.head_dim: dynamic rope needs more than 2 rotated channels, got {dim}")
-    if rope_type == "yarn":
-        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            if params.get(key) is not None:
-                _number(where, key, params[key])
-        fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1  # transformers' defaults
-        if fast <= slow:
-            raise RopeConfigError(f"{where}.beta_fast = {fast}: must be above beta_slow = {slow} "
-                                  "(UltraLong: beta_fast 4, beta_slow 1)")
-    if params.get("attention_factor") is not None:
-        _number(where, "attention_factor", params["attention_factor"], minimum=0, strict=True)
-    if rope_type == "llama3":
-        low = _number(where, "low_freq_factor", params.get("low_freq_factor"), minimum=0, strict=True)
-        high = _number(where, "high_freq_factor", params.get("high_freq_factor"), minimum=0, strict=True)
-        if high <= low:
-            raise RopeConfigError(f"{where}.high_freq_factor = {high}: must be above low_freq_factor = {low}")
-    if rope_type == "longrope":
-        for key in ("short_factor", "long_factor"):
-            value = params.get(key)
-            if not isinstance(value, (list, tuple)) or len(value) != dim // 2:
-                raise RopeConfigError(f"{where}.{key}: must be a list of {dim // 2} numbers (rotated channels / 2), "
-                                      f"got {value!r}")
-            for v in value:
-                _number(where, key, v, minimum=0, strict=True)
-        if params.get("factor") is None:  # transformers: derive it from the two lengths
-            params["factor"] = (max_pos or params["original_max_position_embeddings"]) / params[
-                "original_max_position_embeddings"]
-    return RopeSpec(rope_type, theta, int(head_dim), float(prf), dim, params, max_pos, where)
+__all__ = ["ROPE_TYPES", "ULTRALONG_ROPE", "RopeConfigError", "RopeSpec", "ScaledRotaryEmbedding",
+           "attach_rotary_embedding", "cp_local_positions", "rope_angles", "rope_frequencies", "rope_spec",
+           "set_attention_factor"]
 
 
 # ---------------------------------------------------------------------------- frequencies
@@ -202,19 +61,20 @@ def _exponents(dim: int) -> torch.Tensor:
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim/2] fp32, as transformers
 
 
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     dim, base, factor = spec.dim, spec.theta, spec.params["factor"]
     orig = spec.params["original_max_position_embeddings"]
     attention_factor = spec.get("attention_factor")
     if attention_factor is None:
-        def get_mscale(scale: float, mscale: float = 1) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
         mscale, mscale_all_dim = spec.get("mscale"), spec.get("mscale_all_dim")
         if mscale and mscale_all_dim:  # transformers tests truthiness, so 0 means "not set"
-            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
         else:
-            attention_factor = get_mscale(factor)
+            attention_factor = _yarn_mscale(factor)
     beta_fast, beta_slow = spec.get("beta_fast") or 32, spec.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:  # channel pair that turns `rotations` times in `orig` tokens
@@ -385,16 +245,19 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
             return angles.repeat_interleave(2, dim=-1)
         return torch.cat((angles, angles), dim=-1)  # HF rotate_half layout [a0..a_{d/2-1}, a0..]
 
+    @staticmethod
+    def _device() -> torch.device:  # where the model computes (Megatron also puts RoPE on the current GPU)
+        return torch.device(torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
     def local_table(self, seq_len: int, cp_size: int = 1, cp_rank: int = 0, offset: int = 0) -> torch.Tensor:
         """Angles `[s/cp, 1, 1, rot_dim]` float32 for CP rank `cp_rank` of a sequence of `seq_len` positions."""
-        device = torch.device(torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        positions = cp_local_positions(seq_len, cp_size, cp_rank).to(device) + offset  # [s/cp]
-        inv_freq = self.frequencies(seq_len + offset).to(device)
-        return self._layout(rope_angles(positions, inv_freq))[:, None, None, :]
+        return self._layout(self.get_freqs_non_repeated(seq_len, offset, cp_size, cp_rank))[:, None, None, :]
 
-    def get_freqs_non_repeated(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        positions = torch.arange(max_seq_len, dtype=torch.int64) + offset
-        return rope_angles(positions, self.frequencies(max_seq_len + offset).cpu())
+    def get_freqs_non_repeated(self, max_seq_len: int, offset: int = 0, cp_size: int = 1,
+                               cp_rank: int = 0) -> torch.Tensor:
+        """Angles `[s/cp, rot_dim/2]` float32 (no channel duplication) for CP rank `cp_rank`."""
+        positions = cp_local_positions(max_seq_len, cp_size, cp_rank).to(self._device()) + offset  # [s/cp]
+        return rope_angles(positions, self.frequencies(max_seq_len + offset).to(self._device()))
 
     def get_cos_sin(self, max_seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[s, rot_dim/2]` with the attention factor applied (flash-decode inference path)."""

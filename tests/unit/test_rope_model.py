@@ -195,3 +195,27 @@ def test_embedding_needs_binding():
     emb = ScaledRotaryEmbedding(hf_cfg("yarn"))
     with pytest.raises(RuntimeError, match="attach_rotary_embedding"):
         emb(SEQ)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "llama3", "longrope", "dynamic"])
+def test_cos_sin_equal_transformers_rotary_module(kind):
+    """`get_cos_sin` (the inference path) against HF's LlamaRotaryEmbedding, attention factor included."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = hf_cfg(kind)
+    rope = LlamaRotaryEmbedding(LlamaConfig(**copy.deepcopy(cfg)))
+    ref_cos, ref_sin = rope(torch.zeros(1, dtype=torch.float32), torch.arange(SEQ)[None])  # [1, SEQ, d]
+    cos, sin = ScaledRotaryEmbedding(cfg).get_cos_sin(SEQ)  # [SEQ, d/2]
+    half = cos.shape[-1]
+    assert (cos - ref_cos[0, :, :half]).abs().max() < 1e-5 and (sin - ref_sin[0, :, :half]).abs().max() < 1e-5
+
+
+def test_dynamic_batching_inference_is_refused_with_attention_factor(cpu_parallel_state):
+    class DynamicBatching:  # what Megatron's DynamicInferenceContext answers
+        def is_static_batching(self):
+            return False
+
+    model = megatron_model(hf_cfg("yarn"))
+    with pytest.raises(RopeConfigError, match="static batching"):
+        model.rotary_pos_emb.get_rotary_seq_len(DynamicBatching(), None, None, model.config)
