@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from megatron_ext.context_parallel import cp_positions
 from megatron_ext.rope_spec import ROPE_TYPES, ULTRALONG_ROPE, RopeConfigError, RopeSpec, rope_spec
 
 try:  # Megatron-Core is needed only for the embedding module, not for `rope_frequencies`
@@ -144,13 +145,9 @@ def rope_frequencies(hf_config: dict, seq_len: int | None = None) -> tuple[torch
 
 def cp_local_positions(seq_len: int, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
     """Positions (int64) CP rank `cp_rank` holds: zigzag chunks r and 2*CP-1-r of 2*CP equal chunks."""
-    if cp_size == 1:
+    if cp_size == 1:  # any length (inference, HF parity), not only multiples of 2
         return torch.arange(seq_len, dtype=torch.int64)
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context parallel = {2 * cp_size}")
-    chunk = seq_len // (2 * cp_size)
-    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+    return cp_positions(seq_len, cp_size, cp_rank)  # the same split the batch gets
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

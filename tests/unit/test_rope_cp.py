@@ -32,7 +32,8 @@ def test_zigzag_positions():
     assert cp_local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert cp_local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert cp_local_positions(16, 4, 3).tolist() == [6, 7, 8, 9]
-    with pytest.raises(ValueError, match="divisible by 2 x context parallel = 8"):
+    assert cp_local_positions(15).tolist() == list(range(15))
+    with pytest.raises(ValueError, match="divisible by 2 x CP = 8"):
         cp_local_positions(20, 4, 0)
 
 
