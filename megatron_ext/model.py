@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.recipe import Recipe, RecipeError, RopeConfig
+from megatron_ext.rope_spec import ROPE_FIELDS
 
 _ROPE_SCALING_KEYS = [f for f in RopeConfig.__dataclass_fields__ if f not in ("rope_theta", "rope_type",
                                                                                  "partial_rotary_factor")]
@@ -58,7 +59,7 @@ def hf_config_from_recipe(recipe: Recipe) -> dict:
         scaling = {"rope_type": r.rope_type}
         for key in _ROPE_SCALING_KEYS:
             value = getattr(r, key)
-            if value is not None:
+            if value is not None and key in ROPE_FIELDS[r.rope_type]:  # fields of this rope type only
                 scaling[key] = list(value) if isinstance(value, tuple) else value
     cfg = {
         "architectures": ["LlamaForCausalLM"],

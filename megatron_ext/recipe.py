@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from megatron_ext.presets import PRESETS
+from megatron_ext.presets import PRESETS, ROPE_PRESETS
 
 
 class RecipeError(ValueError):
@@ -64,6 +64,8 @@ class ModelConfig:
 class RopeConfig:
     """Rotary embedding, in HF names (`rope_theta` + the `rope_scaling` fields). Replaced as a whole by `extends`."""
 
+    preset: str | None = _f(None, f"Named rope block, one of {sorted(ROPE_PRESETS)} (UltraLong YaRN); it replaces "
+                                  "the inherited rope, and fields set next to it override it.")
     rope_theta: float = _f(10000.0, "RoPE base frequency theta.")
     rope_type: Literal["default", "linear", "dynamic", "yarn", "longrope", "llama3"] = _f(
         "default", f"Scaling method: one of {list(ROPE_TYPES)}."
@@ -405,14 +407,31 @@ def _rope_from_hf(cfg: dict) -> dict:
     return {k: v for k, v in params.items() if k in valid}
 
 
-def _fill_rope(raw: dict) -> None:
-    """Without a `rope` section, the rope of the preset / HF config applies (and overrides edit it)."""
+def _fill_rope(raw: dict) -> dict:
+    """Without a `rope` section, the rope of the preset / HF config applies (and overrides edit it).
+
+    Returns the filled-in fields, so that a later `rope.preset` can replace them.
+    """
     model = raw.get("model")
     if not isinstance(model, dict) or "rope" in raw:
-        return
+        return {}
     source = _architecture_source(model)
     if source is not None:
         raw["rope"] = _rope_from_hf(source)
+        return dict(raw["rope"])
+    return {}
+
+
+def _fill_rope_preset(raw: dict, inherited: dict) -> None:
+    """`rope.preset` replaces the rope inherited from the model; fields set explicitly beside it win."""
+    rope = raw.get("rope")
+    if not isinstance(rope, dict) or rope.get("preset") is None:
+        return
+    name = rope["preset"]
+    if name not in ROPE_PRESETS:
+        raise _bad("rope.preset", name, f"one of {sorted(ROPE_PRESETS)}")
+    explicit = {k: v for k, v in rope.items() if k != "preset" and (k not in inherited or inherited[k] != v)}
+    raw["rope"] = {**ROPE_PRESETS[name], **explicit, "preset": name}
 
 
 def _fill_model(raw: dict) -> None:
@@ -445,9 +464,10 @@ def load_recipe(
         raw = _resolve_extends(Path(path))
         raw.setdefault("name", Path(path).stem)
     raw = json.loads(json.dumps(raw))  # deep copy, also rejects non-plain YAML values early
-    _fill_rope(raw)
+    inherited_rope = _fill_rope(raw)
     for text in overrides:
         _apply_override(raw, *parse_override(text))
+    _fill_rope_preset(raw, inherited_rope)
     _fill_model(raw)
     recipe = _build(Recipe, raw, "")
     validate(recipe, world_size=world_size)
@@ -539,6 +559,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
     _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")
     _validate_rope(recipe.rope)
+    _validate_rope_block(recipe)
 
 
 _ROPE_NEEDS = {
@@ -559,6 +580,22 @@ def _validate_rope(rope: RopeConfig) -> None:
         _require(rope.factor > 0, f"rope.factor = {rope.factor}: must be > 0")
     _require(0 < rope.partial_rotary_factor <= 1,
              f"rope.partial_rotary_factor = {rope.partial_rotary_factor}: must be in (0, 1]")
+
+
+def _validate_rope_block(recipe: Recipe) -> None:
+    """The full rope check the model builder will run (megatron_ext.rope_spec), at load time."""
+    from megatron_ext.rope_spec import ROPE_FIELDS, rope_spec
+
+    r, m = recipe.rope, recipe.model
+    block = {"rope_type": r.rope_type, "rope_theta": r.rope_theta, "partial_rotary_factor": r.partial_rotary_factor}
+    for key in ROPE_FIELDS[r.rope_type]:
+        value = getattr(r, key)
+        if value is not None:
+            block[key] = list(value) if isinstance(value, tuple) else value
+    rope_spec({"rope_parameters": block, "head_dim": m.head_dim, "hidden_size": m.hidden_size,
+               "num_attention_heads": m.num_attention_heads,
+               "max_position_embeddings": m.max_position_embeddings or recipe.train.seq_length},
+              where="rope", top="model")
 
 
 def field_docs(cls: type = Recipe, prefix: str = "") -> dict[str, str]:
