@@ -101,4 +101,3 @@ def test_tiny_full_recompute_prediction_is_an_upper_bound(cpu_parallel_state):
     # only layer inputs and the head's tensors are saved: far below the no-recompute activations
     assert saved - 2048 * 4 * recipe.model.vocab_size < 0.2 * none.activations
     assert peak < m.activations + m.logits + m.rope < 1.9 * peak
-    assert m.activations <= none.activations
