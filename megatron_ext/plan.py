@@ -79,6 +79,14 @@ class Shape:
                    m.head_dim or m.hidden_size // m.num_attention_heads, m.vocab_size, m.tie_word_embeddings)
 
 
+def shape_from_hf_config(cfg: dict) -> Shape:
+    """`Shape` of an HF Llama-family `config.json` dict (for KV-cache sizing of a released model)."""
+    heads = cfg["num_attention_heads"]
+    return Shape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
+                 cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                 cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
+
+
 def padded_vocab(vocab: int, divisible_by: int, tensor: int) -> int:
     """Embedding rows as Megatron allocates them (same rule as `model.padded_vocab_size`)."""
     multiple = max(1, divisible_by) * tensor
@@ -436,9 +444,10 @@ def min_context_hand(s: Shape, seq_len: int, gpu: GPU, recompute: str, tensor: i
 
 def resolve_gpu(name: str | None) -> GPU:
     """GPU by name or alias; RecipeError listing the known ones otherwise."""
-    key = GPU_ALIASES.get((name or "").lower(), (name or "").lower())
+    known = ", ".join(list(GPUS) + list(GPU_ALIASES))
+    if name is None:
+        raise RecipeError(f"no GPU given: set cluster.gpu in the recipe or pass --gpu (known: {known})")
+    key = GPU_ALIASES.get(name.lower(), name.lower())
     if key not in GPUS:
-        known = ", ".join(list(GPUS) + list(GPU_ALIASES))
-        given = "none given (cluster.gpu is not set)" if name is None else repr(name)
-        raise RecipeError(f"--gpu {given}: unknown GPU; known: {known}")
+        raise RecipeError(f"--gpu {name!r}: unknown GPU; known: {known}")
     return GPUS[key]

@@ -24,6 +24,7 @@ from megatron_ext.recipe import RecipeError, load_recipe  # noqa: E402
 def report(p: Plan, mfu: float) -> tuple[str, bool]:
     """Printable table for one plan plus the recommendation; second value: whether the recipe fits."""
     r, m, t = p.recipe, p.memory, p.timing
+    tokens = r.train.steps * r.train.global_batch_size * r.train.seq_length
     gb = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
     lines = [
         f"plan: {r.name}  on {p.gpus} x {p.gpu.name}  (TP {p.tensor} x PP {p.pipeline} x CP {p.context} x DP {p.data}),"
@@ -47,9 +48,9 @@ def report(p: Plan, mfu: float) -> tuple[str, bool]:
         f"  {'step time':<34}{t.step_s:8.2f} s",
         f"  {'tokens/s/GPU':<34}{t.tokens_per_s_per_gpu:8.1f}     (achieved MFU {t.mfu:.1%})",
         f"  {'total for ' + str(r.train.steps) + ' steps':<34}{t.hours:8.2f} h  "
-        f"({r.train.steps * r.train.global_batch_size * r.train.seq_length / 1e9:.2f}B tokens)",
+        f"({tokens / 1e9:.2f}B tokens)",
+        f"  {'per 1B tokens':<34}{t.hours * 1e9 / tokens:8.2f} h",
     ]
-    lines.append(f"  {'per 1B tokens':<34}{t.hours * 1e9 / (r.train.steps * r.train.global_batch_size * r.train.seq_length):8.2f} h")
     paper, paper_seq = PAPER_HOURS.get(r.name, (None, None))
     if paper and p.gpus == 256 and p.gpu.name == "h100-80gb" and r.train.seq_length == paper_seq:
         lines.append(f"  {'paper (256 x H100, [S2] UNCONFIRMED)':<34}{paper:8.2f} h  "

@@ -75,6 +75,9 @@ def test_paper_wall_clock_implies_perf_md_utilisation():
 
 
 def test_kv_cache_bytes():
+    from megatron_ext.presets import LLAMA31_8B as HF
+
+    assert P.shape_from_hf_config(HF) == LLAMA31_8B
     # paper.md §7: 2 x 8 KV heads x 128 x 2 B x 32 layers = 128 KiB/token; 128 GiB at 1M, 512 GiB at 4M
     assert P.kv_cache_bytes_per_token(LLAMA31_8B) == 128 * 1024
     assert P.kv_cache_bytes_per_token(LLAMA31_8B, dtype_bytes=1) == 64 * 1024  # FP8
@@ -107,7 +110,8 @@ def test_logits_and_states_exact():
     assert params == 32 * (218_103_808 / 8 + 2 * 4096) + 2 * 128256 * 4096 / 8 + 4096 == 1_004_015_616
     assert sum(P.model_state_bytes(params, 1).values()) / 1e9 == pytest.approx(18.1, abs=0.05)
     assert sum(P.model_state_bytes(params, 16).values()) / 1e9 == pytest.approx(6.8, abs=0.05)
-    assert sum(P.model_state_bytes(params, 16, distributed_optimizer=False).values()) / 1e9 == pytest.approx(18.1, abs=0.05)
+    unsharded = P.model_state_bytes(params, 16, distributed_optimizer=False)
+    assert sum(unsharded.values()) / 1e9 == pytest.approx(18.1, abs=0.05)
     assert sum(P.model_state_bytes(100, 1, precision="fp32").values()) == 1600  # 4 + 4 + 8 B/param
 
 
@@ -204,6 +208,8 @@ def test_gpu_names_agree_with_the_recipe_schema():
     assert P.resolve_gpu("H200") is P.GPUS["h200-141gb"]
     with pytest.raises(RecipeError, match=r"--gpu 'a100': unknown GPU; known: h100-80gb, h200-141gb, b200-180gb"):
         P.resolve_gpu("a100")
+    with pytest.raises(RecipeError, match=r"no GPU given: set cluster\.gpu in the recipe or pass --gpu"):
+        P.resolve_gpu(None)
     with pytest.raises(RecipeError, match="mfu"):
         P.plan(load_recipe(R / "cpt_1m.yaml"), H100, mfu=1.5)
 
