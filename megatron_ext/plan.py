@@ -347,9 +347,10 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
     bubble = 1 + (pp - 1) / microbatches  # 1F1B pipeline bubble
     compute = tokens_step * (f_tok + extra) / gpus / rate * bubble
     tokens_mb = t.seq_length // cp * t.micro_batch_size  # per GPU per micro-batch
-    # TP: with or without SP, 4 collectives forward and 4 backward per layer (+4 when the forward is
-    # recomputed), each moving (tp-1)/tp of the [tokens, hidden] activation; not overlapped.
-    collectives = 12 if t.recompute == "full" else 8
+    # TP with SP: per layer 4 collectives forward (all-gather before QKV and FC1, reduce-scatter after
+    # O and FC2), 6 backward (their transposes + re-gathering the inputs for the weight gradients),
+    # +4 when the forward is recomputed; each moves (tp-1)/tp of [tokens, hidden]; not overlapped.
+    collectives = 14 if t.recompute == "full" else 10
     tp_bytes = collectives * s.layers / pp * (tp - 1) / tp * tokens_mb * s.hidden * dtype
     tp_comm = microbatches * tp_bytes / _link(tp, recipe.cluster.gpus_per_node, gpu) if tp > 1 else 0.0
     # CP p2p ring: cp-1 steps per layer, each sends the local K/V (backward: K/V and dK/dV) while
