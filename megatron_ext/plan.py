@@ -121,8 +121,13 @@ def train_flops_per_token(s: Shape, seq_len: int, causal: bool = True) -> float:
     return 6.0 * matmul_params(s) + attention
 
 
-def kv_cache_bytes_per_token(s: Shape, dtype_bytes: float = 2.0) -> float:
-    """Inference KV cache per token: K and V of every layer, kv_heads x head_dim each (BF16: 2, FP8: 1)."""
+def kv_cache_bytes_per_token(s: Shape | dict, dtype_bytes: float = 2.0) -> float:
+    """Inference KV cache per token: K and V of every layer, kv_heads x head_dim each (BF16: 2, FP8: 1).
+
+    `s`: a `Shape` or an HF Llama `config.json` dict.
+    """
+    if isinstance(s, dict):
+        s = shape_from_hf_config(s)
     return 2.0 * s.layers * s.kv_heads * s.head_dim * dtype_bytes
 
 

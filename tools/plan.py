@@ -21,8 +21,8 @@ from megatron_ext.plan import (  # noqa: E402
 from megatron_ext.recipe import RecipeError, load_recipe  # noqa: E402
 
 
-def report(p: Plan, mfu: float) -> tuple[str, bool]:
-    """Printable table for one plan plus the recommendation; second value: whether the recipe fits."""
+def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
+    """Printable table for one plan, and the recommended plan (None when nothing fits)."""
     r, m, t = p.recipe, p.memory, p.timing
     tokens = r.train.steps * r.train.global_batch_size * r.train.seq_length
     gb = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
@@ -65,7 +65,7 @@ def report(p: Plan, mfu: float) -> tuple[str, bool]:
     else:
         lines.append(f"  recommendation: parallel.context={best.context} train.recompute={best.recompute}"
                      f" ({best.memory.total / GB:.1f} GB, {best.timing.hours:.2f} h for {r.train.steps} steps)")
-    return "\n".join(lines), p.fits
+    return "\n".join(lines), best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,13 +88,18 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError(f"--gpus = {args.gpus}: must be >= 1")
         recipe = load_recipe(path, args.overrides, world_size=args.gpus)
         gpu = resolve_gpu(args.gpu or recipe.cluster.gpu)
-        text, fits = report(plan(recipe, gpu, args.gpus, args.mfu), args.mfu)
+        planned = plan(recipe, gpu, args.gpus, args.mfu)
+        text, best = report(planned, args.mfu)
     except RecipeError as e:
         sys.exit(f"error: {path}: {e}")
     print(text)
-    if not fits:
-        sys.exit(f"error: {path}: needs more than {gpu.memory_gb:g} GB per GPU with this layout; "
-                 "see the smallest CP / recommendation above")
+    if not planned.fits:
+        need = f"needs {planned.memory.total / GB:.1f} GB per GPU, more than the {gpu.memory_gb:g} GB of {gpu.name}"
+        if best is None:
+            sys.exit(f"error: {path}: {need}, and no context-parallel size or recompute mode fits "
+                     f"{planned.gpus} GPUs; add GPUs, use a larger GPU or shorten train.seq_length")
+        sys.exit(f"error: {path}: {need}; use --set parallel.context={best.context} "
+                 f"--set train.recompute={best.recompute} (fits in {best.memory.total / GB:.1f} GB)")
     return 0
 
 

@@ -78,6 +78,7 @@ def test_kv_cache_bytes():
     from megatron_ext.presets import LLAMA31_8B as HF
 
     assert P.shape_from_hf_config(HF) == LLAMA31_8B
+    assert P.kv_cache_bytes_per_token(HF, 1) == 65536
     # paper.md §7: 2 x 8 KV heads x 128 x 2 B x 32 layers = 128 KiB/token; 128 GiB at 1M, 512 GiB at 4M
     assert P.kv_cache_bytes_per_token(LLAMA31_8B) == 128 * 1024
     assert P.kv_cache_bytes_per_token(LLAMA31_8B, dtype_bytes=1) == 64 * 1024  # FP8
@@ -231,8 +232,9 @@ def test_tool_prints_table_and_paper_ratio(stage, ratio):
 @pytest.mark.parametrize("args, message", [
     (["--gpu", "a100"], "unknown GPU; known: h100-80gb, h200-141gb, b200-180gb"),
     (["--gpus", "100"], "= 128 does not divide the world size = 100"),
-    (["--gpus", "128", "--set", "parallel.context=8"], "needs more than 80 GB per GPU"),
-    (["--set", "train.seq_length=16777216"], "needs more than 80 GB per GPU"),
+    (["--gpus", "128", "--set", "parallel.context=8"],
+     "more than the 80 GB of h100-80gb; use --set parallel.context=16 --set train.recompute=full"),
+    (["--set", "train.seq_length=16777216"], "no context-parallel size or recompute mode fits 256 GPUs"),
     (["--set", "train.sequence=1"], "train.sequence: unknown key"),
     (["--mfu", "0"], "--mfu = 0.0: must be in (0, 1]"),
 ])
