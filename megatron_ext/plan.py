@@ -48,7 +48,7 @@ GPU_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "b200": "b200-180gb"}
 
 OVERHEAD_BYTES = 8 * GB  # CUDA context, NCCL, TE workspace, fragmentation [D, perf.md §6]
 TIGHT_FRACTION = 0.9  # above this share of capacity a fit is flagged "tight" (perf.md §6 headroom judgement)
-GRAD_BYTES = 4  # Megatron-LM accumulates and reduces bf16 grads in fp32 (perf.md §5b: 6 + 12/(DP*CP) B/param)
+GRAD_BYTES = 4  # fp32 main grads: Megatron-LM default for bf16 and train.py (grad_reduce_in_fp32); perf.md §5b
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Wall clock of the paper's CPT runs on 256 x H100 ([S2], UNCONFIRMED; paper.md §3, perf.md §2):
 # recipe name -> (hours, sequence length).
@@ -369,7 +369,8 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
         bwd = max(0.0, 2 * kv / link - 2 * attn_layer / cp)
         passes = 2 if t.recompute == "full" else 1
         cp_comm = microbatches * s.layers / pp * (cp - 1) * (passes * fwd + bwd)
-    # DP x CP: distributed optimizer reduce-scatters grads and all-gathers bf16 params once per step.
+    # DP x CP: distributed optimizer reduce-scatters grads and all-gathers params once per step (train.py
+    # sets overlap_grad_reduce=False, so not overlapped).
     shards = dp * cp
     dp_comm = 0.0
     if shards > 1:
