@@ -107,6 +107,9 @@ class ClusterConfig:
 
     nodes: int = _f(1, "Nodes.")
     gpus_per_node: int = _f(8, "Processes (GPUs) per node.")
+    gpu: Literal["h100-80gb", "h200-141gb", "b200-180gb"] | None = _f(
+        None, "GPU model, for the planner (`tools/plan.py`): h100-80gb, h200-141gb or b200-180gb; null = not stated."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,107 @@
+"""Does a recipe fit a GPU cluster, and how long will it take?
+
+    python tools/plan.py recipes/cpt_4m.yaml [--gpu h100|h200|b200] [--gpus 256] [--mfu 0.35] [--set k=v]
+
+Prints the per-GPU memory breakdown, the verdict, tokens/s/GPU and the hours for the recipe's
+steps, the smallest context-parallel size that fits for each recompute mode and a recommendation.
+Exits 1 with the reason when the recipe does not fit or the input is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_ext.plan import (  # noqa: E402
+    GB, GPUS, PAPER_HOURS, RECOMPUTE_MODES, Plan, kernels_of, min_context, plan, recommend, resolve_gpu,
+)
+from megatron_ext.recipe import RecipeError, load_recipe  # noqa: E402
+
+
+def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
+    """Printable table for one plan, and the recommended plan (None when nothing fits)."""
+    r, m, t = p.recipe, p.memory, p.timing
+    tokens = r.train.steps * r.train.global_batch_size * r.train.seq_length
+    gb = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
+    lines = [
+        f"plan: {r.name}  on {p.gpus} x {p.gpu.name}  (TP {p.tensor} x PP {p.pipeline} x CP {p.context} x DP {p.data}),"
+        f" seq {r.train.seq_length:,}, global batch {r.train.global_batch_size}, recompute {p.recompute},"
+        f" kernels {kernels_of(r)}",
+        "  memory per GPU",
+        f"  {'weights':<34}{gb(m.weights)}",
+        f"  {'gradients (fp32 main grads)':<34}{gb(m.grads)}",
+        f"  {'optimizer (sharded over DP x CP)':<34}{gb(m.optimizer)}",
+        f"  {'activations':<34}{gb(m.activations)}   ({r.train.seq_length // p.context:,} tokens/GPU)",
+        f"  {'logits + loss (fp32)' if not p.fused_ce else 'logits (fused CE)':<34}{gb(m.logits)}",
+        f"  {'RoPE tables':<34}{gb(m.rope)}",
+        f"  {'CP ring buffers':<34}{gb(m.cp_buffers)}",
+        f"  {'CUDA/NCCL/allocator overhead':<34}{gb(m.overhead)}",
+        f"  {'total':<34}{gb(m.total)}   of {p.gpu.memory_gb:g} GB: "
+        + ("FITS" + (" (tight, > 90%)" if p.tight else "") if p.fits else "DOES NOT FIT"),
+        "  time",
+        f"  {'model FLOPs per token (causal)':<34}{t.flops_per_token / 1e9:8.1f} GFLOP",
+        f"  {'step: compute':<34}{t.compute_s:8.2f} s   (at {mfu:.0%} of {p.gpu.bf16_tflops:g} TFLOP/s BF16)",
+        f"  {'step: TP / CP(exposed) / DP comm':<34}{t.tp_comm_s:8.2f} / {t.cp_comm_s:.2f} / {t.dp_comm_s:.2f} s",
+        f"  {'step time':<34}{t.step_s:8.2f} s",
+        f"  {'tokens/s/GPU':<34}{t.tokens_per_s_per_gpu:8.1f}     (achieved MFU {t.mfu:.1%})",
+        f"  {'total for ' + str(r.train.steps) + ' steps':<34}{t.hours:8.2f} h  "
+        f"({tokens / 1e9:.2f}B tokens)",
+        f"  {'per 1B tokens':<34}{t.hours * 1e9 / tokens:8.2f} h",
+    ]
+    paper, paper_seq = PAPER_HOURS.get(r.name, (None, None))
+    if paper and p.gpus == 256 and p.gpu.name == "h100-80gb" and r.train.seq_length == paper_seq:
+        lines.append(f"  {'paper (256 x H100, [S2] UNCONFIRMED)':<34}{paper:8.2f} h  "
+                     f"(predicted / paper = {t.hours / paper:.2f})")
+    mins = {rc: min_context(r, p.gpu, p.gpus, rc, p.fused_ce) for rc in RECOMPUTE_MODES}
+    lines.append("  smallest CP that fits: " + ", ".join(
+        f"recompute {rc}: {cp if cp else 'none fits'}" for rc, cp in mins.items()))
+    best = recommend(r, p.gpu, p.gpus, mfu, p.fused_ce)
+    if best is None:
+        lines.append(f"  recommendation: no CP/recompute fits {p.gpus} x {p.gpu.name} with global batch "
+                     f"{r.train.global_batch_size}; add GPUs, use a larger GPU or shorten train.seq_length")
+    else:
+        lines.append(f"  recommendation: parallel.context={best.context} train.recompute={best.recompute}"
+                     f" ({best.memory.total / GB:.1f} GB, {best.timing.hours:.2f} h for {r.train.steps} steps)")
+    return "\n".join(lines), best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe_file", nargs="?", metavar="RECIPE", help="recipe YAML (or --recipe)")
+    parser.add_argument("--recipe", dest="recipe_opt", metavar="FILE", help="recipe YAML")
+    parser.add_argument("--gpu", help=f"GPU model (default: cluster.gpu): {', '.join(GPUS)} or h100/h200/b200")
+    parser.add_argument("--gpus", type=int, help="number of GPUs (default: cluster.nodes x cluster.gpus_per_node)")
+    parser.add_argument("--mfu", type=float, default=0.35,
+                        help="fraction of BF16 peak the kernels sustain (default 0.35, perf.md §5a)")
+    parser.add_argument("--fused-ce", action="store_true", help="assume a fused/chunked cross-entropy (2 B x V/TP)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted recipe override, e.g. --set parallel.context=8 (repeatable)")
+    args = parser.parse_args(argv)
+    path = args.recipe_opt or args.recipe_file
+    try:
+        if path is None:
+            raise RecipeError("no recipe given; pass RECIPE or --recipe FILE (see recipes/)")
+        if args.gpus is not None and args.gpus < 1:
+            raise RecipeError(f"--gpus = {args.gpus}: must be >= 1")
+        recipe = load_recipe(path, args.overrides, world_size=args.gpus)
+        gpu = resolve_gpu(args.gpu or recipe.cluster.gpu)
+        planned = plan(recipe, gpu, args.gpus, args.mfu)
+        text, best = report(planned, args.mfu)
+    except RecipeError as e:
+        sys.exit(f"error: {path}: {e}")
+    print(text)
+    if not planned.fits:
+        need = f"needs {planned.memory.total / GB:.1f} GB per GPU, more than the {gpu.memory_gb:g} GB of {gpu.name}"
+        if best is None:
+            sys.exit(f"error: {path}: {need}, and no context-parallel size or recompute mode fits "
+                     f"{planned.gpus} GPUs; add GPUs, use a larger GPU or shorten train.seq_length")
+        sys.exit(f"error: {path}: {need}; use --set parallel.context={best.context} "
+                 f"--set train.recompute={best.recompute} (fits in {best.memory.total / GB:.1f} GB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
