@@ -36,19 +36,6 @@ class TrainError(RuntimeError):
     """A user mistake found at setup (data, checkpoints): one line, non-zero exit."""
 
 
-# ---------------------------------------------------------------------------- formulas
-
-
-def training_flops_per_token(hf_cfg: dict, seq_length: int) -> float:
-    """Model FLOPs per trained token, causal attention (perf.md 5a): 6 N_matmul + 6 L d_attn (S + 1)."""
-    h, layers = hf_cfg["hidden_size"], hf_cfg["num_hidden_layers"]
-    d_attn = hf_cfg["num_attention_heads"] * hf_cfg["head_dim"]
-    d_kv = hf_cfg["num_key_value_heads"] * hf_cfg["head_dim"]
-    per_layer = h * d_attn * 2 + h * d_kv * 2 + 3 * h * hf_cfg["intermediate_size"]
-    n_matmul = layers * per_layer + h * hf_cfg["vocab_size"]
-    return 6.0 * n_matmul + 6.0 * layers * d_attn * (seq_length + 1)
-
-
 # ---------------------------------------------------------------------------- signals
 
 
@@ -185,6 +172,7 @@ def train(recipe: Recipe) -> int:
 
     from megatron_ext.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
+    from megatron_ext.plan import shape_from_hf_config, train_flops_per_token
     from megatron_ext.training_data import TrainBatches
 
     t, p = recipe.train, recipe.parallel
@@ -217,7 +205,7 @@ def train(recipe: Recipe) -> int:
                         cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context)
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = StopFlag()
-    flops_per_token = training_flops_per_token(hf_cfg, t.seq_length)
+    flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     forward_backward = get_forward_backward_func()

@@ -31,7 +31,7 @@ def token_data(tmp_path_factory):
 
 def run_train(torchrun, out, nproc, data, *overrides):
     torchrun("megatron_ext.train", nproc, "--recipe", str(RECIPE), f"checkpoint.dir={out}", f"data.prefix={data}",
-             f"train.steps={STEPS}", "train.seq_length=256", "train.global_batch_size=2", "train.lr=1e-2", "rope={rope_type: default}", *overrides, module=True)
+             f"train.steps={STEPS}", "train.seq_length=256", "train.global_batch_size=2", "train.lr=1e-2", *overrides, module=True)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

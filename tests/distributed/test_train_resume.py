@@ -18,7 +18,7 @@ RECIPE = ROOT / "recipes/tiny/cpt.yaml"
 
 def train_cmd(out, data, *overrides):
     return [sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={out}",
-            f"data.prefix={data}", "parallel.context=1", "rope={rope_type: default}", "train.seq_length=512",
+            f"data.prefix={data}", "parallel.context=1", "train.seq_length=512",
             "train.global_batch_size=2", "train.lr=1e-2", *overrides]
 
 
