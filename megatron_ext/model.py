@@ -108,6 +108,7 @@ class BuildOptions:
     recompute: str = "none"  # none | selective | full
     fp8: str | None = None
     fp8_attention: bool = False
+    fp8_recipe: str = "delayed"
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 4096
 
@@ -118,24 +119,34 @@ class BuildOptions:
             tensor=p.tensor, pipeline=p.pipeline, context=p.context, cp_comm_type=p.cp_comm_type,
             hierarchical_context_sizes=p.hierarchical_context_sizes, sequence_parallel=p.sequence_parallel,
             device=rt.device, attention=rt.attention, precision=recipe.train.precision,
-            recompute=recipe.train.recompute, fp8=rt.fp8, fp8_attention=rt.fp8_attention,
+            recompute=recipe.train.recompute, fp8=rt.fp8, fp8_attention=rt.fp8_attention, fp8_recipe=rt.fp8_recipe,
             make_vocab_size_divisible_by=recipe.model.make_vocab_size_divisible_by, seq_length=recipe.train.seq_length,
         )
 
     def use_te(self) -> bool:
-        """Transformer Engine spec: asked for, or `auto` on cuda when TE imports."""
+        """Transformer Engine spec: asked for, or `auto` on cuda when TE imports. FP8 demands it."""
         from megatron_ext.runtime import te_available
 
-        if self.attention == "te":
-            if not te_available():
-                raise RecipeError("runtime.attention = 'te' but transformer_engine does not import here; "
-                                  "install the [gpu] extra or use runtime.attention=sdpa")
+        if self.attention == "te" or self.fp8 is not None:
+            field = "runtime.attention = 'te'" if self.attention == "te" else f"runtime.fp8 = {self.fp8!r}"
+            if self.device != "cuda" or not te_available():
+                raise RecipeError(f"{field} but transformer_engine does not import here (or the device is not "
+                                  "cuda); install the [gpu] extra on a GPU machine, or use runtime.attention=sdpa "
+                                  "and runtime.fp8=null")
+            if self.fp8 is not None and torch.cuda.get_device_capability() < (8, 9):
+                raise RecipeError(f"{field}: FP8 needs an sm89/sm90+ GPU, this one is "
+                                  f"sm{''.join(map(str, torch.cuda.get_device_capability()))}; set runtime.fp8=null")
             return True
         return self.attention == "auto" and self.device == "cuda" and te_available()
+
+    def attention_backend(self) -> str:
+        """`te` or `sdpa` (the torch backend; under CP it all-gathers K/V whatever cp_comm_type says)."""
+        return "te" if self.use_te() else "sdpa"
 
 
 def transformer_config(hf_cfg: dict, opts: BuildOptions):
     """Megatron `TransformerConfig` for a Llama-3.1-family HF config."""
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = normalize_hf_config(hf_cfg)
@@ -183,7 +194,10 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
         apply_rope_fusion=False,  # our RoPE tables carry YaRN's attention factor; see rope.py
         calculate_per_token_loss=True,
         fp8=opts.fp8,
+        fp8_recipe=opts.fp8_recipe,
         fp8_dot_product_attention=opts.fp8_attention,
+        # FP8 attention runs only in cuDNN's FusedAttention (flash-attn is disabled for FP8).
+        attention_backend=AttnBackend.fused if opts.fp8_attention else AttnBackend.auto,
         **recompute,
     )
 

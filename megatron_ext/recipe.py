@@ -165,6 +165,8 @@ class RuntimeConfig:
     )
     fp8: Literal["hybrid", "e4m3"] | None = _f(None, "FP8 format for TE linear layers (needs TE and an sm90+ GPU).")
     fp8_attention: bool = _f(False, "FP8 dot-product attention (TE FusedAttention; needs fp8).")
+    fp8_recipe: Literal["delayed", "tensorwise"] = _f(
+        "delayed", "FP8 scaling: delayed (amax history) or tensorwise (current scaling, TE >= 2.2).")
 
 
 @dataclass(frozen=True, kw_only=True)

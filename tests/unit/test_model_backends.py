@@ -1,0 +1,82 @@
+"""Backend choice at the level of configuration (TE cannot be installed on CPU machines).
+
+Which spec and which TransformerConfig fields each recipe setting produces; the real TE/FP8 runs
+are in tests/gpu/.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.attention import TorchSDPAttention
+from megatron_ext.model import BuildOptions, layer_spec, transformer_config
+from megatron_ext.presets import TINY
+from megatron_ext.recipe import RecipeError
+from megatron_ext.runtime import te_available
+
+
+def test_cpu_uses_local_spec_with_sdpa():
+    opts = BuildOptions(device="cpu")
+    assert not opts.use_te() and opts.attention_backend() == "sdpa"
+    cfg = transformer_config(TINY, opts)
+    assert cfg.transformer_impl == "local" and not cfg.bias_activation_fusion and not cfg.apply_rope_fusion
+    spec = layer_spec(cfg, opts)
+    assert spec.submodules.self_attention.submodules.core_attention is TorchSDPAttention
+
+
+@pytest.mark.skipif(te_available(), reason="checks the error when Transformer Engine is missing")
+@pytest.mark.parametrize("opts, field", [
+    (BuildOptions(device="cpu", attention="te"), "runtime.attention = 'te'"),
+    (BuildOptions(device="cuda", fp8="hybrid"), "runtime.fp8 = 'hybrid'"),
+])
+def test_te_demands_fail_clearly_without_te(opts, field):
+    with pytest.raises(RecipeError, match=f"{field}.*transformer_engine does not import"):
+        opts.use_te()
+
+
+@pytest.fixture
+def pretend_te(monkeypatch):
+    """Make the choice logic see TE and an sm90 GPU, to check the config it builds."""
+    monkeypatch.setattr("megatron_ext.runtime.te_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+
+@pytest.mark.parametrize("recipe_fp8, fp8_recipe", [("hybrid", "delayed"), ("e4m3", "tensorwise")])
+def test_te_fp8_config_fields(pretend_te, recipe_fp8, fp8_recipe):
+    from megatron.core.transformer.enums import AttnBackend
+
+    opts = BuildOptions(device="cuda", fp8=recipe_fp8, fp8_attention=True, fp8_recipe=fp8_recipe,
+                        context=4, cp_comm_type="p2p", precision="bf16")
+    assert opts.use_te() and opts.attention_backend() == "te"
+    cfg = transformer_config(TINY, opts)
+    assert cfg.transformer_impl == "transformer_engine"
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_dot_product_attention) == (recipe_fp8, fp8_recipe, True)
+    assert cfg.attention_backend == AttnBackend.fused  # FP8 attention only exists in cuDNN fused attention
+    assert cfg.context_parallel_size == 4 and cfg.cp_comm_type == "p2p"
+    assert cfg.bias_activation_fusion and cfg.gradient_accumulation_fusion
+    assert not cfg.apply_rope_fusion  # fused RoPE would drop YaRN's attention factor
+    assert cfg.params_dtype == torch.bfloat16 and cfg.bf16
+
+
+def test_te_bf16_without_fp8_keeps_auto_backend(pretend_te):
+    from megatron.core.transformer.enums import AttnBackend
+
+    cfg = transformer_config(TINY, BuildOptions(device="cuda", precision="bf16", cp_comm_type="a2a+p2p",
+                                                 context=4, hierarchical_context_sizes=(2, 2)))
+    assert cfg.fp8 is None and cfg.attention_backend == AttnBackend.auto
+    assert cfg.hierarchical_context_parallel_sizes == [2, 2]
+
+
+def test_recompute_settings():
+    full = transformer_config(TINY, BuildOptions(recompute="full"))
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+    assert transformer_config(TINY, BuildOptions(recompute="selective")).recompute_granularity == "selective"
+    assert transformer_config(TINY, BuildOptions()).recompute_granularity is None
+
+
+def test_fp8_sm80_rejected(monkeypatch):
+    monkeypatch.setattr("megatron_ext.runtime.te_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(RecipeError, match="FP8 needs an sm89/sm90\\+ GPU, this one is sm80"):
+        BuildOptions(device="cuda", fp8="hybrid").use_te()
+
+
