@@ -1,6 +1,6 @@
 """TEMPORARY checkpoint module for the lead's loop testing (replaced by the converter branch)."""
 from __future__ import annotations
-import json, os, shutil
+import json, os
 from pathlib import Path
 import torch
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_ext.recipe import Recipe, RecipeError, validate
+from megatron_ext.recipe import Recipe, RecipeError
+from megatron_ext.recipe_rules import validate
 
 # ---------------------------------------------------------------------------- constants (one place)
 

@@ -54,3 +54,22 @@ def cpu_parallel_state():
     init_distributed("cpu", seed=1234)
     yield
     destroy_distributed()
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory):
+    """Documents that repeat a random motif (learnable only by attending back), via Megatron-Core's builder."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    d = tmp_path_factory.mktemp("data")
+    gen = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(d / "docs.bin"), dtype=np.int32)
+    for _ in range(40):
+        n = int(gen.integers(20, 300))
+        motif = gen.integers(3, 512, int(gen.integers(4, 24)))
+        doc = np.resize(motif, n).astype(np.int32)
+        builder.add_document(torch.from_numpy(doc), [n])
+    builder.finalize(str(d / "docs.idx"))
+    return str(d / "docs")

@@ -4,29 +4,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from tests.conftest import ROOT
 
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def token_data(tmp_path_factory):
-    """Documents that repeat a random motif (learnable only by attending back), via Megatron-Core's builder."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    d = tmp_path_factory.mktemp("data")
-    gen = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(str(d / "docs.bin"), dtype=np.int32)
-    for _ in range(40):
-        n = int(gen.integers(20, 300))
-        motif = gen.integers(3, 512, int(gen.integers(4, 24)))
-        doc = np.resize(motif, n).astype(np.int32)
-        builder.add_document(torch.from_numpy(doc), [n])
-    builder.finalize(str(d / "docs.idx"))
-    return str(d / "docs")
 
 
 def run_train(torchrun, out, nproc, data, *overrides):

@@ -11,7 +11,6 @@ import pytest
 
 from megatron_ext.train import EXIT_REQUEUE
 from tests.conftest import ROOT
-from tests.distributed.test_train_cp import token_data  # noqa: F401  (fixture)
 
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"
 
@@ -47,14 +46,14 @@ def latest(out):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, token_data):  # noqa: F811
+def straight(tmp_path_factory, token_data):
     """Six uninterrupted steps."""
     out = tmp_path_factory.mktemp("straight")
     subprocess.run(train_cmd(out, token_data, "train.steps=6"), check=True, env=env(), capture_output=True)
     return out
 
 
-def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straight):  # noqa: F811
+def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straight):
 
     resumed = tmp_path / "resumed"
     proc = subprocess.Popen(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3"),
@@ -75,7 +74,7 @@ def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straig
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
 
 
-def test_negative_control_changed_update_after_resume_differs(tmp_path, token_data, straight):  # noqa: F811
+def test_negative_control_changed_update_after_resume_differs(tmp_path, token_data, straight):
     """The equality above can fail: resuming with another learning rate changes every later loss."""
     run = tmp_path / "run"
     subprocess.run(train_cmd(run, token_data, "train.steps=3"), check=True, env=env(), capture_output=True)
@@ -86,7 +85,7 @@ def test_negative_control_changed_update_after_resume_differs(tmp_path, token_da
     assert a[4]["loss"] != b[4]["loss"] and a[5]["loss"] != b[5]["loss"]
 
 
-def test_sigusr1_saves_and_exits_for_requeue(tmp_path, token_data):  # noqa: F811
+def test_sigusr1_saves_and_exits_for_requeue(tmp_path, token_data):
     out = tmp_path / "run"
     proc = subprocess.Popen(train_cmd(out, token_data, "train.steps=1000"), env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -85,7 +85,7 @@ def test_missing_architecture():
     (["runtime.device=cuda", "runtime.fp8_attention=true"], 2, r"runtime\.fp8_attention = true: needs runtime\.fp8"),
     (["parallel.pipeline=4"], 4, r"parallel\.pipeline = 4: must divide model\.num_hidden_layers = 2"),
     (["rope.rope_type=yarn"], 2, None),  # yarn with the inherited factor is fine
-    (["rope={rope_type: yarn}"], 2, r"rope\.factor: missing; rope_type 'yarn' needs factor"),
+    (["rope={rope_type: yarn}"], 2, r"rope\.factor: missing; rope_type 'yarn' needs a scaling factor"),
     (["train.min_lr=1"], 2, r"train\.min_lr = 1\.0: must be between 0 and train\.lr"),
 ])
 def test_cross_field_rules(override, world, message):

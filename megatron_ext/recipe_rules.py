@@ -1,0 +1,111 @@
+"""Cross-field rules of a recipe, checked at load before any process group or allocation.
+
+Each rule names the fields involved, the values and what would be valid, in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from megatron_ext.presets import PRESETS
+from megatron_ext.recipe import Recipe, RecipeError
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise RecipeError(message)
+
+
+def validate(recipe: Recipe, world_size: int | None = None) -> None:
+    """Cross-field rules that need no hardware; raises `RecipeError` on the first violation."""
+    m, p, t, r = recipe.model, recipe.parallel, recipe.train, recipe.runtime
+    for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        _require(
+            getattr(m, name) is not None,
+            f"model.{name}: missing required field; set it, or set model.preset ({sorted(PRESETS)}) or model.hf_config",
+        )
+    for section, obj in (("parallel", p), ("cluster", recipe.cluster)):
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, int) and not isinstance(v, bool):
+                _require(v >= 1, f"{section}.{f.name} = {v}: must be >= 1")
+    for name in ("seq_length", "global_batch_size", "micro_batch_size", "steps", "log_interval"):
+        v = getattr(t, name)
+        _require(v >= 1, f"train.{name} = {v}: must be >= 1")
+    _require(t.lr > 0, f"train.lr = {t.lr}: must be > 0")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr}: must be between 0 and train.lr = {t.lr}")
+    _require(t.warmup_steps < t.steps or t.warmup_steps == 0,
+             f"train.warmup_steps = {t.warmup_steps}: must be below train.steps = {t.steps}")
+    _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
+
+    heads = m.num_attention_heads
+    kv_heads = m.num_key_value_heads or heads
+    _require(heads % kv_heads == 0,
+             f"model.num_key_value_heads = {kv_heads}: must divide model.num_attention_heads = {heads}")
+    _require(m.head_dim is not None or m.hidden_size % heads == 0,
+             f"model.hidden_size = {m.hidden_size}: not divisible by num_attention_heads = {heads}; set model.head_dim")
+
+    model_parallel = p.tensor * p.pipeline * p.context
+    world = world_size if world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    source = "the world size" if world_size is not None else "cluster.nodes x cluster.gpus_per_node"
+    _require(world % model_parallel == 0,
+             f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {model_parallel} "
+             f"does not divide {source} = {world}; change parallel.* or the number of processes")
+    dp = world // model_parallel
+    _require(heads % p.tensor == 0,
+             f"parallel.tensor = {p.tensor}: must divide model.num_attention_heads = {heads}")
+    _require(kv_heads % p.tensor == 0,
+             f"parallel.tensor = {p.tensor}: must divide model.num_key_value_heads = {kv_heads} "
+             f"(each TP rank needs whole KV heads); use tensor <= {kv_heads} dividing it")
+    _require(m.num_hidden_layers % p.pipeline == 0,
+             f"parallel.pipeline = {p.pipeline}: must divide model.num_hidden_layers = {m.num_hidden_layers}")
+    if p.context > 1:
+        _require(t.seq_length % (2 * p.context) == 0,
+                 f"train.seq_length = {t.seq_length}: must be divisible by 2 x parallel.context = {2 * p.context} "
+                 f"(causal load balancing splits each sequence into 2 x CP chunks); "
+                 f"e.g. {-(-t.seq_length // (2 * p.context)) * 2 * p.context}")
+    if p.cp_comm_type == "a2a" and p.context > 1:
+        for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            _require((n // p.tensor) % p.context == 0,
+                     f"parallel.cp_comm_type = 'a2a': model.{label} per TP rank = {n // p.tensor} must be divisible "
+                     f"by parallel.context = {p.context}; use cp_comm_type p2p or a2a+p2p")
+    if p.cp_comm_type == "a2a+p2p":
+        sizes = p.hierarchical_context_sizes
+        _require(sizes is not None and len(sizes) == 2 and sizes[0] * sizes[1] == p.context,
+                 f"parallel.hierarchical_context_sizes = {list(sizes) if sizes else None}: cp_comm_type 'a2a+p2p' "
+                 f"needs [a2a size, p2p size] with product parallel.context = {p.context}")
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size = {t.global_batch_size}: must be divisible by micro_batch_size x data parallel "
+             f"= {t.micro_batch_size} x {dp} = {per_step}")
+    if r.device == "cpu":
+        _require(r.fp8 is None, f"runtime.fp8 = {r.fp8!r}: FP8 needs Transformer Engine on an sm90+ GPU; "
+                                "set runtime.fp8=null for runtime.device=cpu")
+        _require(r.attention != "te", "runtime.attention = 'te': Transformer Engine needs runtime.device=cuda; use sdpa")
+        _require(not p.sequence_parallel,
+                 "parallel.sequence_parallel = true: needs Transformer Engine norms (runtime.device=cuda)")
+    _require(not r.fp8_attention or r.fp8 is not None,
+             "runtime.fp8_attention = true: needs runtime.fp8 (hybrid or e4m3)")
+    _require(not (r.fp8_attention and p.context > 1 and p.cp_comm_type in ("all_gather", "a2a+p2p")),
+             f"runtime.fp8_attention with parallel.cp_comm_type = {p.cp_comm_type!r}: TE supports FP8 attention "
+             "under CP only with p2p or a2a")
+    _require(not (r.fp8 is not None and r.attention == "sdpa"),
+             "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
+    _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")
+    _validate_rope_block(recipe)
+
+
+def _validate_rope_block(recipe: Recipe) -> None:
+    """The full rope check the model builder will run (megatron_ext.rope_spec), at load time."""
+    from megatron_ext.rope_spec import ROPE_FIELDS, rope_spec
+
+    r, m = recipe.rope, recipe.model
+    block = {"rope_type": r.rope_type, "rope_theta": r.rope_theta, "partial_rotary_factor": r.partial_rotary_factor}
+    for key in ROPE_FIELDS[r.rope_type]:
+        value = getattr(r, key)
+        if value is not None:
+            block[key] = list(value) if isinstance(value, tuple) else value
+    rope_spec({"rope_parameters": block, "head_dim": m.head_dim, "hidden_size": m.hidden_size,
+               "num_attention_heads": m.num_attention_heads,
+               "max_position_embeddings": m.max_position_embeddings or recipe.train.seq_length},
+              where="rope", top="model")
