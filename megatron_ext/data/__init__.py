@@ -1,0 +1,47 @@
+"""Long-context data: corpus -> tokens -> Megatron-Core indexed dataset; SFT chat data with loss masks.
+
+Usage
+-----
+CPT corpus (the paper: per-source length upsampling, documents separated by the literal text
+`<s>`, packed by Megatron-Core's GPTDataset into 1M/2M/4M sequences with no document mask)::
+
+    python tools/prepare_data.py cpt --input yaofu/slimpajama-per-source-length-upsample \\
+        --tokenizer meta-llama/Llama-3.1-8B-Instruct --output data/cpt --max-tokens 1000000000
+    python tools/prepare_data.py cpt --input a.jsonl b.parquet c.txt --tokenizer TOK_DIR --output data/cpt \\
+        --source-field meta.source --upsample 'lt4k=0.5,gt8k=2.0' --separator '<s>' --workers 8
+
+  writes data/cpt.bin/.idx (Megatron-Core `IndexedDatasetBuilder`) and data/cpt.json (documents,
+  tokens, per-source counts, length histogram, skipped lines, settings, tokenizer hash). Inputs:
+  .jsonl/.json/.parquet/.txt (one document per line) files, or a `datasets` name/folder
+  (`NAME[:split]`, streamed). `--separator` is literal text (default `<s>`), `bos-eos`
+  (`<|begin_of_text|>` doc `<|end_of_text|>`) or `none`. `--upsample` rules: see `cpt.py`.
+
+SFT chat data (records with a `messages` list of {role, content})::
+
+    python tools/prepare_data.py sft --input chats.jsonl --tokenizer TOK_DIR --output data/sft \\
+        --seq-length 8192 [--chat-template llama3.1 | tokenizer | FILE.jinja]
+
+  writes data/sft.bin/.idx (tokens), data/sft_lossmask.bin/.idx (uint8, 1 on assistant tokens)
+  and data/sft.json. Samples without an assistant turn or longer than --seq-length are dropped
+  and counted.
+
+Reading (trainer side)::
+
+    from megatron_ext.data import build_cpt_datasets, SFTPackedDataset, collate_packed
+    train, valid, test = build_cpt_datasets("data/cpt", seq_length=1_048_576, seed=1234)
+    sft = SFTPackedDataset("data/sft", seq_length=8192)   # batch dict shapes: see loaders.py
+
+Offline toys for tests and the demo: `toy.build_toy_tokenizer(dir)`, `toy.synthetic_corpus(n)`,
+`toy.synthetic_chats(n)`, `toy.write_jsonl(path, records)`.
+
+Every output is written under a temporary name and renamed into place when complete; an
+existing PREFIX is refused without `--force`. User mistakes raise `DataError` (one line).
+"""
+
+from megatron_ext.data.common import DataError
+from megatron_ext.data.cpt import prepare_cpt
+from megatron_ext.data.loaders import SFTPackedDataset, build_cpt_datasets, collate_packed, read_manifest
+from megatron_ext.data.sft import pack_samples, prepare_sft
+
+__all__ = ["DataError", "SFTPackedDataset", "build_cpt_datasets", "collate_packed", "pack_samples",
+           "prepare_cpt", "prepare_sft", "read_manifest"]

@@ -1,0 +1,97 @@
+"""Chat rendering for SFT: a Llama-3.1 chat template and assistant-only loss masks.
+
+The mask is found from the *rendered text*, so any chat template works (no `{% generation %}`
+tags needed): assistant turn j's trained span is the text between
+`render(messages[:j], add_generation_prompt=True)` and `render(messages[:j+1])`, i.e. the
+assistant content plus its end-of-turn token (`<|eot_id|>` for Llama-3.1), never the role header.
+Tokens whose first character lies inside such a span get loss mask 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.data.common import DataError
+
+# Llama-3.1-Instruct's conversation format without tool calls (written for this project): a system
+# block with the knowledge-date header always present, then `<|start_header_id|>ROLE<|end_header_id|>\n\n
+# CONTENT<|eot_id|>` per turn. Assistant content sits in `{% generation %}` so transformers'
+# `return_assistant_tokens_mask=True` can serve as an independent oracle for our masks.
+LLAMA31_CHAT_TEMPLATE = (
+    r"{{- bos_token }}"
+    r"{%- if messages and messages[0]['role'] == 'system' %}"
+    r"{%- set system_message = messages[0]['content'] | trim %}{%- set loop_messages = messages[1:] %}"
+    r"{%- else %}{%- set system_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    r"{%- if date_string is not defined %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    r"{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    r"{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + date_string + '\n\n' }}"
+    r"{{- system_message + '<|eot_id|>' }}"
+    r"{%- for message in loop_messages %}"
+    r"{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    r"{%- if message['role'] == 'assistant' %}"
+    r"{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    r"{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"
+    r"{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
+
+def resolve_chat_template(spec: str, tokenizer: Any) -> str:
+    """`llama3.1` -> the built-in template; `tokenizer` -> the tokenizer's own; else a Jinja file path."""
+    if spec == "llama3.1":
+        return LLAMA31_CHAT_TEMPLATE
+    if spec == "tokenizer":
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("--chat-template tokenizer: the tokenizer has no chat_template; "
+                            "use --chat-template llama3.1 or a Jinja file")
+        return tokenizer.chat_template
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"--chat-template {spec}: not 'llama3.1', 'tokenizer' or an existing Jinja file")
+    return path.read_text(encoding="utf-8")
+
+
+def _render(tokenizer: Any, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict], template: str) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages`; return (text, [(start, end) char spans of each assistant turn]).
+
+    Raises DataError when the template is not prefix-stable (rendering a prefix of the
+    conversation is not a prefix of the full rendering), since then spans are ill-defined.
+    """
+    text = _render(tokenizer, messages, template, False)
+    spans = []
+    for j, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        start_text = _render(tokenizer, messages[:j], template, True)
+        end_text = _render(tokenizer, messages[: j + 1], template, False)
+        if not (text.startswith(end_text) and end_text.startswith(start_text)):
+            raise DataError("chat template is not prefix-stable (rendering the first turns is not a prefix "
+                            "of the whole conversation); assistant spans cannot be located. Use "
+                            "--chat-template llama3.1 or a template with that property")
+        if len(end_text) > len(start_text):
+            spans.append((len(start_text), len(end_text)))
+    return text, spans
+
+
+def tokenize_chat(tokenizer: Any, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+    """Render and tokenize one conversation; return (token ids, loss mask) of equal length.
+
+    mask[i] = 1 iff token i belongs to an assistant turn (content + end-of-turn token).
+    """
+    text, spans = assistant_char_spans(tokenizer, messages, template)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
+    k = 0
+    for i, (s, _e) in enumerate(offsets):  # offsets and spans are both sorted: one merge pass
+        while k < len(spans) and s >= spans[k][1]:
+            k += 1
+        if k < len(spans) and spans[k][0] <= s < spans[k][1]:
+            mask[i] = 1
+    return ids, mask

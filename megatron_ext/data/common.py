@@ -1,0 +1,109 @@
+"""Shared pieces of data preparation: the user-error type, tokenizer loading, atomic outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+
+class DataError(ValueError):
+    """A user mistake in data preparation (bad path, field, value); the CLI prints it as one line."""
+
+
+def load_tokenizer(spec: str) -> Any:
+    """Load an HF fast tokenizer from a folder or hub name; DataError when there is none."""
+    path = Path(spec)
+    if path.exists() and not (path.is_dir() and ((path / "tokenizer.json").is_file()
+                                                  or (path / "tokenizer_config.json").is_file())):
+        raise DataError(f"--tokenizer {spec}: no tokenizer.json / tokenizer_config.json there; "
+                        "pass an HF tokenizer folder (e.g. one written by save_pretrained)")
+    if not path.exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
+        raise DataError(f"--tokenizer {spec}: no such folder and not an HF hub name (owner/name)")
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(spec)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; report one line
+        raise DataError(f"--tokenizer {spec}: cannot load a tokenizer ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not getattr(tok, "is_fast", False):
+        raise DataError(f"--tokenizer {spec}: not a fast (Rust) tokenizer; a tokenizer.json is needed")
+    return tok
+
+
+def tokenizer_hash(tok: Any) -> str:
+    """sha256 of the tokenizer's serialized model, normalizer, pre-tokenizer and special tokens."""
+    h = hashlib.sha256(tok.backend_tokenizer.to_str().encode("utf-8"))
+    return "sha256:" + h.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> type:
+    """uint16 when every id fits (halves the .bin), else int32 (Llama-3: 128,256 ids)."""
+    return np.uint16 if vocab_size <= 65536 else np.int32
+
+
+def output_paths(prefix: str, with_lossmask: bool = False) -> list[Path]:
+    """The files a dataset PREFIX consists of."""
+    names = [prefix + ".bin", prefix + ".idx"]
+    if with_lossmask:
+        names += [prefix + "_lossmask.bin", prefix + "_lossmask.idx"]
+    return [Path(n) for n in names] + [Path(prefix + ".json")]
+
+
+def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None:
+    """Refuse to overwrite an existing dataset without --force; the output folder must exist."""
+    parent = Path(prefix).parent
+    if not parent.is_dir():
+        raise DataError(f"--output {prefix}: folder {parent} does not exist; create it first")
+    existing = [str(p) for p in output_paths(prefix, with_lossmask) if p.exists()]
+    if existing and not force:
+        raise DataError(f"--output {prefix}: {existing[0]} already exists; pass --force to overwrite "
+                        "or choose another prefix")
+
+
+@contextmanager
+def atomic_outputs(prefix: str, with_lossmask: bool = False) -> Iterator[dict[str, str]]:
+    """Yield temporary names for the PREFIX files; rename all into place only if the block succeeds.
+
+    On any exception the temporaries are deleted, so no partial .bin/.idx is ever left behind.
+    The manifest (.json) is renamed last: its presence marks a complete dataset.
+    """
+    tag = f".tmp{os.getpid()}"
+    final = output_paths(prefix, with_lossmask)
+    tmp = {str(p): str(p) + tag for p in final}
+    try:
+        yield tmp
+    except BaseException:
+        for t in tmp.values():
+            Path(t).unlink(missing_ok=True)
+        raise
+    for dst in final:  # json last
+        os.replace(tmp[str(dst)], dst)
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Deterministic JSON (sorted keys, fixed indent) so identical inputs give identical bytes."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def length_histogram(lengths: np.ndarray) -> dict[str, int]:
+    """Document counts per power-of-two token-length bin, keyed '[lo, hi)' (pure, exact)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    hist: dict[str, int] = {}
+    if lengths.size == 0:
+        return hist
+    bins = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    for b, c in zip(*np.unique(bins, return_counts=True)):
+        hist[f"[{2 ** int(b)}, {2 ** (int(b) + 1)})"] = int(c)
+    return hist

@@ -1,0 +1,167 @@
+"""Reader side for the trainer: CPT through Megatron-Core's `GPTDataset`, SFT packed sequences.
+
+CPT batch (one sample of `build_cpt_datasets(...)[0]`, Megatron-Core's own dict, S = seq_length):
+    tokens        int64   [S]   corpus tokens, crossing document boundaries (no document mask)
+    labels        int64   [S]   tokens shifted by one (Megatron draws S + 1 tokens per sample)
+    loss_mask     float32 [S]   all ones
+    position_ids  int64   [S]   0..S-1 (not reset at separators: the paper attends across documents)
+A DataLoader stacks these to [B, S].
+
+SFT batch (one sample of `SFTPackedDataset`, n = number of conversations packed in it):
+    tokens        int64   [S]   conversations back to back, then `pad_id` up to S
+    labels        int64   [S]   next token within the same conversation; `pad_id` where there is none
+                                (last token of each conversation, padding): always a valid id
+    loss_mask     float32 [S]   1 where the label is an assistant token (content + <|eot_id|>), else 0
+    position_ids  int64   [S]   0.. restarting at each conversation (and at the padding tail)
+    cu_seqlens    int32   [m+1] segment starts and S at the end; m = n, plus 1 when there is a
+                                padding tail (kept as its own segment so cu_seqlens[-1] == S)
+    num_samples   int64   []    n
+`collate_packed` stacks a list of those into [B, S] tensors, pads cu_seqlens to [B, max m + 1]
+with -1 (Megatron-LM's convention for packed batches) and adds max_seqlen int32 [B].
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_ext.data.common import DataError
+from megatron_ext.data.sft import pack_samples
+
+
+def read_manifest(prefix: str, kind: str | None = None) -> dict:
+    """The PREFIX.json manifest; DataError when the dataset is missing, incomplete or of another kind."""
+    for suffix in (".bin", ".idx", ".json"):
+        if not Path(prefix + suffix).is_file():
+            raise DataError(f"data prefix {prefix}: {prefix + suffix} not found; run tools/prepare_data.py first")
+    manifest = json.loads(Path(prefix + ".json").read_text())
+    if kind is not None and manifest.get("kind") != kind:
+        raise DataError(f"data prefix {prefix}: a {manifest.get('kind')!r} dataset, expected {kind!r}; "
+                        f"prepare it with `prepare_data.py {kind}`")
+    return manifest
+
+
+class _ManifestTokenizer:
+    """What GPTDataset needs of a tokenizer (vocab size for the token dtype, an eod id, an identity
+    for its index cache), taken from the manifest so training nodes need no tokenizer files."""
+
+    def __init__(self, manifest: dict) -> None:
+        self.vocab_size = int(manifest["vocab_size"])
+        suffix = manifest.get("separator_ids", {}).get("suffix") or [-1]
+        self.eod = int(suffix[-1])  # unused: position ids and masks are not reset at documents
+        self.unique_identifiers = {"class": "ManifestTokenizer", "tokenizer_hash": manifest["tokenizer_hash"],
+                                   "vocab_size": self.vocab_size}
+
+    @property
+    def pad(self) -> int:
+        raise AttributeError("no pad: GPTDataset then uses an id that never occurs")
+
+
+def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weights: Sequence[float] | None = None,
+                       seed: int = 1234, num_samples: Sequence[int | None] = (None, None, None),
+                       split: str = "100,0,0", cache_dir: str | None = None,
+                       is_built_on_rank: Callable[[], bool] = lambda: True) -> list:
+    """Megatron-Core `GPTDataset`s (train, valid, test; None where a split is empty) over CPT data.
+
+    `prefixes`: one PREFIX or several blended with `weights`. `num_samples[i]` None means one
+    epoch. Index caches go to `cache_dir` (default: PREFIX's folder/cache). Under
+    torch.distributed, rank 0 builds the caches first (Megatron-Core's builder does that).
+    Raises DataError when a corpus is too small for one sequence or tokenizers differ.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+    manifests = [read_manifest(p, "cpt") for p in prefixes]
+    for p, m in zip(prefixes, manifests):
+        if m["tokenizer_hash"] != manifests[0]["tokenizer_hash"]:
+            raise DataError(f"data prefix {p}: tokenized with a different tokenizer than {prefixes[0]} "
+                            f"({m['tokenizer_hash'][:19]} vs {manifests[0]['tokenizer_hash'][:19]}); re-prepare it")
+        if m["tokens"] < seq_length + 1:
+            raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
+                            f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
+    if weights is not None and len(weights) != len(prefixes):
+        raise DataError(f"data weights {list(weights)}: {len(weights)} weights for {len(prefixes)} prefixes")
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length,
+        blend=(prefixes, list(weights) if weights is not None else None), split=split,
+        path_to_cache=cache_dir or str(Path(prefixes[0]).parent / "cache"),
+        tokenizer=_ManifestTokenizer(manifests[0]),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
+
+
+class SFTPackedDataset(torch.utils.data.Dataset):
+    """Packed SFT sequences of `seq_length` tokens from a `prepare_data.py sft` PREFIX (see module doc).
+
+    Packing (`pack_samples`) is deterministic in `seed`; conversations longer than `seq_length`
+    (possible when reading at a shorter length than prepared) are left out and counted in `dropped`.
+    """
+
+    def __init__(self, prefix: str, seq_length: int, seed: int = 1234) -> None:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.manifest = read_manifest(prefix, "sft")
+        if not Path(prefix + "_lossmask.bin").is_file() or not Path(prefix + "_lossmask.idx").is_file():
+            raise DataError(f"data prefix {prefix}: {prefix}_lossmask.bin/.idx not found; re-run prepare_data.py sft")
+        self.tokens = IndexedDataset(prefix)
+        self.masks = IndexedDataset(prefix + "_lossmask")
+        lengths = self.tokens.sequence_lengths
+        if not np.array_equal(lengths, self.masks.sequence_lengths):
+            raise DataError(f"data prefix {prefix}: tokens and loss masks disagree in length; re-prepare it")
+        self.seq_length = seq_length
+        self.pad_id = int(self.manifest["pad_id"])
+        keep = np.flatnonzero(lengths <= seq_length)
+        self.dropped = int(lengths.size - keep.size)
+        if self.dropped:
+            warnings.warn(f"{prefix}: {self.dropped} conversations longer than seq_length {seq_length} left out")
+        if keep.size == 0:
+            raise DataError(f"data prefix {prefix}: no conversation fits seq_length {seq_length}")
+        self.packs = [[int(keep[j]) for j in p] for p in pack_samples(lengths[keep], seq_length, seed)]
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        S = self.seq_length
+        tokens = np.full(S, self.pad_id, dtype=np.int64)
+        labels = np.full(S, self.pad_id, dtype=np.int64)
+        loss_mask = np.zeros(S, dtype=np.float32)
+        position_ids = np.zeros(S, dtype=np.int64)
+        cu = [0]
+        for i in self.packs[idx]:
+            t = self.tokens[i].astype(np.int64)  # [n]
+            m = self.masks[i]  # [n] uint8, 1 on assistant tokens
+            a, b = cu[-1], cu[-1] + t.size
+            tokens[a:b] = t
+            labels[a:b - 1] = t[1:]  # the label at position p is token p+1 of the same conversation
+            loss_mask[a:b - 1] = m[1:]
+            position_ids[a:b] = np.arange(t.size)
+            cu.append(b)
+        n = len(cu) - 1
+        if cu[-1] < S:  # padding tail: its own segment so attention never mixes it with a sample
+            position_ids[cu[-1]:] = np.arange(S - cu[-1])
+            cu.append(S)
+        return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
+                "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.from_numpy(position_ids),
+                "cu_seqlens": torch.tensor(cu, dtype=torch.int32), "num_samples": torch.tensor(n)}
+
+
+def collate_packed(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack SFT samples: [B, S] tensors, cu_seqlens [B, max m + 1] padded with -1, max_seqlen [B]."""
+    out = {k: torch.stack([b[k] for b in batch]) for k in ("tokens", "labels", "loss_mask", "position_ids",
+                                                          "num_samples")}
+    width = max(b["cu_seqlens"].numel() for b in batch)
+    cu = torch.full((len(batch), width), -1, dtype=torch.int32)
+    for r, b in enumerate(batch):
+        cu[r, : b["cu_seqlens"].numel()] = b["cu_seqlens"]
+    out["cu_seqlens"] = cu
+    out["max_seqlen"] = torch.stack([(b["cu_seqlens"][1:] - b["cu_seqlens"][:-1]).max() for b in batch]).int()
+    return out

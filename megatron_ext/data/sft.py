@@ -1,0 +1,141 @@
+"""SFT chat data preparation and packing.
+
+Storage layout (one sample = one document in both datasets, same order, same lengths):
+- `PREFIX.bin/.idx`: token ids of each rendered conversation (Megatron-Core indexed dataset);
+- `PREFIX_lossmask.bin/.idx`: uint8 per token, 1 on assistant tokens (content + end-of-turn);
+- `PREFIX.json`: manifest (kind "sft", seq_length, counts of kept/dropped samples, packing stats).
+
+Packing into `seq_length`-token sequences happens when reading (`pack_samples`, deterministic in
+the seed), so one prepared file serves any sequence length up to the one it was filtered for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from megatron_ext.data.chat import resolve_chat_template, tokenize_chat
+from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
+                                      load_tokenizer, token_dtype, tokenizer_hash, write_json)
+from megatron_ext.data.sources import ReadStats, check_inputs, get_field, iter_rows
+
+
+def pack_samples(lengths: np.ndarray, seq_length: int, seed: int = 0) -> list[list[int]]:
+    """Group sample indices into packs of total length <= seq_length; never split a sample.
+
+    Best-fit decreasing (each sample, longest first, goes into the fullest pack it still fits),
+    then packs are shuffled with `seed` and each pack keeps its samples in index order.
+    Deterministic: same lengths and seed give the same packs. Samples longer than seq_length
+    raise ValueError (preparation drops them first).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and lengths.max() > seq_length:
+        raise ValueError(f"sample of {int(lengths.max())} tokens exceeds seq_length {seq_length}")
+    order = np.argsort(-lengths, kind="stable")
+    packs: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (remaining capacity, pack id)
+    for i in order.tolist():
+        n = int(lengths[i])
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            cap, pid = free.pop(k)
+        else:
+            cap, pid = seq_length, len(packs)
+            packs.append([])
+        packs[pid].append(i)
+        bisect.insort(free, (cap - n, pid))
+    rng = np.random.default_rng(seed)
+    return [sorted(packs[p]) for p in rng.permutation(len(packs)).tolist()]
+
+
+def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int, *,
+                messages_field: str = "messages", chat_template: str = "llama3.1", seed: int = 1234,
+                force: bool = False, progress: bool = True) -> dict:
+    """Render chats, mask non-assistant tokens, drop samples > seq_length; write PREFIX(+_lossmask).
+
+    Returns the manifest. Samples with no assistant turn or longer than `seq_length` are dropped
+    and counted. Raises DataError on user mistakes; nothing is left at `output` then.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tqdm import tqdm
+
+    if seq_length <= 0:
+        raise DataError(f"--seq-length {seq_length}: must be positive")
+    check_inputs(inputs)
+    tok = load_tokenizer(tokenizer)
+    template = resolve_chat_template(chat_template, tok)
+    check_outputs(output, force, with_lossmask=True)
+    vocab_size = len(tok)
+    dtype = token_dtype(vocab_size)
+    stats = ReadStats()
+    dropped = {"no_assistant_turn": 0, "too_long": 0, "bad_messages": 0}
+    lengths: list[int] = []
+    n_read = n_tokens = n_trained = 0
+    t0 = time.perf_counter()
+    with atomic_outputs(output, with_lossmask=True) as tmp:
+        tokens_b = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
+        mask_b = IndexedDatasetBuilder(tmp[output + "_lossmask.bin"], dtype=np.uint8)
+        bar = tqdm(unit="sample", disable=not progress, desc="sft", file=sys.stderr)
+        for _name, where, row in iter_rows(inputs, stats):
+            n_read += 1
+            bar.update(1)
+            try:
+                messages = get_field(row, messages_field)
+            except KeyError:
+                raise DataError(f"{where}: no field '{messages_field}' (fields: {', '.join(sorted(row))}); "
+                                "pass --messages-field NAME") from None
+            if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                dropped["bad_messages"] += 1
+                continue
+            if not any(m["role"] == "assistant" for m in messages):
+                dropped["no_assistant_turn"] += 1
+                continue
+            ids, mask = tokenize_chat(tok, messages, template)
+            if len(ids) > seq_length:
+                dropped["too_long"] += 1
+                continue
+            tokens_b.add_document(np.array(ids, dtype=dtype), [len(ids)])
+            mask_b.add_document(np.array(mask, dtype=np.uint8), [len(mask)])
+            lengths.append(len(ids))
+            n_tokens += len(ids)
+            n_trained += sum(mask)
+        bar.close()
+        tokens_b.finalize(tmp[output + ".idx"])
+        mask_b.finalize(tmp[output + "_lossmask.idx"])
+        if not lengths:
+            raise DataError(f"--input {' '.join(inputs)}: no usable SFT samples ({n_read} read; dropped: "
+                            f"{dropped}; lines skipped: {stats.non_utf8} non-UTF-8, {stats.bad_json} bad JSON)")
+        packs = pack_samples(np.array(lengths), seq_length, seed)
+        manifest = {
+            "format_version": FORMAT_VERSION, "kind": "sft", "samples": len(lengths), "samples_read": n_read,
+            "documents": len(lengths), "tokens": n_tokens, "trained_tokens": n_trained, "dropped": dropped,
+            "seq_length": seq_length, "packs": len(packs), "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
+            "length_histogram": length_histogram(np.array(lengths)),
+            "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json},
+            "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "tokenizer_hash": tokenizer_hash(tok), "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
+            "settings": {"inputs": list(inputs), "messages_field": messages_field, "chat_template": chat_template,
+                         "seed": seed},
+        }
+        write_json(tmp[output + ".json"], manifest)
+    dropped_total = sum(dropped.values())
+    if dropped_total:
+        print(f"warning: dropped {dropped_total} samples: {dropped}", file=sys.stderr)
+    if progress:
+        print(f"wrote {output}(.bin/.idx, _lossmask.bin/.idx, .json): {len(lengths)} samples, {n_tokens} tokens, "
+              f"{len(packs)} packs of {seq_length} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return manifest
+
+
+def _pad_id(tok: Any) -> int:
+    """Padding id for packed sequences: the tokenizer's pad token, else EOS, else 0 (always masked)."""
+    for t in (tok.pad_token_id, tok.eos_token_id):
+        if t is not None:
+            return int(t)
+    return 0

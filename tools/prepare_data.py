@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Prepare training data: `cpt` (corpus -> Megatron indexed dataset) and `sft` (chat data + loss masks).
+
+See `megatron_ext/data/__init__.py` for usage and the output layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("cpt", "tokenize a corpus for continued pretraining"),
+                        ("sft", "render, mask and tokenize chat data for SFT")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--input", nargs="+", required=True, metavar="SRC",
+                       help=".jsonl/.json/.parquet/.txt files, or Hugging Face dataset names/folders (NAME[:split])")
+        s.add_argument("--tokenizer", required=True, help="HF fast tokenizer folder or hub name")
+        s.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json")
+        s.add_argument("--seed", type=int, default=1234)
+        s.add_argument("--workers", type=int, default=0, help="tokenizer threads (0: all cores)")
+        s.add_argument("--force", action="store_true", help="overwrite an existing PREFIX")
+        s.add_argument("--quiet", action="store_true", help="no progress bar")
+        if name == "cpt":
+            s.add_argument("--text-field", default="text", help="dotted field holding the text (default: text)")
+            s.add_argument("--source-field", default=None,
+                           help="dotted field naming the source, e.g. meta.source (default: the input's name)")
+            s.add_argument("--separator", default="<s>",
+                           help="literal text after every document (default '<s>'), 'bos-eos' or 'none'")
+            s.add_argument("--upsample", default=None, help="[SOURCE:]ltN|gtN|all=RATE,... e.g. 'lt4k=0.5,gt8k=2.0'")
+            s.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+            s.add_argument("--seq-length", type=int, default=None,
+                           help="optional: fail unless the corpus fills one sequence of this length")
+        else:
+            s.add_argument("--seq-length", type=int, required=True, help="drop samples longer than this")
+            s.add_argument("--messages-field", default="messages")
+            s.add_argument("--chat-template", default="llama3.1", help="llama3.1 | tokenizer | FILE.jinja")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.workers > 0:  # must precede the tokenizers library's first parallel call
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
+    from megatron_ext.data import DataError, prepare_cpt, prepare_sft
+
+    common = dict(seed=args.seed, force=args.force, progress=not args.quiet)
+    try:
+        if args.cmd == "cpt":
+            prepare_cpt(args.input, args.tokenizer, args.output, text_field=args.text_field,
+                        source_field=args.source_field, separator=args.separator, upsample=args.upsample,
+                        max_tokens=args.max_tokens, seq_length=args.seq_length, **common)
+        else:
+            prepare_sft(args.input, args.tokenizer, args.output, args.seq_length,
+                        messages_field=args.messages_field, chat_template=args.chat_template, **common)
+    except DataError as e:
+        sys.exit(f"error: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
