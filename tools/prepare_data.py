@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.workers > 0:  # must precede the tokenizers library's first parallel call
         os.environ["RAYON_NUM_THREADS"] = str(args.workers)
+    # Megatron-Core warns at import about optional GPU libraries; irrelevant to data preparation.
+    warnings.filterwarnings("ignore", module=r"megatron\.")
     from megatron_ext.data import DataError, prepare_cpt, prepare_sft
 
     common = dict(seed=args.seed, force=args.force, progress=not args.quiet)

@@ -188,8 +188,8 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     rules = parse_upsample(upsample)
     if max_tokens is not None and max_tokens <= 0:
         raise DataError(f"--max-tokens {max_tokens}: must be positive")
-    tok = load_tokenizer(tokenizer)
     check_outputs(output, force)
+    tok = load_tokenizer(tokenizer)
     pre, post = separator_ids(tok, separator)
     backend = tok.backend_tokenizer
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets needed

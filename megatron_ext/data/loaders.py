@@ -52,8 +52,10 @@ class _ManifestTokenizer:
 
     def __init__(self, manifest: dict) -> None:
         self.vocab_size = int(manifest["vocab_size"])
-        suffix = manifest.get("separator_ids", {}).get("suffix") or [-1]
-        self.eod = int(suffix[-1])  # unused: position ids and masks are not reset at documents
+        suffix = manifest.get("separator_ids", {}).get("suffix") or [0]
+        # Unused (position ids and masks are not reset at documents) but must differ from the
+        # never-occurring pad id -1, or GPTDataset warns about a collision.
+        self.eod = int(suffix[-1])
         self.unique_identifiers = {"class": "ManifestTokenizer", "tokenizer_hash": manifest["tokenizer_hash"],
                                    "vocab_size": self.vocab_size}
 

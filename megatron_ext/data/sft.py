@@ -66,9 +66,9 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     if seq_length <= 0:
         raise DataError(f"--seq-length {seq_length}: must be positive")
     check_inputs(inputs)
+    check_outputs(output, force, with_lossmask=True)
     tok = load_tokenizer(tokenizer)
     template = resolve_chat_template(chat_template, tok)
-    check_outputs(output, force, with_lossmask=True)
     vocab_size = len(tok)
     dtype = token_dtype(vocab_size)
     stats = ReadStats()

@@ -1,0 +1,188 @@
+"""CPT data: round trip through Megatron-Core's GPTDataset, separators, upsampling, inputs, determinism."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_ext.data import DataError, build_cpt_datasets, prepare_cpt, toy
+from megatron_ext.data.cpt import copies, parse_upsample, upsample_rate, uniform_hash
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return toy.build_toy_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[dict]]:
+    docs = list(toy.synthetic_corpus(40, seed=3))
+    return toy.write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", docs), docs
+
+
+def _enc(tok, text: str) -> list[int]:
+    # The oracle: transformers' own tokenizer call, not the pipeline's batch path.
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _stream(ds) -> np.ndarray:
+    """The token stream GPTDataset draws from, rebuilt from its samples in unshuffled order."""
+    order = np.argsort(ds.shuffle_index)  # ds[i] is sample shuffle_index[i]
+    parts = [ds[int(i)] for i in order]
+    return np.concatenate([p["tokens"].numpy() for p in parts] + [parts[-1]["labels"].numpy()[-1:]])
+
+
+@pytest.mark.parametrize("separator", ["<s>", "bos-eos", "none"])
+def test_gptdataset_round_trip(tmp_path, tok_dir, hf_tok, corpus, separator):
+    path, docs = corpus
+    prefix = str(tmp_path / "cpt")
+    man = prepare_cpt([str(path)], str(tok_dir), prefix, separator=separator, progress=False)
+    S = 64
+    train, valid, test = build_cpt_datasets(prefix, S, seed=7, cache_dir=str(tmp_path / "cache"))
+    assert valid is None and test is None
+    sample = train[0]
+    assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert all(v.shape == (S,) for v in sample.values())
+    assert np.array_equal(sample["position_ids"].numpy(), np.arange(S))  # no reset at documents
+    assert len(train) == (man["tokens"] - 1) // S
+    if separator == "<s>":
+        pre, post = [], _enc(hf_tok, "<s>")
+    elif separator == "bos-eos":
+        pre, post = [hf_tok.convert_tokens_to_ids("<|begin_of_text|>")], [hf_tok.convert_tokens_to_ids("<|end_of_text|>")]
+    else:
+        pre, post = [], []
+    expected = np.concatenate([pre + _enc(hf_tok, docs[d]["text"]) + post for d in train.document_index])
+    stream = _stream(train)
+    assert stream.size == len(train) * S + 1
+    np.testing.assert_array_equal(stream, expected[: stream.size])
+    for i in (0, len(train) - 1):  # labels are the tokens shifted by one
+        s = train[i]
+        assert np.array_equal(s["labels"][:-1].numpy(), s["tokens"][1:].numpy())
+    # negative control: GPTDataset really shuffles documents, so file order would not match
+    file_order = np.concatenate([pre + _enc(hf_tok, d["text"]) + post for d in docs])
+    assert not np.array_equal(stream, file_order[: stream.size])
+
+
+def _find(stream: np.ndarray, pattern: list[int]) -> list[int]:
+    k = len(pattern)
+    win = np.lib.stride_tricks.sliding_window_view(stream, k)
+    return np.flatnonzero((win == np.array(pattern)).all(axis=1)).tolist()
+
+
+def test_separator_exactly_between_documents(tmp_path, tok_dir, hf_tok, corpus):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    path, docs = corpus
+    sep = _enc(hf_tok, "<s>")
+    assert len(sep) > 1  # '<s>' is ordinary text for this tokenizer, as for Llama-3
+    prefix = str(tmp_path / "sep")
+    prepare_cpt([str(path)], str(tok_dir), prefix, progress=False)
+    ds = IndexedDataset(prefix)
+    stream = np.concatenate([ds[i] for i in range(len(ds))]).astype(np.int64)
+    ends = np.cumsum(ds.sequence_lengths)
+    assert _find(stream, sep) == (ends - len(sep)).tolist()  # one separator per boundary, nowhere else
+    # negative control: with --separator none the pattern never occurs
+    prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "nosep"), separator="none", progress=False)
+    ds2 = IndexedDataset(str(tmp_path / "nosep"))
+    assert _find(np.concatenate([ds2[i] for i in range(len(ds2))]).astype(np.int64), sep) == []
+
+
+def test_upsample_rules_pure():
+    rules = parse_upsample("lt4k=0.5,gt8k=2.0,arxiv:gt8k=3,github=0.25")
+    assert upsample_rate(rules, "web", 4095) == 0.5
+    assert upsample_rate(rules, "web", 4096) == 1.0
+    assert upsample_rate(rules, "web", 8192) == 1.0
+    assert upsample_rate(rules, "web", 8193) == 2.0
+    assert upsample_rate(rules, "arxiv", 9000) == 3.0
+    assert upsample_rate(rules, "arxiv", 100) == 0.5  # no arxiv rule for short docs: generic one applies
+    assert upsample_rate(rules, "github", 100) == 0.25
+    assert [copies(2.0, 1, i) for i in range(5)] == [2] * 5
+    u = np.array([uniform_hash(5, i) for i in range(20000)])
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+    for bad in ("lt4k", "web:lt4q=1", "gt8k=-1", "lt4k=0.5,lt2k=2"):
+        with pytest.raises(DataError, match="--upsample"):
+            parse_upsample(bad)
+
+
+def test_upsampling_ratios_hold(tmp_path, tok_dir, hf_tok):
+    sources = {"short": (5, 15), "mid": (120, 160), "long": (400, 500)}
+    docs = list(toy.synthetic_corpus(600, seed=11, sources=sources))
+    lengths = {s: [len(_enc(hf_tok, d["text"])) for d in docs if d["source"] == s] for s in sources}
+    lt, gt = max(lengths["short"]) + 1, min(lengths["long"]) - 1
+    assert lt <= min(lengths["mid"]) and max(lengths["mid"]) <= gt  # three clean length classes
+    path = toy.write_jsonl(tmp_path / "c.jsonl", docs)
+    spec = f"lt{lt}=0.5,gt{gt}=2.0,mid:all=1.5"
+    man = prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "up"), source_field="source", upsample=spec,
+                      progress=False, seed=5)
+    ps = man["per_source"]
+    n = 200
+    for name, rate in (("short", 0.5), ("mid", 1.5), ("long", 2.0)):
+        assert ps[name]["documents_read"] == n
+        frac = rate - int(rate)
+        sigma = math.sqrt(n * frac * (1 - frac))
+        got = ps[name]["documents_written"]
+        assert abs(got - n * rate) <= 4 * sigma, (name, got, n * rate)
+    assert ps["long"]["documents_written"] == 2 * n  # integer rates are exact
+    assert ps["short"]["documents_written"] != n  # negative control: rate 0.5 really drops documents
+    # the decision per document is the pure `copies` function (independent of batching)
+    expect = sum(copies(upsample_rate(parse_upsample(spec), d["source"], len(_enc(hf_tok, d["text"]))), 5, i)
+                 for i, d in enumerate(docs))
+    assert man["documents"] == expect
+
+
+def test_deterministic_and_seeded(tmp_path, tok_dir, corpus):
+    path, _ = corpus
+    outs = []
+    for name, seed, batch in (("a", 1, 1024), ("b", 1, 7), ("c", 2, 1024)):
+        prepare_cpt([str(path)], str(tok_dir), str(tmp_path / name), upsample="all=1.5", seed=seed,
+                    batch_docs=batch, progress=False)
+        outs.append([(tmp_path / f"{name}{ext}").read_bytes() for ext in (".bin", ".idx")])
+    assert outs[0] == outs[1]  # same seed, different batching: byte-identical
+    assert outs[0][0] != outs[2][0]  # another seed picks other copies
+    ja, jb = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    ja["settings"].pop("inputs"), jb["settings"].pop("inputs")
+    assert ja == jb
+
+
+def test_inputs_jsonl_parquet_txt_and_datasets_stream(tmp_path, tok_dir, corpus):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, docs = corpus
+    pq.write_table(pa.Table.from_pylist(docs), tmp_path / "c.parquet")
+    (tmp_path / "c.txt").write_text("".join(d["text"] + "\n" for d in docs), encoding="utf-8")
+    folder = tmp_path / "hfds"
+    folder.mkdir()
+    toy.write_jsonl(folder / "train.jsonl", docs)  # a local `datasets` folder: same streaming code as the hub
+    bins = []
+    for name, src in (("j", path), ("p", tmp_path / "c.parquet"), ("t", tmp_path / "c.txt"), ("h", folder)):
+        man = prepare_cpt([str(src)], str(tok_dir), str(tmp_path / name), progress=False)
+        assert man["documents"] == len(docs)
+        bins.append((tmp_path / f"{name}.bin").read_bytes())
+    assert bins[0] == bins[1] == bins[2] == bins[3]
+
+
+def test_max_tokens_and_manifest(tmp_path, tok_dir, corpus):
+    path, _ = corpus
+    full = prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "full"), source_field="source", progress=False)
+    cut = prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "cut"), max_tokens=2000, progress=False)
+    assert 2000 <= cut["tokens"] < 2000 + max(int(k.split(",")[1].strip(" )")) for k in full["length_histogram"])
+    assert cut["tokens"] < full["tokens"]
+    assert sum(full["length_histogram"].values()) == full["documents"] == 40
+    assert sum(s["tokens_written"] for s in full["per_source"].values()) == full["tokens"]
+    assert set(full["per_source"]) == {"web", "book", "code"}
+    assert full["tokenizer_hash"].startswith("sha256:") and full["separator_ids"]["suffix"]
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    assert int(IndexedDataset(str(tmp_path / "full")).sequence_lengths.sum()) == full["tokens"]

@@ -1,0 +1,111 @@
+"""Bad input to tools/prepare_data.py: one clear line, non-zero exit, nothing left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.data import DataError, build_cpt_datasets, toy
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import prepare_data  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return toy.build_toy_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return toy.write_jsonl(tmp_path_factory.mktemp("c") / "c.jsonl", toy.synthetic_corpus(12, seed=1))
+
+
+def _fail(argv: list[str]) -> str:
+    """Run the CLI in-process; return its error line (asserting it is one line and an error)."""
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(argv)
+    msg = e.value.code
+    assert isinstance(msg, str) and msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def _left(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out"))
+
+
+def test_bad_inputs_give_one_line(tmp_path, tok_dir, corpus):
+    out = str(tmp_path / "out")
+    base = ["cpt", "--tokenizer", str(tok_dir), "--output", out, "--quiet"]
+    assert "file not found" in _fail(base + ["--input", str(tmp_path / "missing.jsonl")])
+    msg = _fail(base + ["--input", str(corpus), "--text-field", "body"])
+    assert "no field 'body'" in msg and "fields: id, source, text" in msg
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "empty corpus" in _fail(base + ["--input", str(empty)])
+    (tmp_path / "notok").mkdir()
+    assert "no tokenizer.json" in _fail(["cpt", "--input", str(corpus), "--tokenizer", str(tmp_path / "notok"),
+                                         "--output", out])
+    msg = _fail(base + ["--input", str(corpus), "--seq-length", "100000"])
+    assert "tokens missing" in msg and "100001" in msg
+    assert "--upsample" in _fail(base + ["--input", str(corpus), "--upsample", "lt4k"])
+    assert _left(tmp_path) == []  # no partial .bin/.idx/.json after any failure
+
+
+def test_existing_output_needs_force(tmp_path, tok_dir, corpus):
+    out = str(tmp_path / "out")
+    argv = ["cpt", "--input", str(corpus), "--tokenizer", str(tok_dir), "--output", out, "--quiet"]
+    assert prepare_data.main(argv) == 0
+    before = (tmp_path / "out.bin").read_bytes()
+    assert "already exists" in _fail(argv)
+    assert (tmp_path / "out.bin").read_bytes() == before
+    assert prepare_data.main(argv + ["--force"]) == 0
+    assert _left(tmp_path) == ["out.bin", "out.idx", "out.json"]
+
+
+def test_non_utf8_lines_are_counted_and_skipped(tmp_path, tok_dir, corpus, capsys):
+    bad = tmp_path / "bad.jsonl"
+    lines = corpus.read_bytes().splitlines(keepends=True)
+    bad.write_bytes(b"".join(lines[:3]) + b'{"text": "caf\xe9 \xff"}\n' + b"".join(lines[3:]) + b"{not json\n")
+    from megatron_ext.data import prepare_cpt
+
+    man = prepare_cpt([str(bad)], str(tok_dir), str(tmp_path / "out"), progress=False)
+    assert man["documents"] == 12
+    assert man["skipped"] == {"non_utf8_lines": 1, "bad_json_lines": 1, "empty_documents": 0}
+    err = capsys.readouterr().err
+    assert "non-utf8 line skipped" in err and "bad.jsonl:4" in err
+
+
+def test_sft_bad_input(tmp_path, tok_dir):
+    out = str(tmp_path / "out")
+    path = toy.write_jsonl(tmp_path / "s.jsonl", [{"conversation": []}])
+    base = ["sft", "--tokenizer", str(tok_dir), "--output", out, "--seq-length", "512", "--quiet"]
+    assert "no field 'messages'" in _fail(base + ["--input", str(path)])
+    only_user = toy.write_jsonl(tmp_path / "u.jsonl", toy.synthetic_chats(4, seed=0, no_assistant_every=1))
+    msg = _fail(base + ["--input", str(only_user)])
+    assert "no usable SFT samples" in msg and "'no_assistant_turn': 4" in msg
+    assert "--chat-template" in _fail(base + ["--input", str(only_user), "--chat-template", "nope.jinja"])
+    assert _left(tmp_path) == []
+
+
+def test_reader_errors(tmp_path, tok_dir, corpus):
+    with pytest.raises(DataError, match="not found; run tools/prepare_data.py"):
+        build_cpt_datasets(str(tmp_path / "nothing"), 64)
+    from megatron_ext.data import prepare_cpt
+
+    man = prepare_cpt([str(corpus)], str(tok_dir), str(tmp_path / "c"), progress=False)
+    with pytest.raises(DataError, match=f"{man['tokens'] + 1000 + 1 - man['tokens']} tokens missing"):
+        build_cpt_datasets(str(tmp_path / "c"), man["tokens"] + 1000)
+
+
+def test_cli_subprocess(tmp_path, tok_dir, corpus):
+    """The real entry point: exit code, one error line on stderr, no traceback."""
+    cmd = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), "cpt", "--input", str(tmp_path / "nope.jsonl"),
+           "--tokenizer", str(tok_dir), "--output", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: --input {tmp_path / 'nope.jsonl'}: file not found"]
