@@ -184,6 +184,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
+    t0 = time.perf_counter()
     check_inputs(inputs)
     rules = parse_upsample(upsample)
     if max_tokens is not None and max_tokens <= 0:
@@ -200,10 +201,10 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                                                                  "tokens_written": 0})
     lengths: list[int] = []
     n_read = n_tokens = 0
-    t0 = time.perf_counter()
     with atomic_outputs(output) as tmp:
         builder = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         bar = tqdm(unit="tok", unit_scale=True, disable=not progress, desc="cpt", file=sys.stderr)
+        t_stream = time.perf_counter()  # setup (tokenizer load) excluded from the streaming rate
         batches = _prefetch(_batches(iter_texts(inputs, text_field, source_field, stats), batch_docs, batch_chars))
         done = False
         try:
@@ -256,13 +257,14 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                          "upsample": upsample, "max_tokens": max_tokens, "seed": seed},
         }
         write_json(tmp[output + ".json"], manifest)
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t_stream
     for kind in ("non_utf8", "bad_json"):
         if getattr(stats, kind):
             print(f"warning: skipped {getattr(stats, kind)} {kind.replace('_', '-')} lines "
                   f"(first at {stats.first_problem[kind]})", file=sys.stderr)
     if progress:
         print(f"wrote {output}.bin/.idx/.json: {len(lengths)} documents, {n_tokens} tokens in {dt:.1f}s "
-              f"({n_tokens / max(dt, 1e-9):,.0f} tokens/s, {os.environ.get('RAYON_NUM_THREADS', 'all')} threads)",
+              f"({n_tokens / max(dt, 1e-9):,.0f} tokens/s, {os.environ.get('RAYON_NUM_THREADS', 'all')} threads; "
+              f"setup {t_stream - t0:.1f}s)",
               file=sys.stderr)
     return manifest
