@@ -66,13 +66,17 @@ class _ManifestTokenizer:
 
 def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weights: Sequence[float] | None = None,
                        seed: int = 1234, num_samples: Sequence[int | None] = (None, None, None),
-                       split: str = "100,0,0", cache_dir: str | None = None,
+                       split: str | None = None, cache_dir: str | None = None,
                        is_built_on_rank: Callable[[], bool] = lambda: True) -> list:
     """Megatron-Core `GPTDataset`s (train, valid, test; None where a split is empty) over CPT data.
 
-    `prefixes`: one PREFIX or several blended with `weights`. `num_samples[i]` None means one
-    epoch. Index caches go to `cache_dir` (default: PREFIX's folder/cache). Under
-    torch.distributed, rank 0 builds the caches first (Megatron-Core's builder does that).
+    `prefixes`: one PREFIX or several blended with `weights` (then `num_samples[0]` is required).
+    `split`: None puts all data in train (valid/test None); else Megatron's "98,2,0" style split.
+    `num_samples[i]` None means one epoch. Index caches go to `cache_dir` (default: PREFIX's
+    folder/cache). Under torch.distributed, rank 0 builds the caches first (Megatron-Core's
+    builder does that). Outside torch.distributed a weighted blend builds its blend index in
+    memory and GPTDataset caches go to PREFIX/cache, because Megatron-Core's BlendedDataset
+    cache path calls torch.distributed.get_rank().
     Raises DataError when a corpus is too small for one sequence or tokenizers differ.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -89,10 +93,16 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
                             f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
     if weights is not None and len(weights) != len(prefixes):
         raise DataError(f"data weights {list(weights)}: {len(weights)} weights for {len(prefixes)} prefixes")
+    if weights is not None and num_samples[0] is None:
+        raise DataError("data weights need a number of training samples (num_samples[0]), as Megatron-Core requires")
+    blend = (prefixes, list(weights) if weights is not None else None)
+    cache = cache_dir or str(Path(prefixes[0]).parent / "cache")
+    if len(prefixes) > 1 and not torch.distributed.is_initialized():
+        cache = None
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length,
-        blend=(prefixes, list(weights) if weights is not None else None), split=split,
-        path_to_cache=cache_dir or str(Path(prefixes[0]).parent / "cache"),
+        **({"blend_per_split": [blend, None, None]} if split is None else {"blend": blend, "split": split}),
+        path_to_cache=cache,
         tokenizer=_ManifestTokenizer(manifests[0]),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit

@@ -100,12 +100,31 @@ def test_reader_errors(tmp_path, tok_dir, corpus):
     man = prepare_cpt([str(corpus)], str(tok_dir), str(tmp_path / "c"), progress=False)
     with pytest.raises(DataError, match=f"{man['tokens'] + 1000 + 1 - man['tokens']} tokens missing"):
         build_cpt_datasets(str(tmp_path / "c"), man["tokens"] + 1000)
+    with pytest.raises(DataError, match="need a number of training samples"):
+        build_cpt_datasets([str(tmp_path / "c")] * 2, 32, weights=[1, 1])
+    other = toy.build_toy_tokenizer(tmp_path / "tok300", vocab_size=300)
+    prepare_cpt([str(corpus)], str(other), str(tmp_path / "d"), progress=False)
+    with pytest.raises(DataError, match="different tokenizer"):
+        build_cpt_datasets([str(tmp_path / "c"), str(tmp_path / "d")], 32, weights=[1, 1], num_samples=(8, None, None))
+    with pytest.raises(DataError, match="expected 'sft'"):
+        from megatron_ext.data import SFTPackedDataset
+
+        SFTPackedDataset(str(tmp_path / "c"), 64)
 
 
 def test_cli_subprocess(tmp_path, tok_dir, corpus):
-    """The real entry point: exit code, one error line on stderr, no traceback."""
-    cmd = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), "cpt", "--input", str(tmp_path / "nope.jsonl"),
-           "--tokenizer", str(tok_dir), "--output", str(tmp_path / "o")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    """The real entry point: one worker thread gives the same bytes; errors are one line, exit 1."""
+    from megatron_ext.data import prepare_cpt
+
+    prepare_cpt([str(corpus)], str(tok_dir), str(tmp_path / "ref"), upsample="all=1.5", progress=False)
+    cli = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), "cpt", "--tokenizer", str(tok_dir)]
+    proc = subprocess.run(cli + ["--input", str(corpus), "--output", str(tmp_path / "w1"), "--workers", "1",
+                                 "--upsample", "all=1.5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s, 1 threads" in proc.stderr and "Traceback" not in proc.stderr
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"w1{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    proc = subprocess.run(cli + ["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: --input {tmp_path / 'nope.jsonl'}: file not found"]
