@@ -26,8 +26,8 @@ def load_tokenizer(spec: str) -> Any:
                                                   or (path / "tokenizer_config.json").is_file())):
         raise DataError(f"--tokenizer {spec}: no tokenizer.json / tokenizer_config.json there; "
                         "pass an HF tokenizer folder (e.g. one written by save_pretrained)")
-    if not path.exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
-        raise DataError(f"--tokenizer {spec}: no such folder and not an HF hub name (owner/name)")
+    if not path.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        raise DataError(f"--tokenizer {spec}: no such folder and not an HF hub name ([owner/]name)")
     try:
         from transformers import AutoTokenizer
 

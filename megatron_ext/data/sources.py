@@ -3,8 +3,8 @@
 An input SRC is
 - an existing file: `.jsonl`/`.json` (one JSON object per line), `.parquet`, `.txt` (one document
   per line); `.gz` variants of jsonl/txt are read through gzip;
-- an existing folder, or anything else shaped like a hub name (`owner/name`, optionally
-  `owner/name:split`): opened with `datasets.load_dataset(..., streaming=True)`, so nothing is
+- an existing folder, or anything else shaped like a hub name (`[owner/]name`, optionally
+  `[owner/]name:split`): opened with `datasets.load_dataset(..., streaming=True)`, so nothing is
   downloaded up front and memory stays bounded.
 
 Rows are yielded one at a time with a location string ("file.jsonl:17") for error messages.
@@ -75,7 +75,7 @@ def check_inputs(inputs: list[str]) -> None:
             if not src.endswith(_LOCAL):
                 raise DataError(f"--input {src}: unsupported file type; use one of {', '.join(_LOCAL)}")
         elif not p.exists():
-            looks_local = src.endswith(_LOCAL) or src.startswith((".", "/", "~")) or src.count("/") != 1
+            looks_local = src.endswith(_LOCAL) or src.startswith((".", "/", "~")) or src.count("/") > 1
             if looks_local:
                 raise DataError(f"--input {src}: file not found")
 

@@ -50,6 +50,8 @@ def test_bad_inputs_give_one_line(tmp_path, tok_dir, corpus):
     (tmp_path / "notok").mkdir()
     assert "no tokenizer.json" in _fail(["cpt", "--input", str(corpus), "--tokenizer", str(tmp_path / "notok"),
                                          "--output", out])
+    assert "no such folder" in _fail(["cpt", "--input", str(corpus), "--tokenizer", str(tmp_path / "a" / "b"),
+                                      "--output", out])
     msg = _fail(base + ["--input", str(corpus), "--seq-length", "100000"])
     assert "tokens missing" in msg and "100001" in msg
     assert "--upsample" in _fail(base + ["--input", str(corpus), "--upsample", "lt4k"])
