@@ -2,7 +2,10 @@
 
 Each stored document is `tokens(text) + separator`, so in the stream Megatron-Core's `GPTDataset`
 concatenates, exactly one separator lies between consecutive documents and fixed-length
-sequences cross document boundaries with no document mask (the paper's setup).
+sequences cross document boundaries with no document mask (the paper's setup). Documents and
+the separator are tokenized separately and joined as token ids: joining the *text* first would
+let BPE merge the separator into its neighbours (Llama-3 pre-tokenizes "end.<s>The" as
+".<", "s", ">The"), so the marker would differ from boundary to boundary.
 
 Per-source length upsampling (the paper's Fu et al. 2024 corpus: short documents downsampled,
 long ones upsampled) is a list of rules `[SOURCE:]CLASS=RATE` where CLASS is `ltN` (fewer than N
@@ -191,6 +194,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
         raise DataError(f"--max-tokens {max_tokens}: must be positive")
     check_outputs(output, force)
     tok = load_tokenizer(tokenizer)
+    tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup
     pre, post = separator_ids(tok, separator)
     backend = tok.backend_tokenizer
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets needed
@@ -205,6 +209,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
         builder = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         bar = tqdm(unit="tok", unit_scale=True, disable=not progress, desc="cpt", file=sys.stderr)
         t_stream = time.perf_counter()  # setup (tokenizer load) excluded from the streaming rate
+        cpu_stream = time.process_time()  # all threads' CPU time: robust on a shared machine
         batches = _prefetch(_batches(iter_texts(inputs, text_field, source_field, stats), batch_docs, batch_chars))
         done = False
         try:
@@ -251,13 +256,14 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
                         "empty_documents": stats.empty},
             "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
-            "tokenizer_hash": tokenizer_hash(tok), "separator": separator,
+            "tokenizer_hash": tok_hash, "separator": separator,
             "separator_ids": {"prefix": pre, "suffix": post},
             "settings": {"inputs": list(inputs), "text_field": text_field, "source_field": source_field,
                          "upsample": upsample, "max_tokens": max_tokens, "seed": seed},
         }
         write_json(tmp[output + ".json"], manifest)
     dt = time.perf_counter() - t_stream
+    cpu = time.process_time() - cpu_stream
     for kind in ("non_utf8", "bad_json"):
         if getattr(stats, kind):
             print(f"warning: skipped {getattr(stats, kind)} {kind.replace('_', '-')} lines "
@@ -265,6 +271,6 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     if progress:
         print(f"wrote {output}.bin/.idx/.json: {len(lengths)} documents, {n_tokens} tokens in {dt:.1f}s "
               f"({n_tokens / max(dt, 1e-9):,.0f} tokens/s, {os.environ.get('RAYON_NUM_THREADS', 'all')} threads; "
-              f"setup {t_stream - t0:.1f}s)",
+              f"setup {t_stream - t0:.1f}s, cpu {cpu:.1f}s)",
               file=sys.stderr)
     return manifest
