@@ -70,6 +70,10 @@ def test_prepare_sft_drops_and_counts(tmp_path, tok_dir, hf_tok):
     assert np.array_equal(toks.sequence_lengths, masks.sequence_lengths)
     assert int(toks.sequence_lengths.max()) <= S
     assert man["trained_tokens"] == sum(int(masks[i].sum()) for i in range(len(masks)))
+    again = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "sft2"), S, progress=False)
+    assert again == man
+    for suffix in (".bin", ".idx", "_lossmask.bin", "_lossmask.idx", ".json"):
+        assert (tmp_path / f"sft{suffix}").read_bytes() == (tmp_path / f"sft2{suffix}").read_bytes()  # byte-identical
 
 
 def test_pack_samples_never_splits():
