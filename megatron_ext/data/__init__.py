@@ -39,9 +39,19 @@ existing PREFIX is refused without `--force`. User mistakes raise `DataError` (o
 """
 
 from megatron_ext.data.common import DataError
-from megatron_ext.data.cpt import prepare_cpt
-from megatron_ext.data.loaders import SFTPackedDataset, build_cpt_datasets, collate_packed, read_manifest
-from megatron_ext.data.sft import pack_samples, prepare_sft
 
-__all__ = ["DataError", "SFTPackedDataset", "build_cpt_datasets", "collate_packed", "pack_samples",
-           "prepare_cpt", "prepare_sft", "read_manifest"]
+# Lazy (PEP 562): the CLI's argument and path checks should not pay for importing torch and
+# Megatron-Core, which the readers need.
+_LAZY = {"prepare_cpt": "cpt", "prepare_sft": "sft", "pack_samples": "sft", "SFTPackedDataset": "loaders",
+         "build_cpt_datasets": "loaders", "collate_packed": "loaders", "read_manifest": "loaders"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_ext.data.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'megatron_ext.data' has no attribute {name!r}")
+
+
+__all__ = ["DataError", *_LAZY]

@@ -184,7 +184,6 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     Returns the manifest. Raises DataError on user mistakes; nothing is left at `output` then.
     `seq_length`, when given, checks the corpus holds at least one training sequence.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -205,6 +204,8 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                                                                  "tokens_written": 0})
     lengths: list[int] = []
     n_read = n_tokens = 0
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # after the cheap checks
+
     with atomic_outputs(output) as tmp:
         builder = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         bar = tqdm(unit="tok", unit_scale=True, disable=not progress, desc="cpt", file=sys.stderr)

@@ -60,7 +60,6 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     Returns the manifest. Samples with no assistant turn or longer than `seq_length` are dropped
     and counted. Raises DataError on user mistakes; nothing is left at `output` then.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
     if seq_length <= 0:
@@ -76,6 +75,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     lengths: list[int] = []
     n_read = n_tokens = n_trained = 0
     t0 = time.perf_counter()
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # after the cheap checks
+
     with atomic_outputs(output, with_lossmask=True) as tmp:
         tokens_b = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         mask_b = IndexedDatasetBuilder(tmp[output + "_lossmask.bin"], dtype=np.uint8)
