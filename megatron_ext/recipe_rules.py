@@ -92,6 +92,13 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _require(not (r.fp8 is not None and r.attention == "sdpa"),
              "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
     _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")
+    if t.stage == "sft":
+        _require(t.micro_batch_size == 1,
+                 f"train.micro_batch_size = {t.micro_batch_size}: SFT runs one packed sequence per microbatch "
+                 "(THD); use micro_batch_size=1 and raise train.global_batch_size instead")
+        _require(p.context == 1 or (r.device == "cuda" and r.attention != "sdpa"),
+                 f"parallel.context = {p.context} with train.stage = 'sft': packed sequences under context "
+                 "parallelism need Transformer Engine; SFT samples are short, use parallel.context=1")
     _validate_rope_block(recipe)
 
 

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                      hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
     try:
         from megatron_ext.checkpoint import CheckpointError
-        from megatron_ext.training_data import DataError
+        from megatron_ext.data import DataError
 
         return train(recipe)
     except (TrainError, RecipeError, CheckpointError, DataError) as e:

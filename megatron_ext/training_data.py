@@ -1,5 +1,8 @@
 """Microbatches for the training loop: which samples each rank reads at each step, CP-sharded.
 
+CPT samples come from Megatron-Core's `GPTDataset` (`megatron_ext.data.build_cpt_datasets`), SFT
+samples are packed conversations (`megatron_ext.data.SFTPackedDataset`) run as THD sequences.
+
 Sample `i` of the run is read by exactly one DP rank: step s, microbatch m, DP rank d and row b
 read sample `s * G + (m * DP + d) * B + b` (G global batch, B micro batch). The order depends only
 on the step, so a resumed run reads exactly what an uninterrupted run would have read.
@@ -9,43 +12,14 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import numpy as np
 import torch
 
+from megatron.core.packed_seq_params import PackedSeqParams
+
 from megatron_ext.context_parallel import shard_for_context_parallel
+from megatron_ext.data import DataError
+from megatron_ext.data.loaders import SFTPackedDataset, build_cpt_datasets, read_manifest
 from megatron_ext.recipe import Recipe
-
-
-class DataError(ValueError):
-    """Training data that cannot serve the recipe: one line naming the file and the fix."""
-
-
-def build_cpt_dataset(prefix: str, seq_length: int, num_samples: int, seed: int, split: str = "100,0,0"):
-    """Megatron-Core `GPTDataset` of fixed-length samples that cross document boundaries (no document mask).
-
-    Each sample is a dict of `[seq_length]` tensors: tokens, labels (tokens shifted by one),
-    loss_mask, position_ids (0..S-1, not reset at documents, as in UltraLong).
-    """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    index = IndexedDataset(prefix)
-    total = int(np.asarray(index.sequence_lengths, dtype=np.int64).sum())
-    if total < seq_length + 1:
-        raise DataError(f"data.prefix = {prefix!r}: {total} tokens, fewer than one sequence of "
-                        f"train.seq_length + 1 = {seq_length + 1}; prepare more data or shorten the sequence")
-    # The tokenizer only supplies the EOD/pad ids that GPTDataset asks for; with no document
-    # masking and no padding their value does not matter.
-    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=2**31 - 1)
-    config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=([prefix], None), split=split,
-        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, path_to_cache=None,
-    )
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()
-    return train, total
 
 
 class TrainBatches:
@@ -55,25 +29,40 @@ class TrainBatches:
         t = recipe.train
         self.global_batch, self.micro_batch = t.global_batch_size, t.micro_batch_size
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
-        if t.stage != "cpt":
-            raise DataError(f"train.stage = {t.stage!r}: SFT data is not wired into the trainer yet")
-        self.dataset, tokens = build_cpt_dataset(recipe.data.prefix, t.seq_length, t.steps * t.global_batch_size,
-                                                 t.seed, recipe.data.split)
-        needed = t.global_batch_size * t.seq_length
-        if tokens < needed:
-            raise DataError(f"data.prefix = {recipe.data.prefix!r}: {tokens} tokens, fewer than one global batch "
-                            f"({t.global_batch_size} x {t.seq_length} = {needed}); prepare more data")
+        self.stage = t.stage
+        prefix = recipe.data.prefix
+        if t.stage == "cpt":
+            manifest = read_manifest(prefix, "cpt")
+            needed = t.global_batch_size * t.seq_length
+            if manifest["tokens"] < needed:
+                raise DataError(f"data.prefix = {prefix!r}: {manifest['tokens']} tokens, fewer than one global "
+                                f"batch ({t.global_batch_size} x {t.seq_length} = {needed}); prepare more data")
+            self.dataset = build_cpt_datasets(prefix, t.seq_length, seed=t.seed, split=recipe.data.split,
+                                              num_samples=(t.steps * t.global_batch_size, None, None))[0]
+        else:
+            self.dataset = SFTPackedDataset(prefix, t.seq_length, seed=t.seed)
+            if len(self.dataset) < t.global_batch_size:
+                raise DataError(f"data.prefix = {prefix!r}: {len(self.dataset)} packed sequences of "
+                                f"{t.seq_length} tokens, fewer than train.global_batch_size = {t.global_batch_size}; "
+                                "prepare more SFT data or lower the global batch")
 
     def sample_ids(self, step: int, microbatch: int) -> list[int]:
         """Dataset indices of this rank's rows in microbatch `microbatch` of 0-based step `step`."""
         first = step * self.global_batch + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch
-        return list(range(first, first + self.micro_batch))
+        # SFT packs are few: later steps go round them again (epochs), in the same order.
+        return [i % len(self.dataset) for i in range(first, first + self.micro_batch)]
 
     def microbatch(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
         """`[B, S / CP]` tensors: tokens, labels, loss_mask, position_ids (this rank's zigzag chunks)."""
         rows = [self.dataset[i] for i in self.sample_ids(step, microbatch)]
         batch = {key: torch.stack([torch.as_tensor(r[key]) for r in rows])
                  for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        if self.stage == "sft":  # one pack per microbatch, attention confined to each conversation (THD)
+            cu = rows[0]["cu_seqlens"]
+            longest = int((cu[1:] - cu[:-1]).max())
+            batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                         max_seqlen_q=longest, max_seqlen_kv=longest)
+            return batch
         return shard_for_context_parallel(batch, self.cp_size, self.cp_rank)
 
     def iterator(self, step: int, num_microbatches: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -57,19 +57,32 @@ def cpu_parallel_state():
 
 
 @pytest.fixture(scope="session")
-def token_data(tmp_path_factory):
-    """Documents that repeat a random motif (learnable only by attending back), via Megatron-Core's builder."""
-    import numpy as np
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+def toy_tokenizer(tmp_path_factory):
+    """The package's toy byte-level BPE tokenizer (512 ids, the tiny preset's vocabulary)."""
+    from megatron_ext.data.toy import build_toy_tokenizer
+
+    return str(build_toy_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory, toy_tokenizer):
+    """A CPT indexed dataset prepared by the real pipeline from the synthetic corpus, `<s>`-separated."""
+    from megatron_ext.data import prepare_cpt
+    from megatron_ext.data.toy import synthetic_corpus, write_jsonl
 
     d = tmp_path_factory.mktemp("data")
-    gen = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(str(d / "docs.bin"), dtype=np.int32)
-    for _ in range(40):
-        n = int(gen.integers(20, 300))
-        motif = gen.integers(3, 512, int(gen.integers(4, 24)))
-        doc = np.resize(motif, n).astype(np.int32)
-        builder.add_document(torch.from_numpy(doc), [n])
-    builder.finalize(str(d / "docs.idx"))
-    return str(d / "docs")
+    corpus = write_jsonl(d / "corpus.jsonl", synthetic_corpus(120, seed=0))
+    prepare_cpt([str(corpus)], toy_tokenizer, str(d / "cpt"), progress=False)
+    return str(d / "cpt")
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory, toy_tokenizer):
+    """An SFT dataset (chat samples, loss on assistant tokens) prepared by the real pipeline."""
+    from megatron_ext.data import prepare_sft
+    from megatron_ext.data.toy import synthetic_chats, write_jsonl
+
+    d = tmp_path_factory.mktemp("sft")
+    chats = write_jsonl(d / "chats.jsonl", synthetic_chats(200, seed=0))
+    prepare_sft([str(chats)], toy_tokenizer, str(d / "sft"), seq_length=256, progress=False)
+    return str(d / "sft")
