@@ -1,0 +1,93 @@
+"""Greedy decoding and chunked forward passes for long prompts on HF causal LMs.
+
+Long prompts are prefilled in chunks through the model's KV cache, so the activations (MLP
+intermediate, logits) of a 1M-token prompt are those of one chunk, and only the KV cache grows
+with the length. Greedy decoding is then one token per step; it matches `model.generate(
+do_sample=False)` token for token (tested).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Iterator
+
+import torch
+
+
+def _cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def _cache_kwarg(model) -> str:
+    """Name of the KV-cache argument: `cache` in newer transformers 5, `past_key_values` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def chunked_forward(model, input_ids: torch.Tensor, chunk: int | None, logits_for_all: bool,
+                    cache=None) -> Iterator[tuple[int, torch.Tensor, object]]:
+    """Run `input_ids` [B, L] through `model` in chunks of `chunk` tokens with a KV cache.
+
+    Yields (start, logits, cache) per chunk: logits are [B, c, V] for the chunk's c positions when
+    `logits_for_all`, else [B, 1, V] for its last position only.
+    """
+    _, length = input_ids.shape
+    chunk = length if not chunk or chunk <= 0 else chunk
+    cache = _cache(model) if cache is None else cache  # filled in place by each call
+    key = _cache_kwarg(model)
+    for start in range(0, length, chunk):
+        part = input_ids[:, start:start + chunk]
+        out = model(input_ids=part, use_cache=True, logits_to_keep=0 if logits_for_all else 1, **{key: cache})
+        yield start, out.logits, cache
+
+
+@torch.inference_mode()
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = (),
+                    prefill_chunk: int | None = 8192) -> list[list[int]]:
+    """Greedy continuation of each row of `input_ids` [B, L] (no padding: rows share length L).
+
+    Returns per row the new token ids, cut after the first EOS (included) or at `max_new_tokens`.
+    """
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    batch = input_ids.shape[0]
+    logits = cache = None
+    for _, logits, cache in chunked_forward(model, input_ids, prefill_chunk, logits_for_all=False):
+        pass
+    out = torch.empty(batch, 0, dtype=torch.long, device=device)
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        nxt = logits[:, -1].argmax(-1)  # [B]
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        done |= torch.isin(nxt, eos)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        logits = model(input_ids=nxt[:, None], use_cache=True, **{_cache_kwarg(model): cache}).logits
+    rows = []
+    for row in out.tolist():
+        hit = [i for i, t in enumerate(row) if t in set(eos_token_ids)]
+        rows.append(row[: hit[0] + 1] if hit else row)
+    return rows
+
+
+GenerateFn = Callable[[torch.Tensor], list[list[int]]]
+"""A generator for NIAH: prompts [B, L] -> new token ids per row (the default is `greedy_generate`)."""
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """All end-of-sequence token ids known to the tokenizer and the model's generation config."""
+    ids: set[int] = set()
+    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                   getattr(getattr(model, "config", None), "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))

@@ -1,0 +1,38 @@
+"""Atomic output: write to a temporary file beside the target, then rename it into place.
+
+A crash or Ctrl-C never leaves a half-written results.json or PNG where a good one was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """Write `obj` as indented JSON to `path` atomically; returns the path."""
+    return _atomic(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), "w")
+
+
+def save_figure_atomic(fig: Any, path: str | Path) -> Path:
+    """Save a matplotlib `Figure` as PNG to `path` atomically; returns the path."""
+    return _atomic(path, lambda f: fig.savefig(f, format="png", dpi=fig.get_dpi(), bbox_inches="tight"), "wb")

@@ -1,0 +1,124 @@
+"""Loading models to evaluate (HF directories, Megatron checkpoints via the converter) and memory notes."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_ext.evaluate.errors import EvalError
+
+ROOT = Path(__file__).resolve().parents[2]
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def _config_dict(config) -> dict:
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def kv_cache_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes per token: 2 (K and V) x layers x KV heads x head_dim x bytes per element.
+
+    `config` is an HF config (object or `config.json` dict). Llama-3.1-8B in bf16: 131072 (128 KiB).
+    """
+    cfg = _config_dict(config)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def memory_note(config, length: int, batch: int = 1, dtype_bytes: int = 2, n_params: int | None = None,
+                free_bytes: int | None = None) -> str:
+    """One paragraph on the memory a `length`-token prompt needs: KV cache, weights, and what is free."""
+    cfg = _config_dict(config)
+    per_tok = kv_cache_bytes_per_token(cfg, dtype_bytes)
+    kv = per_tok * length * batch
+    heads = cfg["num_attention_heads"]
+    parts = (f"memory note: KV cache {_human(per_tok)}/token (2 x {cfg['num_hidden_layers']} layers x "
+             f"{cfg.get('num_key_value_heads') or heads} KV heads x {cfg.get('head_dim') or cfg['hidden_size'] // heads}"
+             f" head_dim x {dtype_bytes} bytes); {length:,} tokens x batch {batch} = {_human(kv)}")
+    if n_params is not None:
+        parts += f" + weights {_human(n_params * dtype_bytes)}"
+    if free_bytes is not None:
+        need = kv + (n_params or 0) * dtype_bytes
+        parts += f"; device has {_human(free_bytes)} free"
+        if need > free_bytes:
+            parts += (" -- this will NOT fit: lower the largest length or the batch (--batch-tokens), or use a "
+                      "device with more memory")
+    return parts
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU unless given ('bf16', 'fp16', 'fp32' or a torch dtype)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise EvalError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+    """(model, tokenizer) from a Hugging Face model directory, in eval mode on `device`.
+
+    Device defaults to CUDA when available; dtype to bf16 on GPU and fp32 on CPU. Attention is
+    torch SDPA (memory-efficient/flash kernels on GPU).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise EvalError(f"model directory {path} does not exist: give a Hugging Face model directory "
+                        "(config.json, *.safetensors, tokenizer files)")
+    if not (path / "config.json").is_file():
+        raise EvalError(f"model directory {path} has no config.json: it is not a Hugging Face checkpoint "
+                        "(for a Megatron checkpoint use --megatron DIR)")
+    dev = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, dev)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"model directory {path}: cannot load its tokenizer ({e}); save the tokenizer next to "
+                        "the model (tokenizer.save_pretrained(DIR))") from e
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    return model.to(dev).eval(), tokenizer
+
+
+def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert a Megatron checkpoint to an HF directory with the project's converter (`tools/convert.py to-hf`).
+
+    EvalError when the converter is not part of this installation.
+    """
+    megatron_dir, out_dir = Path(megatron_dir), Path(out_dir)
+    hint = (f"convert it first with `python tools/convert.py to-hf --megatron {megatron_dir} --out HF_DIR` "
+            "and pass --model HF_DIR")
+    if not megatron_dir.is_dir():
+        raise EvalError(f"Megatron checkpoint directory {megatron_dir} does not exist")
+    script = ROOT / "tools" / "convert.py"
+    if importlib.util.find_spec("megatron_ext.convert") is None or not script.is_file():
+        raise EvalError(f"--megatron needs the converter (megatron_ext.convert), which this installation lacks: {hint}")
+    cmd = [sys.executable, str(script), "to-hf", "--megatron", str(megatron_dir), "--out", str(out_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise EvalError(f"converting {megatron_dir} to HF failed: {tail[0]}; {hint}")
+    return out_dir

@@ -1,0 +1,230 @@
+"""Needle in a haystack (NIAH), as in the UltraLong paper's heatmaps.
+
+A prompt of exactly L tokens (counted by the model's tokenizer) is: an instruction, filler text
+(the haystack) with one needle sentence "The special magic number is 4817263." put at a sentence
+start nearest to depth d% of the haystack, then the question and the start of the answer. The
+model continues greedily; the cell scores 1 when the first number it writes equals the value
+(exact match), else 0. A grid of lengths x depths gives the heatmap.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.generate import GenerateFn, eos_ids, greedy_generate
+from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
+
+_MARK = "\u0000NIAH_HAYSTACK\u0000"  # where the haystack goes inside a chat template
+
+
+@dataclass(frozen=True)
+class NeedleTask:
+    """The texts of a NIAH prompt; `{value}` in `needle` is replaced by a random `value_digits`-digit number."""
+
+    instruction: str = ("There is a special magic number hidden inside the long text below. "
+                        "Find it and remember it.\n\n")
+    needle: str = " The special magic number is {value}."
+    question: str = "\n\nWhat is the special magic number mentioned in the text above?"
+    answer_prefix: str = " The special magic number is"
+    value_digits: int = 7
+
+
+def extract_value(text: str) -> str | None:
+    """The first run of digits in a model's answer, or None when it wrote no number."""
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def score_output(text: str, value: str) -> float:
+    """Exact match: 1.0 when the first number in `text` is exactly `value` (no extra or missing digits)."""
+    return 1.0 if extract_value(text) == value else 0.0
+
+
+def needle_value(seed: int, length: int, depth: float, sample: int, digits: int) -> str:
+    """The cell's value: deterministic in (seed, length, depth, sample), `digits` digits, no leading zero."""
+    rng = random.Random(f"{seed}:{length}:{depth}:{sample}")
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def prompt_parts(tokenizer, task: NeedleTask, chat: bool) -> tuple[list[int], list[int]]:
+    """Token ids before and after the haystack: (head, tail).
+
+    Plain: [BOS] + instruction | question + answer prefix. Chat: the tokenizer's chat template
+    around a user message instruction + haystack + question, then the answer prefix after the
+    assistant header (so instruct models answer in the scored form).
+    """
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise EvalError("chat prompts need a tokenizer with a chat template; this one has none (drop --chat)")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": task.instruction + _MARK + task.question}],
+                                             tokenize=False, add_generation_prompt=True)
+        head, tail = text.split(_MARK)
+        return enc(head), enc(tail + task.answer_prefix.lstrip())
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + enc(task.instruction), enc(task.question + task.answer_prefix)
+
+
+def build_prompt(haystack: Haystack, head: list[int], needle: list[int], tail: list[int], length: int,
+                 depth: float) -> tuple[list[int], int, int]:
+    """A prompt of exactly `length` tokens with the needle at the sentence start nearest to `depth`%.
+
+    Returns (ids, needle_start, haystack_tokens): `needle_start` is the needle's first token index
+    in `ids`; the haystack part is `haystack_tokens` long (needle excluded), so the needle sits
+    after (needle_start - len(head)) of them.
+    """
+    n_hay = length - len(head) - len(needle) - len(tail)
+    if n_hay < 0:
+        raise EvalError(f"length {length} is shorter than the prompt without any haystack "
+                        f"({length - n_hay} tokens): use lengths of at least {length - n_hay}")
+    if n_hay > len(haystack):
+        raise EvalError(f"haystack {haystack.source} has {len(haystack):,} tokens, length {length:,} needs {n_hay:,}")
+    slots = haystack.needle_slots(n_hay)
+    target = depth / 100.0 * n_hay
+    at = int(slots[np.argmin(np.abs(slots - target))])  # first of two equally near slots
+    ids = haystack.ids
+    prompt = head + ids[:at].tolist() + needle + ids[at:n_hay].tolist() + tail
+    return prompt, len(head) + at, n_hay
+
+
+@dataclass
+class NiahResult:
+    """A NIAH grid. scores[i][j]: mean exact match at depths[i], lengths[j] (None: length skipped)."""
+
+    lengths: list[int]
+    depths: list[float]
+    scores: list[list[float | None]]
+    cells: list[dict] = field(default_factory=list)
+    skipped_lengths: list[int] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float:
+        """Mean score over the cells that ran."""
+        vals = [s for row in self.scores for s in row if s is not None]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"accuracy": self.accuracy, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NiahResult":
+        return cls(**{k: d[k] for k in ("lengths", "depths", "scores", "cells", "skipped_lengths", "settings") if k in d})
+
+
+def _check_grid(lengths, depths) -> tuple[list[int], list[float]]:
+    lengths = sorted({int(x) for x in lengths})
+    if not lengths or lengths[0] <= 0:
+        raise EvalError(f"lengths must be positive token counts, got {lengths}")
+    depths = sorted({float(d) for d in depths})
+    bad = [d for d in depths if not 0.0 <= d <= 100.0]
+    if not depths or bad:
+        raise EvalError(f"depths are percentages in 0..100, got {bad or depths}")
+    return lengths, depths
+
+
+def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Path | None = None,
+             task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
+             max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | None = 8192,
+             allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
+             progress: bool = True, log=print) -> NiahResult:
+    """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
+
+    `haystack`: a Haystack, a text file path, or None for the built-in filler. Prompts of one
+    length run as batches of up to `batch_tokens // length` rows (no padding: equal lengths).
+    Lengths above the model's `max_position_embeddings` are skipped with a warning unless
+    `allow_beyond_max_positions`. `generate` replaces greedy decoding (prompts [B, L] -> new ids
+    per row); `model` may then be None.
+    """
+    lengths, depths = _check_grid(lengths, depths)
+    if samples < 1:
+        raise EvalError(f"samples must be >= 1, got {samples}")
+    skipped: list[int] = []
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_pos is not None:
+        over = [n for n in lengths if n > max_pos]
+        if over:
+            what = "running them anyway (forced)" if allow_beyond_max_positions else "skipping them (use --force to run)"
+            warnings.warn(f"lengths {over} exceed the model's max_position_embeddings={max_pos}: {what}", stacklevel=2)
+            if not allow_beyond_max_positions:
+                skipped = over
+    todo = [n for n in lengths if n not in skipped]
+    if not todo:
+        raise EvalError(f"every length {lengths} exceeds the model's max_position_embeddings={max_pos}: "
+                        "use shorter lengths or --force")
+
+    head, tail = prompt_parts(tokenizer, task, chat)
+    cells = []  # one per (length, depth, sample), in run order
+    for n in todo:
+        for d in depths:
+            for s in range(samples):
+                value = needle_value(seed, n, d, s, task.value_digits)
+                needle = tokenizer(task.needle.format(value=value), add_special_tokens=False)["input_ids"]
+                cells.append({"length": n, "depth": d, "sample": s, "value": value, "needle_ids": needle})
+    need = max(c["length"] - len(head) - len(tail) - len(c["needle_ids"]) for c in cells)
+    if isinstance(haystack, Haystack):
+        hay = haystack
+    elif haystack is None:
+        hay = builtin_haystack(tokenizer, need, seed=seed)
+    else:
+        hay = file_haystack(tokenizer, haystack, need)
+
+    if generate is None:
+        eos = eos_ids(model, tokenizer)
+        generate = lambda ids: greedy_generate(model, ids, max_new_tokens, eos_token_ids=eos,  # noqa: E731
+                                               prefill_chunk=prefill_chunk)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(cells), desc="niah", unit="cell")
+    start_all = time.time()
+    for n in todo:
+        row = [c for c in cells if c["length"] == n]
+        per_batch = max(1, batch_tokens // n)
+        t0 = time.time()
+        for i in range(0, len(row), per_batch):
+            batch = row[i:i + per_batch]
+            prompts = []
+            for c in batch:
+                ids, pos, n_hay = build_prompt(hay, head, c.pop("needle_ids"), tail, n, c["depth"])
+                c.update(needle_token=pos, haystack_tokens=n_hay,
+                         actual_depth=round(100.0 * (pos - len(head)) / max(n_hay, 1), 3))
+                prompts.append(ids)
+            outputs = generate(torch.tensor(prompts, dtype=torch.long))
+            for c, out in zip(batch, outputs):
+                c["output"] = tokenizer.decode(out, skip_special_tokens=True)
+                c["score"] = score_output(c["output"], c["value"])
+            if bar is not None:
+                bar.update(len(batch))
+        if log:
+            acc = np.mean([c["score"] for c in row])
+            log(f"[niah] length {n:>9,}: accuracy {acc:.2f} over {len(row)} prompts ({time.time() - t0:.1f}s)")
+    if bar is not None:
+        bar.close()
+
+    scores: list[list[float | None]] = []
+    for d in depths:
+        scores.append([None if n in skipped else
+                       float(np.mean([c["score"] for c in cells if c["length"] == n and c["depth"] == d]))
+                       for n in lengths])
+    settings = {"model": _model_name(model), "haystack": hay.source, "task": asdict(task), "samples": samples,
+                "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
+                "prompt_overhead_tokens": len(head) + len(tail), "seconds": round(time.time() - start_all, 2)}
+    if model is not None:
+        p = next(model.parameters())
+        settings.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
+    return NiahResult(lengths, depths, scores, cells, skipped, settings)
+
+
+def _model_name(model) -> str | None:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "_name_or_path", None) or (type(model).__name__ if model is not None else None)

@@ -1,0 +1,146 @@
+"""Perplexity by position: per-token loss averaged in log-spaced position buckets over long documents.
+
+Token t of a document (t >= 1) is predicted from the t tokens before it; its position is t. A
+model that uses its extended context keeps lowering the loss as t grows; one that does not
+flattens (or rises) past its trained window. Buckets double in width (`per_octave` per doubling)
+so 1M-token documents still give a readable curve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.generate import chunked_forward
+
+
+def log_buckets(n_tokens: int, per_octave: int = 1) -> list[tuple[int, int]]:
+    """Half-open position buckets [start, end) covering positions 1 .. n_tokens-1 exactly once.
+
+    Edges are round(2 ** (k / per_octave)), deduplicated, with the last edge n_tokens. For
+    n_tokens=10, per_octave=1: [(1, 2), (2, 4), (4, 8), (8, 10)].
+    """
+    if n_tokens < 2:
+        raise EvalError(f"a document needs at least 2 tokens for a loss, got {n_tokens}")
+    if per_octave < 1:
+        raise EvalError(f"per_octave must be >= 1, got {per_octave}")
+    edges = {1}
+    k = 0
+    while True:
+        e = int(round(2 ** (k / per_octave)))
+        if e >= n_tokens:
+            break
+        edges.add(e)
+        k += 1
+    edges = sorted(edges) + [n_tokens]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@torch.inference_mode()
+def token_losses(model, ids: torch.Tensor, chunk: int | None = 4096) -> torch.Tensor:
+    """Per-token negative log-likelihood [T-1] (fp32) of a document `ids` [T]: entry t-1 is token t's loss.
+
+    The document runs through the model in chunks with a KV cache, so memory for logits is one
+    chunk's [c, V], not the document's.
+    """
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    losses = torch.empty(len(ids) - 1, dtype=torch.float32, device=device)
+    for start, logits, _ in chunked_forward(model, ids[None], chunk, logits_for_all=True):
+        c = logits.shape[1]
+        targets = ids[start + 1:start + c + 1]  # the chunk's last position predicts the next chunk's first token
+        n = len(targets)
+        losses[start:start + n] = F.cross_entropy(logits[0, :n].float(), targets, reduction="none")
+    return losses
+
+
+@dataclass
+class PerplexityResult:
+    """Loss by position: buckets [{start, end, tokens, mean_loss, perplexity}] over `documents` documents."""
+
+    buckets: list[dict]
+    documents: int
+    doc_tokens: list[int]
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def mean_loss(self) -> float:
+        """Token-weighted mean loss over all positions."""
+        tok = sum(b["tokens"] for b in self.buckets)
+        return sum(b["mean_loss"] * b["tokens"] for b in self.buckets if b["tokens"]) / max(tok, 1)
+
+    def to_dict(self) -> dict:
+        return {"mean_loss": self.mean_loss, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PerplexityResult":
+        return cls(d["buckets"], d["documents"], d["doc_tokens"], d.get("settings", {}))
+
+
+def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
+    if hasattr(source, "encode") or hasattr(source, "convert_tokens_to_ids"):  # a tokenizer
+        if not texts:
+            raise EvalError("perplexity by position with a tokenizer needs texts= (strings, or Paths of text files)")
+        docs = []
+        for t in texts:
+            if isinstance(t, Path):  # a file; a str is the text itself
+                if not t.is_file():
+                    raise EvalError(f"document file {t} does not exist")
+                t = t.read_text(encoding="utf-8", errors="replace")
+            # BOS as in training; the tokenizer adds it when its post-processor does.
+            docs.append(torch.tensor(source(t)["input_ids"], dtype=torch.long))
+    else:
+        if isinstance(source, torch.Tensor) and source.dim() == 2:
+            source = list(source)
+        docs = [torch.as_tensor(np.asarray(d), dtype=torch.long).flatten() for d in source]
+    if seq_len is not None:
+        docs = [d[:seq_len] for d in docs]
+    docs = [d for d in docs if len(d) >= 2]
+    if not docs:
+        raise EvalError("perplexity by position got no document with at least 2 tokens")
+    return docs
+
+
+def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence[str | Path] | None = None,
+                           seq_len: int | None = None, per_octave: int = 2, chunk: int | None = 4096,
+                           progress: bool = True) -> PerplexityResult:
+    """Per-token loss of `model` averaged in log-spaced position buckets over long documents.
+
+    Second argument: a tokenizer (then `texts`: strings, or `Path`s of text files, one document each) or
+    token-id documents (1D tensors/arrays/lists, or a [N, T] tensor). Documents are cut to
+    `seq_len` tokens (default: the model's max_position_embeddings). Buckets span the longest
+    document; shorter ones add to the buckets they reach.
+    """
+    if seq_len is None:
+        seq_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    docs = _documents(tokenizer_or_token_tensors, texts, seq_len)
+    longest = max(len(d) for d in docs)
+    buckets = log_buckets(longest, per_octave)
+    edges = np.array([s for s, _ in buckets] + [buckets[-1][1]])
+    sums = np.zeros(len(buckets))
+    counts = np.zeros(len(buckets), dtype=np.int64)
+    docs_iter = docs
+    if progress:
+        from tqdm.auto import tqdm
+        docs_iter = tqdm(docs, desc="ppl", unit="doc")
+    for d in docs_iter:
+        loss = token_losses(model, d, chunk).double().cpu().numpy()  # [T-1], entry t-1 = position t
+        pos = np.arange(1, len(d))
+        which = np.searchsorted(edges, pos, side="right") - 1
+        sums += np.bincount(which, weights=loss, minlength=len(buckets))
+        counts += np.bincount(which, minlength=len(buckets))
+    rows = []
+    for (s, e), total, n in zip(buckets, sums, counts):
+        mean = float(total / n) if n else None
+        rows.append({"start": s, "end": e, "tokens": int(n), "mean_loss": mean,
+                     "perplexity": math.exp(mean) if mean is not None and mean < 700 else None})
+    settings = {"seq_len": seq_len, "per_octave": per_octave, "chunk": chunk,
+                "model": getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__}
+    return PerplexityResult(rows, len(docs), [len(d) for d in docs], settings)
