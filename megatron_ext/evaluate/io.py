@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -21,6 +27,7 @@ def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -170,7 +170,13 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
                 value = needle_value(seed, n, d, s, task.value_digits)
                 needle = tokenizer(task.needle.format(value=value), add_special_tokens=False)["input_ids"]
                 cells.append({"length": n, "depth": d, "sample": s, "value": value, "needle_ids": needle})
-    need = max(c["length"] - len(head) - len(tail) - len(c["needle_ids"]) for c in cells)
+    hay_tokens = [c["length"] - len(head) - len(tail) - len(c["needle_ids"]) for c in cells]
+    if min(hay_tokens) < 0:
+        shortest = min(c["length"] for c, h in zip(cells, hay_tokens) if h < 0)
+        floor = max(c["length"] - h for c, h in zip(cells, hay_tokens))
+        raise EvalError(f"length {shortest} is shorter than the prompt without any haystack ({floor} tokens: "
+                        f"instruction, needle, question): use lengths of at least {floor}")
+    need = max(hay_tokens)
     if isinstance(haystack, Haystack):
         hay = haystack
     elif haystack is None:

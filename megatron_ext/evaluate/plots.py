@@ -49,8 +49,7 @@ def plot_niah_heatmap(result: NiahResult | dict, path: str | Path, title: str | 
     n_depth, n_len = grid.shape
     fig = _figure(max(6.0, 0.55 * n_len + 3.0), max(4.0, 0.4 * n_depth + 2.0))
     ax = fig.add_subplot(1, 1, 1)
-    cmap = LinearSegmentedColormap.from_list("niah", _NIAH_COLOURS)
-    cmap.set_bad("#BBBBBB")
+    cmap = LinearSegmentedColormap.from_list("niah", _NIAH_COLOURS).with_extremes(bad="#BBBBBB")
     mesh = ax.pcolormesh(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, edgecolors="white", linewidth=0.8)
     ax.set_xticks(np.arange(n_len) + 0.5, [format_tokens(n) for n in result.lengths],
                   rotation=45 if n_len > 8 else 0, ha="right" if n_len > 8 else "center")

@@ -1,0 +1,192 @@
+"""Command line of `tools/niah.py`: NIAH grids and perplexity by position on an HF or Megatron checkpoint.
+
+    python tools/niah.py --model HF_DIR --lengths 1K:128K:8 --depths 0:100:10 --out runs/niah
+    python tools/niah.py --megatron CKPT_DIR --lengths 4K,16K --out runs/niah     # via tools/convert.py
+    python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.evaluate.errors import EvalError
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_LENGTH_HELP = "use e.g. 4096, 32K, 1M (K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11"
+
+
+def _token_count(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGkmg]?)\s*", text)
+    if not m:
+        raise EvalError(f"--lengths: {text!r} is not a token count; {_LENGTH_HELP}")
+    n = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if n < 1 or n != int(n):
+        raise EvalError(f"--lengths: {text!r} is not a positive whole number of tokens; {_LENGTH_HELP}")
+    return int(n)
+
+
+def parse_lengths(spec: str) -> list[int]:
+    """'1K,4K,1M' -> [1024, 4096, 1048576]; '1K:1M:11' -> 11 log-spaced lengths from 1K to 1M (sorted, unique)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        if ":" in part:
+            bits = part.split(":")
+            if len(bits) != 3 or not bits[2].strip().isdigit() or int(bits[2]) < 2:
+                raise EvalError(f"--lengths: range {part!r} must be START:END:COUNT with COUNT >= 2; {_LENGTH_HELP}")
+            lo, hi = _token_count(bits[0]), _token_count(bits[1])
+            if hi <= lo:
+                raise EvalError(f"--lengths: range {part!r} ends at or below its start; {_LENGTH_HELP}")
+            out += [int(round(x)) for x in np.geomspace(lo, hi, int(bits[2]))]
+        else:
+            out.append(_token_count(part))
+    return sorted(set(out))
+
+
+def parse_depths(spec: str) -> list[float]:
+    """'0:100:10' -> 0, 10, ..., 100 (START:END:STEP, END included); '0,50,100' -> [0, 50, 100]. Percent, 0..100."""
+    try:
+        if ":" in spec:
+            lo, hi, step = (float(x) for x in spec.split(":"))
+            if step <= 0 or hi < lo:
+                raise EvalError(f"--depths: {spec!r} needs START <= END and STEP > 0 (e.g. 0:100:10)")
+            depths = [round(x, 6) for x in np.arange(lo, hi + step / 2, step)]
+        else:
+            depths = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise EvalError(f"--depths: {spec!r} is not a list of percentages (e.g. 0,50,100 or 0:100:10)") from None
+    bad = [d for d in depths if not 0 <= d <= 100]
+    if bad:
+        raise EvalError(f"--depths: {bad} are outside 0..100 (depth is the needle's position in percent of the haystack)")
+    return sorted(set(depths))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    src.add_argument("--megatron", type=Path, help="Megatron checkpoint; converted with tools/convert.py to-hf first")
+    p.add_argument("--out", type=Path, required=True, help="output directory (created; files written atomically)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (bounds activation memory)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    niah = argparse.ArgumentParser(prog="niah.py", description="Needle-in-a-haystack grid (lengths x depths) -> "
+                                   "results.json and heatmap.png. `niah.py ppl --help`: perplexity by position.")
+    _common(niah)
+    niah.add_argument("--lengths", default="1K,2K,4K,8K", help=f"context lengths in tokens; {_LENGTH_HELP}")
+    niah.add_argument("--depths", default="0:100:10", help="needle depths in percent: 0:100:10 or 0,50,100")
+    niah.add_argument("--haystack", type=Path, default=None, help="UTF-8 text file for the filler (default: built-in)")
+    niah.add_argument("--samples", type=int, default=1, help="needles (random values) per cell")
+    niah.add_argument("--seed", type=int, default=0, help="seed of the values and the built-in filler")
+    niah.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    niah.add_argument("--max-new-tokens", type=int, default=16)
+    niah.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch (batch = this // length)")
+    niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
+    niah.add_argument("--title", default=None, help="heatmap title")
+    ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
+                                  "long documents -> ppl.json and ppl.png.")
+    _common(ppl)
+    ppl.add_argument("--text", type=Path, nargs="+", required=True, help="text files, one document each")
+    ppl.add_argument("--seq-len", type=int, default=None, help="cut documents to this many tokens "
+                     "(default: max_position_embeddings)")
+    ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")
+    ppl.add_argument("--label", default=None, help="curve label (default: the model directory name)")
+    return niah, ppl
+
+
+@contextmanager
+def _model(args):
+    """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out)."""
+    from megatron_ext.evaluate.loading import convert_megatron, load_hf
+
+    if args.model is not None:
+        yield load_hf(args.model, args.device, args.dtype)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
+        print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)")
+        yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype)
+
+
+def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> None:
+    import psutil
+    import torch
+
+    from megatron_ext.evaluate.loading import memory_note
+
+    p = next(model.parameters())
+    free = torch.cuda.mem_get_info(p.device)[0] if p.device.type == "cuda" else psutil.virtual_memory().available
+    n_params = sum(x.numel() for x in model.parameters())
+    print(f"[{tag}] " + memory_note(model.config, length, batch, p.element_size(), n_params, free))
+
+
+def _run_niah(args) -> None:
+    from megatron_ext.evaluate.io import write_json_atomic
+    from megatron_ext.evaluate.niah import run_niah
+    from megatron_ext.evaluate.plots import plot_niah_heatmap
+
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
+    if args.haystack is not None and not args.haystack.is_file():
+        raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
+                        "to use the built-in filler")
+    with _model(args) as (model, tokenizer):
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
+        if ran:
+            n_cells = len(depths) * args.samples
+            _print_memory_note(model, max(ran), min(n_cells, max(1, args.batch_tokens // max(ran))))
+        result = run_niah(model, tokenizer, lengths, depths, haystack=args.haystack, samples=args.samples,
+                          seed=args.seed, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                          batch_tokens=args.batch_tokens, prefill_chunk=args.chunk,
+                          allow_beyond_max_positions=args.force, progress=not args.no_progress)
+    result.settings["model"] = str(args.model or args.megatron)
+    js = write_json_atomic(args.out / "results.json", result.to_dict())
+    png = plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title)
+    print(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
+
+
+def _run_ppl(args) -> None:
+    from megatron_ext.evaluate.io import write_json_atomic
+    from megatron_ext.evaluate.perplexity import perplexity_by_position
+    from megatron_ext.evaluate.plots import plot_perplexity
+
+    missing = [str(t) for t in args.text if not t.is_file()]
+    if missing:
+        raise EvalError(f"--text: {', '.join(missing)} does not exist: give UTF-8 text files (one document each)")
+    with _model(args) as (model, tokenizer):
+        seq = args.seq_len or getattr(model.config, "max_position_embeddings", None)
+        _print_memory_note(model, seq or 0, 1, tag="ppl")
+        result = perplexity_by_position(model, tokenizer, texts=list(args.text), seq_len=args.seq_len,
+                                        per_octave=args.per_octave, chunk=args.chunk, progress=not args.no_progress)
+    label = args.label or (args.model or args.megatron).name
+    result.settings["model"] = str(args.model or args.megatron)
+    js = write_json_atomic(args.out / "ppl.json", result.to_dict())
+    png = plot_perplexity({label: result}, args.out / "ppl.png")
+    print(f"[ppl] {result.documents} documents, {sum(result.doc_tokens):,} tokens, mean loss {result.mean_loss:.4f}; "
+          f"wrote {js} and {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    niah, ppl = _parsers()
+    is_ppl = bool(argv) and argv[0] == "ppl"
+    if argv and argv[0] in ("ppl", "niah"):
+        argv = argv[1:]
+    args = (ppl if is_ppl else niah).parse_args(argv)
+    warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
+    try:
+        _run_ppl(args) if is_ppl else _run_niah(args)
+    except EvalError as e:
+        sys.exit(f"error: {e}")
+    return 0

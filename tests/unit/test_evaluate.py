@@ -1,0 +1,373 @@
+"""Long-context evaluation (megatron_ext.evaluate): NIAH prompts, scoring, decoding, perplexity by position, plots.
+
+The model is a tiny random-initialised Llama-3.1-shaped `LlamaForCausalLM` (the TINY preset) saved
+with save_pretrained, and the tokenizer a word-level one built here that covers every word NIAH
+writes. Results are meaningless with random weights; the plumbing is what these tests check.
+Outside oracles: transformers' own `generate` and loss.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext.evaluate import (EvalError, NeedleTask, builtin_haystack, build_prompt, extract_value,
+                                   file_haystack, greedy_generate, kv_cache_bytes_per_token, load_hf, log_buckets,
+                                   memory_note, perplexity_by_position, plot_niah_heatmap, plot_perplexity, run_niah,
+                                   score_output, write_json_atomic)
+from megatron_ext.evaluate.haystack import filler_words
+from megatron_ext.evaluate.niah import prompt_parts
+from megatron_ext.evaluate.perplexity import token_losses
+from megatron_ext.presets import LLAMA31_8B, TINY
+
+CHAT_TEMPLATE = ("<s>{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]\n{% endif %}")
+
+
+def make_tokenizer():
+    """PreTrainedTokenizerFast: WordLevel over NIAH's words, digits one by one, lossless decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = NeedleTask()
+    text = t.instruction + t.needle + t.question + t.answer_prefix + " user assistant [ ]"
+    words = set(filler_words()) | set(re.findall(r"[A-Za-z]+|[^\sA-Za-z0-9{}]", text))
+    vocab = ["<unk>", "<s>", "</s>", "\u2581", "\n"] + [str(i) for i in range(10)]
+    for w in sorted(words):
+        vocab += [w, "\u2581" + w]
+    vocab = list(dict.fromkeys(vocab))
+    assert len(vocab) <= TINY["vocab_size"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("\n", "isolated"),
+        pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never"),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Punctuation(),
+    ])
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="never")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def make_model():
+    """Random-initialised LlamaForCausalLM of the TINY preset (fp32, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"})
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_tiny(path: Path) -> Path:
+    """Save the tiny model and tokenizer as an HF directory; returns it."""
+    make_model().save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster (no spinning)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny_hf"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """(model, tokenizer) loaded back from the saved directory, as tools/niah.py does."""
+    return load_hf(tiny_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def assert_png(path: Path) -> tuple[int, int]:
+    """A complete, non-empty PNG: signature, IHDR size, IEND chunk, and Pillow can decode it."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+    assert data[-12:-4] == b"\x00\x00\x00\x00IEND"[:0] + b"\x00\x00\x00\x00IEND"[4:] or data.endswith(b"IEND\xaeB`\x82")
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.load()
+        assert im.size == (width, height)
+        assert len(set(im.convert("RGB").getdata())) > 10  # drawn, not blank
+    return width, height
+
+
+def find_sub(seq: list[int], sub: list[int]) -> list[int]:
+    """Start indices of `sub` in `seq`."""
+    return [i for i in range(len(seq) - len(sub) + 1) if seq[i:i + len(sub)] == sub]
+
+
+# ---------------------------------------------------------------------------------------------- pure functions
+
+
+def test_kv_cache_bytes_from_config():
+    # 2 x 32 layers x 8 KV heads x 128 head_dim x 2 bytes = 128 KiB per token for Llama-3.1-8B in bf16.
+    assert kv_cache_bytes_per_token(LLAMA31_8B, 2) == 131072
+    assert kv_cache_bytes_per_token(TINY, 4) == 2 * 2 * 2 * 16 * 4
+    note = memory_note(LLAMA31_8B, 1 << 20, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
+    assert "128.0 KiB/token" in note and "128.0 GiB" in note and "NOT fit" in note  # 128 + 15 GiB > 140 GiB
+    assert "NOT fit" not in memory_note(LLAMA31_8B, 1 << 19, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
+
+
+def test_log_buckets_exact_and_cover_every_position():
+    assert log_buckets(10, 1) == [(1, 2), (2, 4), (4, 8), (8, 10)]
+    assert log_buckets(10, 2) == [(1, 2), (2, 3), (3, 4), (4, 6), (6, 8), (8, 10)]
+    assert log_buckets(2) == [(1, 2)]
+    for n in [2, 3, 17, 256, 1000, 1 << 20]:
+        for per in (1, 2, 4):
+            b = log_buckets(n, per)
+            assert b[0][0] == 1 and b[-1][1] == n
+            assert all(s < e for s, e in b) and all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+    assert len(log_buckets(1 << 22, 1)) == 22  # 4M positions: one bucket per doubling
+    with pytest.raises(EvalError, match="at least 2 tokens"):
+        log_buckets(1)
+
+
+def test_scoring_is_exact_match_on_the_value():
+    v = "4817263"
+    assert score_output(v, v) == 1.0
+    assert score_output(" 4817263.\nThe end", v) == 1.0
+    assert extract_value("The number is 4817263 indeed") == v
+    for wrong in ["48172630", "481726", "4817264", "no number here", "", "1 4817263"]:
+        assert score_output(wrong, v) == 0.0, wrong  # superstring, prefix, off by one, none, first number wrong
+
+
+# ---------------------------------------------------------------------------------------------- haystack and prompt
+
+
+def test_builtin_filler_is_deterministic_and_starts_are_sentence_starts(tok):
+    a, b = builtin_haystack(tok, 3000, seed=3), builtin_haystack(tok, 3000, seed=3)
+    assert len(a) >= 3000 and np.array_equal(a.ids, b.ids) and np.array_equal(a.starts, b.starts)
+    assert not np.array_equal(builtin_haystack(tok, 3000, seed=4).ids[:200], a.ids[:200])
+    assert tok.unk_token_id not in a.ids  # the test vocabulary covers the filler
+    # Every recorded start is a capitalised word right after a full stop; no sentence start is missed.
+    toks = tok.convert_ids_to_tokens(a.ids.tolist())
+    starts = set(a.starts.tolist())
+    for i in range(1, len(toks)):
+        assert (i in starts) == (toks[i - 1] == "."), (i, toks[i - 1:i + 1])
+    assert 0 in starts
+
+
+def test_builtin_haystack_with_a_byte_level_bpe_tokenizer():
+    """Sentence starts found from offsets also with Llama-3-like byte-level BPE (spaces glued to words)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_ext.evaluate.haystack import filler_sentences
+
+    gen = filler_sentences(0)
+    corpus = [" ".join(next(gen) for _ in range(50)) for _ in range(20)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    hay = builtin_haystack(tk, 2000)
+    text_starts = [tk.decode(hay.ids[s:s + 2].tolist()) for s in hay.starts[1:50]]
+    assert all(re.match(r" [A-Z]", t) for t in text_starts), text_starts
+    n_sentences = tk.decode(hay.ids.tolist()).count(".")
+    assert abs(len(hay.starts) - n_sentences) <= 1
+
+
+@pytest.mark.parametrize("length", [100, 177, 256, 1000])
+def test_prompt_has_exact_length_and_needle_at_depth(tok, length):
+    task = NeedleTask()
+    head, tail = prompt_parts(tok, task, chat=False)
+    assert head[0] == tok.bos_token_id
+    needle = tok(task.needle.format(value="4817263"), add_special_tokens=False)["input_ids"]
+    hay = builtin_haystack(tok, length)
+    longest_sentence = int(np.diff(hay.starts).max())
+    for depth in range(0, 101, 10):
+        ids, pos, n_hay = build_prompt(hay, head, needle, tail, length, depth)
+        assert len(ids) == length  # token-exact
+        assert ids[:len(head)] == head and ids[-len(tail):] == tail
+        assert find_sub(ids, needle) == [pos]  # the needle once, where reported
+        at = pos - len(head)
+        assert abs(at - depth / 100 * n_hay) <= longest_sentence / 2 + 1  # nearest sentence start
+        assert at in set(hay.starts.tolist()) | {n_hay}  # between sentences, never inside one
+        # Without the needle the middle is exactly the first n_hay haystack tokens.
+        assert ids[len(head):pos] + ids[pos + len(needle):-len(tail)] == hay.ids[:n_hay].tolist()
+        if depth == 0:
+            assert at == 0
+        if depth == 100:
+            assert at == n_hay
+    with pytest.raises(EvalError, match="at least"):
+        build_prompt(hay, head, needle, tail, len(head) + len(tail), 50)
+
+
+def test_chat_template_prompt_parts(tok):
+    tk = make_tokenizer()
+    tk.chat_template = CHAT_TEMPLATE
+    task = NeedleTask()
+    head, tail = prompt_parts(tk, task, chat=True)
+    assert head[0] == tk.bos_token_id and head.count(tk.bos_token_id) == 1
+    assert tk.decode(head).startswith("<s>[user]\nThere is a special magic number")
+    assert tk.decode(tail).endswith("?\n[assistant]\nThe special magic number is")
+    with pytest.raises(EvalError, match="chat template"):
+        prompt_parts(tok, task, chat=True)
+
+
+def test_haystack_file_too_short_says_by_how_much(tok, tmp_path):
+    f = tmp_path / "essay.txt"
+    f.write_text("The old river passes the garden. A farmer greets the teacher near the hill.\n" * 10)
+    n = len(tok(f.read_text(), add_special_tokens=False)["input_ids"])
+    hay = file_haystack(tok, f, n)
+    assert len(hay) == n and len(hay.starts) == 1 + 20  # token 0, then after each of the 20 full stops
+    with pytest.raises(EvalError, match=f"has {n:,} tokens .* needs 5,000 haystack tokens \\(short by {5000 - n:,}\\)"):
+        file_haystack(tok, f, 5000)
+    with pytest.raises(EvalError, match="does not exist"):
+        file_haystack(tok, tmp_path / "missing.txt", 10)
+
+
+# ---------------------------------------------------------------------------------------------- NIAH grid
+
+
+class Recorder:
+    """A generate callable: records the prompts it gets and answers with `answer(prompt_text)`."""
+
+    def __init__(self, tok, answer):
+        self.tok, self.answer, self.batches = tok, answer, []
+
+    def __call__(self, ids: torch.Tensor) -> list[list[int]]:
+        self.batches.append(ids.clone())
+        return [self.tok(self.answer(self.tok.decode(row)), add_special_tokens=False)["input_ids"] for row in ids.tolist()]
+
+
+def _read_needle(prompt: str) -> str:
+    """What a perfect retriever answers: the value after 'magic number is' in the prompt."""
+    return " " + re.search(r"special magic number is (\d+)\.", prompt).group(1) + "."
+
+
+def test_reader_stub_scores_100_and_constant_scores_0(tok):
+    lengths, depths = [80, 150, 256], [0, 25, 50, 75, 100]
+    reader = Recorder(tok, _read_needle)
+    res = run_niah(None, tok, lengths, depths, samples=2, batch_tokens=700, generate=reader, progress=False, log=None)
+    assert np.array(res.scores).shape == (len(depths), len(lengths))  # [depth, length]
+    assert res.accuracy == 1.0 and len(res.cells) == len(lengths) * len(depths) * 2
+    assert len({c["value"] for c in res.cells}) == len(res.cells)  # a fresh random value per prompt
+    # Batches: one length each, no padding, at most batch_tokens // length rows.
+    rows = {n: 0 for n in lengths}
+    for b in reader.batches:
+        n = b.shape[1]
+        assert b.shape[0] <= max(1, 700 // n)
+        rows[n] += b.shape[0]
+    assert rows == {n: len(depths) * 2 for n in lengths}
+    # The reported needle position is where the needle is in the prompt the model saw.
+    prompts = [row for b in reader.batches for row in b.tolist()]
+    for c, p in zip(res.cells, prompts):
+        needle = tok(NeedleTask().needle.format(value=c["value"]), add_special_tokens=False)["input_ids"]
+        assert find_sub(p, needle) == [c["needle_token"]]
+        assert abs(c["actual_depth"] - c["depth"]) <= 100 * 12 / c["haystack_tokens"] + 1e-9  # within a sentence
+    constant = run_niah(None, tok, lengths, depths, generate=Recorder(tok, lambda _: " 1234567."),
+                        progress=False, log=None)
+    assert constant.accuracy == 0.0 and all(s == 0.0 for row in constant.scores for s in row)
+    off_by_one = run_niah(None, tok, [150], [50], generate=Recorder(tok, lambda p: _read_needle(p)[:-2] + "0."),
+                          progress=False, log=None)
+    assert off_by_one.accuracy == 0.0 or off_by_one.cells[0]["value"].endswith("0")
+
+
+def test_run_niah_real_model_grid_results_and_heatmap(tiny, tmp_path):
+    model, tok = tiny
+    with pytest.warns(UserWarning, match=r"lengths \[512\] exceed the model's max_position_embeddings=256"):
+        res = run_niah(model, tok, [64, 128, 256, 512], [0, 50, 100], batch_tokens=300, prefill_chunk=48,
+                       max_new_tokens=6, progress=False, log=None)
+    assert res.skipped_lengths == [512]
+    assert [row[3] for row in res.scores] == [None, None, None]
+    assert all(s in (0.0, 1.0) for row in res.scores for s in row[:3])
+    assert all(len(tok(c["output"], add_special_tokens=False)["input_ids"]) <= 6 + 1 for c in res.cells)
+    assert res.settings["device"] == "cpu" and res.settings["dtype"] == "float32"
+    js = write_json_atomic(tmp_path / "results.json", res.to_dict())
+    loaded = json.loads(js.read_text())
+    assert loaded["lengths"] == [64, 128, 256, 512] and len(loaded["cells"]) == 9
+    w, h = assert_png(plot_niah_heatmap(loaded, tmp_path / "heatmap.png"))
+    assert w > h  # landscape: lengths across, depths down
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heatmap.png", "results.json"]  # no temp files left
+    # Forced: the too-long length runs (negative control of the skip).
+    with pytest.warns(UserWarning, match="forced"):
+        forced = run_niah(model, tok, [512], [50], allow_beyond_max_positions=True, max_new_tokens=2,
+                          progress=False, log=None)
+    assert forced.skipped_lengths == [] and forced.scores[0][0] is not None
+    with pytest.raises(EvalError, match="every length"):
+        run_niah(model, tok, [1024], [50], progress=False, log=None)
+    with pytest.raises(EvalError, match="0..100"):
+        run_niah(model, tok, [64], [-5, 50], progress=False, log=None)
+    with pytest.raises(EvalError, match="shorter than the prompt"):
+        run_niah(model, tok, [20, 64], [50], progress=False, log=None)
+
+
+# ---------------------------------------------------------------------------------------------- decoding and loss vs transformers
+
+
+def test_greedy_generate_matches_transformers_generate(tiny):
+    model, _ = tiny
+    ids = torch.randint(5, TINY["vocab_size"], (3, 41), generator=torch.Generator().manual_seed(1))
+    model.generation_config.eos_token_id = None
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                         min_new_tokens=10, pad_token_id=0)[:, ids.shape[1]:].tolist()
+    for chunk in (None, 7, 41, 1000):
+        assert greedy_generate(model, ids, 10, prefill_chunk=chunk) == ref
+    # EOS handling: stop a row at the first EOS, EOS kept.
+    first = ref[0][3]
+    out = greedy_generate(model, ids[:1], 10, eos_token_ids=(first,))
+    assert out == [ref[0][:ref[0].index(first) + 1]]
+
+
+def test_token_losses_match_transformers_loss(tiny):
+    model, _ = tiny
+    ids = torch.randint(5, TINY["vocab_size"], (200,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0]
+        ref = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+        hf_loss = model(ids[None], labels=ids[None]).loss
+    for chunk in (None, 13, 64):
+        got = token_losses(model, ids, chunk)
+        assert got.shape == (199,)
+        assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5), (got - ref).abs().max()
+    assert abs(got.mean().item() - hf_loss.item()) < 1e-5
+
+
+def test_perplexity_by_position_buckets_cover_all_positions(tiny, tmp_path):
+    model, tok = tiny
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(5, TINY["vocab_size"], (n,), generator=g) for n in (50, 130, 300)]
+    res = perplexity_by_position(model, docs, per_octave=2, chunk=64, progress=False)
+    assert res.doc_tokens == [50, 130, 256]  # cut to max_position_embeddings
+    b = res.buckets
+    assert b[0]["start"] == 1 and b[-1]["end"] == 256
+    assert all(b[i]["end"] == b[i + 1]["start"] for i in range(len(b) - 1))
+    assert sum(x["tokens"] for x in b) == 49 + 129 + 255  # every predicted token counted once
+    for x in b:  # a bucket counts one token per document that reaches it
+        assert x["tokens"] == sum(max(0, min(x["end"], n) - x["start"]) for n in res.doc_tokens)
+    # The token-weighted mean equals the plain mean of all per-token losses.
+    allloss = torch.cat([token_losses(model, d[:256], None) for d in docs])
+    assert abs(res.mean_loss - allloss.mean().item()) < 1e-5
+    texts = perplexity_by_position(model, tok, texts=[" ".join(["The old river passes the garden."] * 20)],
+                                   seq_len=100, progress=False)
+    assert texts.doc_tokens == [100] and sum(x["tokens"] for x in texts.buckets) == 99
+    write_json_atomic(tmp_path / "ppl.json", res.to_dict())
+    assert_png(plot_perplexity({"a": res, "b": json.loads((tmp_path / "ppl.json").read_text())},
+                               tmp_path / "ppl.png", mark={"trained": 32}))
+    with pytest.raises(EvalError, match="needs texts="):
+        perplexity_by_position(model, tok, progress=False)

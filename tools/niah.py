@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Needle-in-a-haystack heatmaps and perplexity by position for HF (or Megatron, via the converter) checkpoints.
+
+    python tools/niah.py --model HF_DIR --lengths 1K:128K:8 --depths 0:100:10 --out runs/niah
+    python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
+
+See `python tools/niah.py --help` and `python tools/niah.py ppl --help`.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_ext.evaluate.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
