@@ -53,15 +53,15 @@ def parse_lengths(spec: str) -> list[int]:
 def parse_depths(spec: str) -> list[float]:
     """'0:100:10' -> 0, 10, ..., 100 (START:END:STEP, END included); '0,50,100' -> [0, 50, 100]. Percent, 0..100."""
     try:
-        if ":" in spec:
-            lo, hi, step = (float(x) for x in spec.split(":"))
-            if step <= 0 or hi < lo:
-                raise EvalError(f"--depths: {spec!r} needs START <= END and STEP > 0 (e.g. 0:100:10)")
-            depths = [round(x, 6) for x in np.arange(lo, hi + step / 2, step)]
-        else:
-            depths = [float(x) for x in spec.split(",")]
+        values = [float(x) for x in spec.split(":" if ":" in spec else ",")]
     except ValueError:
         raise EvalError(f"--depths: {spec!r} is not a list of percentages (e.g. 0,50,100 or 0:100:10)") from None
+    depths = values
+    if ":" in spec:
+        if len(values) != 3 or values[2] <= 0 or values[1] < values[0]:
+            raise EvalError(f"--depths: {spec!r} must be START:END:STEP with START <= END and STEP > 0 (e.g. 0:100:10)")
+        lo, hi, step = values
+        depths = [round(x, 6) for x in np.arange(lo, hi + step / 2, step)]
     bad = [d for d in depths if not 0 <= d <= 100]
     if bad:
         raise EvalError(f"--depths: {bad} are outside 0..100 (depth is the needle's position in percent of the haystack)")
@@ -184,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("ppl", "niah"):
         argv = argv[1:]
     args = (ppl if is_ppl else niah).parse_args(argv)
-    warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
-    try:
-        _run_ppl(args) if is_ppl else _run_niah(args)
-    except EvalError as e:
-        sys.exit(f"error: {e}")
+    with warnings.catch_warnings():  # library warnings (lengths skipped, ...) as plain "warning: ..." lines
+        warnings.simplefilter("always", UserWarning)
+        warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
+        try:
+            _run_ppl(args) if is_ppl else _run_niah(args)
+        except EvalError as e:
+            sys.exit(f"error: {e}")
     return 0
