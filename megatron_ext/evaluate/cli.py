@@ -68,6 +68,14 @@ def parse_depths(spec: str) -> list[float]:
     return sorted(set(depths))
 
 
+def _chunk(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count or 'auto'")
+    return int(text)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
@@ -75,7 +83,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="output directory (created; files written atomically)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (bounds activation memory)")
+    p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
+                   "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

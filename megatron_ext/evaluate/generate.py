@@ -23,6 +23,21 @@ def _cache(model):
         return DynamicCache()
 
 
+def auto_prefill_chunk(length: int, batch: int = 1, mask_budget_bytes: int = 1 << 30, one_pass_up_to: int = 32768,
+                       lo: int = 256, hi: int = 8192) -> int:
+    """Prefill chunk (tokens) for a prompt of `length` tokens x `batch` rows.
+
+    Up to `one_pass_up_to` tokens: one pass (with an empty cache transformers lets SDPA use its
+    causal flash kernel, no mask). Beyond, chunks: a chunk after the first attends to the cache
+    through a [batch, chunk, length] boolean mask that transformers materialises, so the chunk is
+    the largest power of two in [lo, hi] whose mask fits `mask_budget_bytes` (1M tokens: 1024).
+    """
+    if length <= one_pass_up_to:
+        return length
+    fit = max(1, mask_budget_bytes // (length * batch))
+    return max(lo, min(hi, 1 << (fit.bit_length() - 1)))
+
+
 def _cache_kwarg(model) -> str:
     """Name of the KV-cache argument: `cache` in newer transformers 5, `past_key_values` before."""
     params = inspect.signature(model.forward).parameters
@@ -34,9 +49,9 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk: int | None, logits_fo
     """Run `input_ids` [B, L] through `model` in chunks of `chunk` tokens with a KV cache.
 
     Yields (start, logits, cache) per chunk: logits are [B, c, V] for the chunk's c positions when
-    `logits_for_all`, else [B, 1, V] for its last position only.
+    `logits_for_all`, else [B, 1, V] for its last position only. `chunk` None or 0: one pass.
     """
-    _, length = input_ids.shape
+    batch, length = input_ids.shape
     chunk = length if not chunk or chunk <= 0 else chunk
     cache = _cache(model) if cache is None else cache  # filled in place by each call
     key = _cache_kwarg(model)
@@ -48,14 +63,17 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk: int | None, logits_fo
 
 @torch.inference_mode()
 def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = (),
-                    prefill_chunk: int | None = 8192) -> list[list[int]]:
+                    prefill_chunk: int | str | None = "auto") -> list[list[int]]:
     """Greedy continuation of each row of `input_ids` [B, L] (no padding: rows share length L).
 
+    `prefill_chunk`: tokens per prefill pass ("auto": `auto_prefill_chunk`; None or 0: one pass).
     Returns per row the new token ids, cut after the first EOS (included) or at `max_new_tokens`.
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    batch = input_ids.shape[0]
+    batch, length = input_ids.shape
+    if prefill_chunk == "auto":
+        prefill_chunk = auto_prefill_chunk(length, batch)
     logits = cache = None
     for _, logits, cache in chunked_forward(model, input_ids, prefill_chunk, logits_for_all=False):
         pass

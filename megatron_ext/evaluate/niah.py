@@ -134,7 +134,7 @@ def _check_grid(lengths, depths) -> tuple[list[int], list[float]]:
 
 def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Path | None = None,
              task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
-             max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | None = 8192,
+             max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
              progress: bool = True, log=print) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
@@ -224,6 +224,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
                        for n in lengths])
     settings = {"model": _model_name(model), "haystack": hay.source, "task": asdict(task), "samples": samples,
                 "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
+                "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
                 "prompt_overhead_tokens": len(head) + len(tail), "seconds": round(time.time() - start_all, 2)}
     if model is not None:
         p = next(model.parameters())

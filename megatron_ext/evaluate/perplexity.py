@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.evaluate.errors import EvalError
-from megatron_ext.evaluate.generate import chunked_forward
+from megatron_ext.evaluate.generate import auto_prefill_chunk, chunked_forward
 
 
 def log_buckets(n_tokens: int, per_octave: int = 1) -> list[tuple[int, int]]:
@@ -44,14 +44,17 @@ def log_buckets(n_tokens: int, per_octave: int = 1) -> list[tuple[int, int]]:
 
 
 @torch.inference_mode()
-def token_losses(model, ids: torch.Tensor, chunk: int | None = 4096) -> torch.Tensor:
+def token_losses(model, ids: torch.Tensor, chunk: int | str | None = "auto") -> torch.Tensor:
     """Per-token negative log-likelihood [T-1] (fp32) of a document `ids` [T]: entry t-1 is token t's loss.
 
     The document runs through the model in chunks with a KV cache, so memory for logits is one
-    chunk's [c, V], not the document's.
+    chunk's [c, V], not the document's. `chunk`: "auto" (at most 4096, see `auto_prefill_chunk`),
+    tokens, or None for one pass.
     """
     device = next(model.parameters()).device
     ids = ids.to(device)
+    if chunk == "auto":
+        chunk = min(4096, auto_prefill_chunk(len(ids)))
     losses = torch.empty(len(ids) - 1, dtype=torch.float32, device=device)
     for start, logits, _ in chunked_forward(model, ids[None], chunk, logits_for_all=True):
         c = logits.shape[1]
@@ -109,7 +112,7 @@ def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
 
 
 def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence[str | Path] | None = None,
-                           seq_len: int | None = None, per_octave: int = 2, chunk: int | None = 4096,
+                           seq_len: int | None = None, per_octave: int = 2, chunk: int | str | None = "auto",
                            progress: bool = True) -> PerplexityResult:
     """Per-token loss of `model` averaged in log-spaced position buckets over long documents.
 

@@ -131,6 +131,17 @@ def test_kv_cache_bytes_from_config():
     assert "NOT fit" not in memory_note(LLAMA31_8B, 1 << 19, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
 
 
+def test_auto_prefill_chunk():
+    from megatron_ext.evaluate.generate import auto_prefill_chunk
+
+    assert auto_prefill_chunk(1000) == 1000 and auto_prefill_chunk(32768) == 32768  # one pass: SDPA is_causal
+    assert auto_prefill_chunk(65536) == 8192  # capped
+    assert auto_prefill_chunk(1 << 20) == 1024  # [1024, 1M] bool mask = 1 GiB
+    assert auto_prefill_chunk(1 << 20, batch=2) == 512
+    assert auto_prefill_chunk(1 << 22) == 256
+    assert auto_prefill_chunk(3_000_000) == 256  # floor
+
+
 def test_log_buckets_exact_and_cover_every_position():
     assert log_buckets(10, 1) == [(1, 2), (2, 4), (4, 8), (8, 10)]
     assert log_buckets(10, 2) == [(1, 2), (2, 3), (3, 4), (4, 6), (6, 8), (8, 10)]
