@@ -320,7 +320,7 @@ def test_run_niah_real_model_grid_results_and_heatmap(tiny, tmp_path):
         forced = run_niah(model, tok, [512], [50], allow_beyond_max_positions=True, max_new_tokens=2,
                           progress=False, log=None)
     assert forced.skipped_lengths == [] and forced.scores[0][0] is not None
-    with pytest.raises(EvalError, match="every length"):
+    with pytest.raises(EvalError, match="every length"), pytest.warns(UserWarning, match="skipping"):
         run_niah(model, tok, [1024], [50], progress=False, log=None)
     with pytest.raises(EvalError, match="0..100"):
         run_niah(model, tok, [64], [-5, 50], progress=False, log=None)
