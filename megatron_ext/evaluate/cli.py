@@ -3,6 +3,7 @@
     python tools/niah.py --model HF_DIR --lengths 1K:128K:8 --depths 0:100:10 --out runs/niah
     python tools/niah.py --megatron CKPT_DIR --lengths 4K,16K --out runs/niah     # via tools/convert.py
     python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
+    python tools/niah.py ppl --model HF_DIR --indexed data/cpt_text_document --documents 8 --out runs/ppl
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
                                   "long documents -> ppl.json and ppl.png.")
     _common(ppl)
-    ppl.add_argument("--text", type=Path, nargs="+", required=True, help="text files, one document each")
+    docs = ppl.add_mutually_exclusive_group(required=True)
+    docs.add_argument("--text", type=Path, nargs="+", help="text files, one document each")
+    docs.add_argument("--indexed", default=None, help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+    ppl.add_argument("--documents", type=int, default=None, help="with --indexed: the N longest documents")
     ppl.add_argument("--seq-len", type=int, default=None, help="cut documents to this many tokens "
                      "(default: max_position_embeddings)")
     ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")
@@ -169,13 +173,18 @@ def _run_ppl(args) -> None:
     from megatron_ext.evaluate.perplexity import perplexity_by_position
     from megatron_ext.evaluate.plots import plot_perplexity
 
-    missing = [str(t) for t in args.text if not t.is_file()]
-    if missing:
-        raise EvalError(f"--text: {', '.join(missing)} does not exist: give UTF-8 text files (one document each)")
+    from megatron_ext.evaluate.perplexity import indexed_documents
+
+    if args.text:
+        missing = [str(t) for t in args.text if not t.is_file()]
+        if missing:
+            raise EvalError(f"--text: {', '.join(missing)} does not exist: give UTF-8 text files (one document each)")
+    docs = indexed_documents(args.indexed, args.documents) if args.indexed else None
     with _model(args) as (model, tokenizer):
         seq = args.seq_len or getattr(model.config, "max_position_embeddings", None)
         _print_memory_note(model, seq or 0, 1, tag="ppl")
-        result = perplexity_by_position(model, tokenizer, texts=list(args.text), seq_len=args.seq_len,
+        source, texts = (docs, None) if docs is not None else (tokenizer, list(args.text))
+        result = perplexity_by_position(model, source, texts=texts, seq_len=args.seq_len,
                                         per_octave=args.per_octave, chunk=args.chunk, progress=not args.no_progress)
     label = args.label or (args.model or args.megatron).name
     result.settings["model"] = str(args.model or args.megatron)

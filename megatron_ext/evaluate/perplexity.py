@@ -87,6 +87,25 @@ class PerplexityResult:
         return cls(d["buckets"], d["documents"], d["doc_tokens"], d.get("settings", {}))
 
 
+def indexed_documents(prefix: str | Path, max_documents: int | None = None) -> list[np.ndarray]:
+    """Token-id documents of a Megatron indexed dataset `PREFIX.bin/.idx`, the longest first.
+
+    A document is the concatenation of its sequences (Megatron's document index). With
+    `max_documents`, only the longest ones: those say most about long positions.
+    """
+    prefix = str(prefix).removesuffix(".bin").removesuffix(".idx")
+    if not (Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()):
+        raise EvalError(f"indexed dataset {prefix}.bin/.idx not found: give the prefix written by "
+                        "tools/prepare_data.py (the path without .bin/.idx)")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    bounds = ds.document_indices  # [D+1] sequence index where each document starts
+    lengths = np.add.reduceat(ds.sequence_lengths, bounds[:-1]) if len(bounds) > 1 else np.zeros(0, np.int64)
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))[:max_documents]
+    return [np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])]).astype(np.int64) for i in order]
+
+
 def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
     if hasattr(source, "encode") or hasattr(source, "convert_tokens_to_ids"):  # a tokenizer
         if not texts:

@@ -51,14 +51,15 @@ def plot_niah_heatmap(result: NiahResult | dict, path: str | Path, title: str | 
     ax = fig.add_subplot(1, 1, 1)
     cmap = LinearSegmentedColormap.from_list("niah", _NIAH_COLOURS).with_extremes(bad="#BBBBBB")
     mesh = ax.pcolormesh(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, edgecolors="white", linewidth=0.8)
-    ax.set_xticks(np.arange(n_len) + 0.5, [format_tokens(n) for n in result.lengths],
-                  rotation=45 if n_len > 8 else 0, ha="right" if n_len > 8 else "center")
+    tilt = n_len > 8
+    ax.set_xticks(np.arange(n_len) + 0.5, [format_tokens(n) for n in result.lengths], rotation=45 if tilt else 0,
+                  ha="right" if tilt else "center", rotation_mode="anchor" if tilt else "default")
     ax.set_yticks(np.arange(n_depth) + 0.5, [f"{d:g}" for d in result.depths])
     ax.invert_yaxis()  # depth 0% (needle at the start) on top, as in the paper
     ax.set_xlabel("Token Limit")
     ax.set_ylabel("Depth Percent")
     acc = result.accuracy
-    model = result.settings.get("model") or "model"
+    model = Path(str(result.settings.get("model") or "model")).name  # a directory's name, not its whole path
     ax.set_title(title or f"Needle in a haystack: {model}\naccuracy {acc:.1%} over {int(np.isfinite(grid).sum())} cells",
                  fontsize=10)
     cbar = fig.colorbar(mesh, ax=ax)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from megatron_ext.evaluate import (EvalError, NeedleTask, builtin_haystack, build_prompt, extract_value,
-                                   file_haystack, greedy_generate, kv_cache_bytes_per_token, load_hf, log_buckets,
+                                   file_haystack, greedy_generate, indexed_documents, kv_cache_bytes_per_token,
+                                   load_hf, log_buckets,
                                    memory_note, perplexity_by_position, plot_niah_heatmap, plot_perplexity, run_niah,
                                    score_output, write_json_atomic)
 from megatron_ext.evaluate.haystack import filler_words
@@ -382,3 +383,24 @@ def test_perplexity_by_position_buckets_cover_all_positions(tiny, tmp_path):
                                tmp_path / "ppl.png", mark={"trained": 32}))
     with pytest.raises(EvalError, match="needs texts="):
         perplexity_by_position(model, tok, progress=False)
+
+
+def test_perplexity_on_a_megatron_indexed_dataset(tiny, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(4)
+    docs = [[torch.randint(5, 500, (n,), generator=g) for n in parts] for parts in ([30, 20], [120], [7, 8, 9])]
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    for parts in docs:
+        for p in parts:
+            builder.add_item(p)
+        builder.end_document()
+    builder.finalize(str(tmp_path / "d.idx"))
+    got = indexed_documents(tmp_path / "d", max_documents=2)  # the two longest: 120, then 30+20
+    assert [len(d) for d in got] == [120, 50]
+    assert np.array_equal(got[1], torch.cat(docs[0]).numpy())
+    res = perplexity_by_position(model, got, progress=False)
+    assert sum(b["tokens"] for b in res.buckets) == 119 + 49
+    with pytest.raises(EvalError, match="prepare_data"):
+        indexed_documents(tmp_path / "missing")

@@ -80,6 +80,7 @@ def test_cli_errors_are_one_clear_line(tiny_dir, tmp_path, capsys):
     assert "tools/convert.py to-hf" in msg  # converter missing, or the conversion of a non-checkpoint failed
     assert "does not exist" in _error(["ppl", "--model", str(tiny_dir), "--text", str(tmp_path / "no.txt")] + out,
                                       capsys)
+    assert "prepare_data" in _error(["ppl", "--model", str(tiny_dir), "--indexed", str(tmp_path / "d")] + out, capsys)
     assert not (tmp_path / "o" / "results.json").exists()
 
 
