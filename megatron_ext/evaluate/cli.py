@@ -158,13 +158,16 @@ def _run_niah(args) -> None:
         if ran:
             n_cells = len(depths) * args.samples
             _print_memory_note(model, max(ran), min(n_cells, max(1, args.batch_tokens // max(ran))))
+        def save(result) -> tuple[Path, Path]:  # after every length: a long sweep keeps what it has done
+            result.settings["model"] = str(args.model or args.megatron)
+            return (write_json_atomic(args.out / "results.json", result.to_dict()),
+                    plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
+
         result = run_niah(model, tokenizer, lengths, depths, haystack=args.haystack, samples=args.samples,
                           seed=args.seed, chat=args.chat, max_new_tokens=args.max_new_tokens,
                           batch_tokens=args.batch_tokens, prefill_chunk=args.chunk,
-                          allow_beyond_max_positions=args.force, progress=not args.no_progress)
-    result.settings["model"] = str(args.model or args.megatron)
-    js = write_json_atomic(args.out / "results.json", result.to_dict())
-    png = plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title)
+                          allow_beyond_max_positions=args.force, on_length_done=save, progress=not args.no_progress)
+    js, png = save(result)
     print(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
 
 

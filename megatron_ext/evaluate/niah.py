@@ -15,6 +15,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -136,14 +137,17 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
              task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
              max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
-             progress: bool = True, log=print) -> NiahResult:
+             on_length_done: Callable[[NiahResult], None] | None = None, progress: bool = True,
+             log=print) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
 
     `haystack`: a Haystack, a text file path, or None for the built-in filler. Prompts of one
     length run as batches of up to `batch_tokens // length` rows (no padding: equal lengths).
     Lengths above the model's `max_position_embeddings` are skipped with a warning unless
     `allow_beyond_max_positions`. `generate` replaces greedy decoding (prompts [B, L] -> new ids
-    per row); `model` may then be None.
+    per row); `model` may then be None. A batch that runs out of device memory is retried in
+    halves; a single prompt that does is recorded as not run (score None). `on_length_done` gets
+    the grid so far after each length (tools/niah.py saves it, so a long sweep keeps its results).
     """
     lengths, depths = _check_grid(lengths, depths)
     if samples < 1:
@@ -188,6 +192,22 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
         eos = eos_ids(model, tokenizer)
         generate = lambda ids: greedy_generate(model, ids, max_new_tokens, eos_token_ids=eos,  # noqa: E731
                                                prefill_chunk=prefill_chunk)
+    settings = {"model": _model_name(model), "haystack": hay.source, "task": asdict(task), "samples": samples,
+                "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
+                "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
+                "prompt_overhead_tokens": len(head) + len(tail)}
+    if model is not None:
+        p = next(model.parameters())
+        settings.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
+
+    def result() -> NiahResult:  # the grid so far; cells not run yet (or out of memory) are None
+        scores = []
+        for d in depths:
+            scores.append([_mean([c.get("score") for c in cells if c["length"] == n and c["depth"] == d])
+                           for n in lengths])
+        done = [c for c in cells if "needle_ids" not in c]
+        return NiahResult(lengths, depths, scores, done, skipped, dict(settings))
+
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -195,41 +215,60 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     start_all = time.time()
     for n in todo:
         row = [c for c in cells if c["length"] == n]
-        per_batch = max(1, batch_tokens // n)
         t0 = time.time()
-        for i in range(0, len(row), per_batch):
-            batch = row[i:i + per_batch]
+        per_batch = max(1, batch_tokens // n)
+        queue = [row[i:i + per_batch] for i in range(0, len(row), per_batch)]
+        while queue:
+            batch = queue.pop(0)
             prompts = []
             for c in batch:
-                ids, pos, n_hay = build_prompt(hay, head, c.pop("needle_ids"), tail, n, c["depth"])
+                ids, pos, n_hay = build_prompt(hay, head, c["needle_ids"], tail, n, c["depth"])
                 c.update(needle_token=pos, haystack_tokens=n_hay,
                          actual_depth=round(100.0 * (pos - len(head)) / max(n_hay, 1), 3))
                 prompts.append(ids)
-            outputs = generate(torch.tensor(prompts, dtype=torch.long))
+            try:
+                outputs = generate(torch.tensor(prompts, dtype=torch.long))
+            except torch.OutOfMemoryError:
+                _free_device_memory()
+                if len(batch) > 1:  # retry as two halves
+                    half = len(batch) // 2
+                    queue[:0] = [batch[:half], batch[half:]]
+                    continue
+                warnings.warn(f"length {n:,}, depth {batch[0]['depth']:g}%: out of memory even as a batch of 1; "
+                              "recorded as not run (see the memory note)", stacklevel=2)
+                outputs = [None]
             for c, out in zip(batch, outputs):
-                c["output"] = tokenizer.decode(out, skip_special_tokens=True)
-                c["score"] = score_output(c["output"], c["value"])
+                del c["needle_ids"]
+                if out is None:
+                    c.update(output=None, score=None, error="out of memory")
+                else:
+                    c["output"] = tokenizer.decode(out, skip_special_tokens=True)
+                    c["score"] = score_output(c["output"], c["value"])
             if bar is not None:
                 bar.update(len(batch))
         if log:
-            acc = np.mean([c["score"] for c in row])
-            log(f"[niah] length {n:>9,}: accuracy {acc:.2f} over {len(row)} prompts ({time.time() - t0:.1f}s)")
+            acc = _mean([c["score"] for c in row])
+            acc_text = "n/a" if acc is None else f"{acc:.2f}"
+            log(f"[niah] length {n:>9,}: accuracy {acc_text} over {len(row)} prompts ({time.time() - t0:.1f}s)")
+        if on_length_done is not None:
+            on_length_done(result())
     if bar is not None:
         bar.close()
+    settings["seconds"] = round(time.time() - start_all, 2)
+    return result()
 
-    scores: list[list[float | None]] = []
-    for d in depths:
-        scores.append([None if n in skipped else
-                       float(np.mean([c["score"] for c in cells if c["length"] == n and c["depth"] == d]))
-                       for n in lengths])
-    settings = {"model": _model_name(model), "haystack": hay.source, "task": asdict(task), "samples": samples,
-                "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
-                "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
-                "prompt_overhead_tokens": len(head) + len(tail), "seconds": round(time.time() - start_all, 2)}
-    if model is not None:
-        p = next(model.parameters())
-        settings.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
-    return NiahResult(lengths, depths, scores, cells, skipped, settings)
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _model_name(model) -> str | None:

@@ -39,7 +39,7 @@ def _figure(width: float, height: float):
 def plot_niah_heatmap(result: NiahResult | dict, path: str | Path, title: str | None = None) -> Path:
     """Heatmap PNG of a NIAH grid: x = context length, y = needle depth (0% on top), colour = score.
 
-    Skipped lengths are grey. Returns the written path.
+    Cells not run (skipped lengths, out of memory) are grey. Returns the written path.
     """
     from matplotlib.colors import LinearSegmentedColormap
 
@@ -64,8 +64,8 @@ def plot_niah_heatmap(result: NiahResult | dict, path: str | Path, title: str | 
                  fontsize=10)
     cbar = fig.colorbar(mesh, ax=ax)
     cbar.set_label("Score")
-    if result.skipped_lengths:
-        fig.text(0.01, 0.005, "grey: longer than max_position_embeddings, not run", fontsize=7)
+    if np.isnan(grid).any():
+        fig.text(0.01, 0.005, "grey: not run (longer than max_position_embeddings, or out of memory)", fontsize=7)
     fig.tight_layout()
     return save_figure_atomic(fig, path)
 

@@ -300,6 +300,28 @@ def test_reader_stub_scores_100_and_constant_scores_0(tok):
     assert off_by_one.accuracy == 0.0 or off_by_one.cells[0]["value"].endswith("0")
 
 
+def test_out_of_memory_batches_are_halved_then_recorded_as_not_run(tok, tmp_path):
+    """A batch that runs out of memory is retried in halves; a single prompt that does is a grey cell."""
+    reader = Recorder(tok, _read_needle)
+
+    def gen(ids):
+        if ids.shape[0] > 2 or ids.shape[1] == 256:
+            raise torch.OutOfMemoryError("CUDA out of memory (stub)")
+        return reader(ids)
+
+    partial = []
+    with pytest.warns(UserWarning, match="length 256, depth 0%: out of memory even as a batch of 1") as rec:
+        res = run_niah(None, tok, [100, 256], [0, 50, 100], samples=2, batch_tokens=10_000, generate=gen,
+                       on_length_done=partial.append, progress=False, log=None)
+    assert sum("out of memory" in str(w.message) for w in rec) == 6  # one per prompt that never ran
+    assert [b.shape[0] for b in reader.batches] == [1, 2, 1, 2]  # 6 rows: 6 -> 3 + 3 -> (1 + 2) + (1 + 2)
+    assert [row[0] for row in res.scores] == [1.0, 1.0, 1.0] and [row[1] for row in res.scores] == [None] * 3
+    assert sum(c.get("error") == "out of memory" for c in res.cells) == 6 and res.accuracy == 1.0
+    assert [p.scores[0] for p in partial] == [[1.0, None], [1.0, None]]  # saved after each length
+    assert len(partial[0].cells) == 6 and len(partial[1].cells) == 12
+    assert_png(plot_niah_heatmap(res, tmp_path / "h.png"))
+
+
 def test_run_niah_real_model_grid_results_and_heatmap(tiny, tmp_path):
     model, tok = tiny
     with pytest.warns(UserWarning, match=r"lengths \[512\] exceed the model's max_position_embeddings=256"):
