@@ -1,8 +1,9 @@
 """How docs/images/niah_example.png was made: a tiny Llama trained briefly on CPU to retrieve needles.
 
-    PYTHONPATH=. python docs/images/niah_example.py /tmp/niah_toy 4000     # train (minutes on CPU), save HF dir
-    python tools/niah.py --model /tmp/niah_toy --lengths 64:512:8 --depths 0:100:10 --samples 4 \
-        --force --out /tmp/niah_toy_out && cp /tmp/niah_toy_out/heatmap.png docs/images/niah_example.png
+    PYTHONPATH=. OMP_NUM_THREADS=1 python docs/images/niah_example.py /tmp/niah_toy 1200   # ~10 min on CPU
+    python tools/niah.py --model /tmp/niah_toy --lengths 64,128,192,256,320,384,448,512 --depths 0:100:10 \
+        --samples 4 --force --title "Tiny Llama trained to 256 tokens (CPU, 1200 steps), run to 512 with --force" \
+        --out /tmp/niah_toy_out && cp /tmp/niah_toy_out/heatmap.png docs/images/niah_example.png
 
 The model (4 layers, hidden 128, max_position_embeddings 256) and the word-level tokenizer are
 those of tests/unit/test_evaluate.py, scaled up a little; training prompts come from the NIAH

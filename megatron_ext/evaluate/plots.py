@@ -56,12 +56,18 @@ def plot_niah_heatmap(result: NiahResult | dict, path: str | Path, title: str | 
                   ha="right" if tilt else "center", rotation_mode="anchor" if tilt else "default")
     ax.set_yticks(np.arange(n_depth) + 0.5, [f"{d:g}" for d in result.depths])
     ax.invert_yaxis()  # depth 0% (needle at the start) on top, as in the paper
+    max_pos = result.settings.get("max_position_embeddings")
+    beyond = [i for i, n in enumerate(result.lengths) if max_pos and n > max_pos]
+    if beyond and beyond[0] > 0:  # where the model's configured context ends
+        ax.axvline(beyond[0], color="black", linestyle="--", linewidth=1.5)
+        ax.text(beyond[0] - 0.05, 0.01, f"max_position_embeddings={format_tokens(max_pos)}", ha="right", va="bottom",
+                transform=ax.get_xaxis_transform(), fontsize=7, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     ax.set_xlabel("Token Limit")
     ax.set_ylabel("Depth Percent")
     acc = result.accuracy
     model = Path(str(result.settings.get("model") or "model")).name  # a directory's name, not its whole path
-    ax.set_title(title or f"Needle in a haystack: {model}\naccuracy {acc:.1%} over {int(np.isfinite(grid).sum())} cells",
-                 fontsize=10)
+    ax.set_title(f"{title or f'Needle in a haystack: {model}'}\naccuracy {acc:.1%} over {int(np.isfinite(grid).sum())} "
+                 "cells", fontsize=10)
     cbar = fig.colorbar(mesh, ax=ax)
     cbar.set_label("Score")
     if np.isnan(grid).any():
