@@ -4,6 +4,10 @@
     python tools/niah.py --model /tmp/niah_toy --lengths 64,128,192,256,320,384,448,512 --depths 0:100:10 \
         --samples 4 --force --title "Tiny Llama trained to 256 tokens (CPU, 1200 steps), run to 512 with --force" \
         --out /tmp/niah_toy_out && cp /tmp/niah_toy_out/heatmap.png docs/images/niah_example.png
+    PYTHONPATH=. python -c "from megatron_ext.evaluate.haystack import filler_sentences as f; g = f(7); \
+        open('/tmp/doc.txt', 'w').write(' '.join(next(g) for _ in range(300)))"
+    python tools/niah.py ppl --model /tmp/niah_toy --text /tmp/doc.txt --seq-len 1024 --label "tiny Llama (256 tokens)" \
+        --out /tmp/niah_toy_ppl && cp /tmp/niah_toy_ppl/ppl.png docs/images/ppl_example.png
 
 The model (4 layers, hidden 128, max_position_embeddings 256) and the word-level tokenizer are
 those of tests/unit/test_evaluate.py, scaled up a little; training prompts come from the NIAH

@@ -192,7 +192,9 @@ def _run_ppl(args) -> None:
     label = args.label or (args.model or args.megatron).name
     result.settings["model"] = str(args.model or args.megatron)
     js = write_json_atomic(args.out / "ppl.json", result.to_dict())
-    png = plot_perplexity({label: result}, args.out / "ppl.png")
+    max_pos = result.settings.get("max_position_embeddings")
+    mark = {f"max_position_embeddings={max_pos:,}": max_pos} if max_pos and max(result.doc_tokens) > max_pos else None
+    png = plot_perplexity({label: result}, args.out / "ppl.png", mark=mark)
     print(f"[ppl] {result.documents} documents, {sum(result.doc_tokens):,} tokens, mean loss {result.mean_loss:.4f}; "
           f"wrote {js} and {png}")
 

@@ -9,6 +9,7 @@ so 1M-token documents still give a readable curve.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -140,10 +141,14 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     `seq_len` tokens (default: the model's max_position_embeddings). Buckets span the longest
     document; shorter ones add to the buckets they reach.
     """
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if seq_len is None:
-        seq_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        seq_len = max_pos
     docs = _documents(tokenizer_or_token_tensors, texts, seq_len)
     longest = max(len(d) for d in docs)
+    if max_pos is not None and longest > max_pos:
+        warnings.warn(f"documents run to {longest:,} tokens, beyond the model's max_position_embeddings={max_pos:,}: "
+                      "the curve past it shows extrapolation", stacklevel=2)
     buckets = log_buckets(longest, per_octave)
     edges = np.array([s for s, _ in buckets] + [buckets[-1][1]])
     sums = np.zeros(len(buckets))
@@ -163,6 +168,6 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
         mean = float(total / n) if n else None
         rows.append({"start": s, "end": e, "tokens": int(n), "mean_loss": mean,
                      "perplexity": math.exp(mean) if mean is not None and mean < 700 else None})
-    settings = {"seq_len": seq_len, "per_octave": per_octave, "chunk": chunk,
+    settings = {"seq_len": seq_len, "per_octave": per_octave, "chunk": chunk, "max_position_embeddings": max_pos,
                 "model": getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__}
     return PerplexityResult(rows, len(docs), [len(d) for d in docs], settings)

@@ -100,8 +100,7 @@ def plot_perplexity(results: dict[str, PerplexityResult | dict], path: str | Pat
     ax.set_ylabel("Mean loss (nats/token)")
     ax.set_title(title or "Loss by position", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-    if len(results) > 1:
-        ax.legend(fontsize=8)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return save_figure_atomic(fig, path)
 
