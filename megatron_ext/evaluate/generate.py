@@ -38,10 +38,19 @@ def auto_prefill_chunk(length: int, batch: int = 1, mask_budget_bytes: int = 1 <
     return max(lo, min(hi, 1 << (fit.bit_length() - 1)))
 
 
-def _cache_kwarg(model) -> str:
-    """Name of the KV-cache argument: `cache` in newer transformers 5, `past_key_values` before."""
+def _forward_kwargs(model, cache, last_only: bool) -> dict:
+    """Keyword arguments for a cached forward, named as this transformers version names them.
+
+    The cache is `cache` in newer transformers 5 and `past_key_values` before; "logits of the last
+    position only" is `logits_to_keep=1` (4.50+) or `num_logits_to_keep=1` (4.45-4.49).
+    """
     params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    kwargs = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            kwargs[name] = 1 if last_only else 0
+            break
+    return kwargs
 
 
 def chunked_forward(model, input_ids: torch.Tensor, chunk: int | None, logits_for_all: bool,
@@ -54,11 +63,10 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk: int | None, logits_fo
     batch, length = input_ids.shape
     chunk = length if not chunk or chunk <= 0 else chunk
     cache = _cache(model) if cache is None else cache  # filled in place by each call
-    key = _cache_kwarg(model)
+    kwargs = _forward_kwargs(model, cache, last_only=not logits_for_all)
     for start in range(0, length, chunk):
-        part = input_ids[:, start:start + chunk]
-        out = model(input_ids=part, use_cache=True, logits_to_keep=0 if logits_for_all else 1, **{key: cache})
-        yield start, out.logits, cache
+        out = model(input_ids=input_ids[:, start:start + chunk], **kwargs)
+        yield start, out.logits if logits_for_all else out.logits[:, -1:], cache
 
 
 @torch.inference_mode()
@@ -86,7 +94,7 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_
         done |= torch.isin(nxt, eos)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        logits = model(input_ids=nxt[:, None], use_cache=True, **{_cache_kwarg(model): cache}).logits
+        logits = model(input_ids=nxt[:, None], **_forward_kwargs(model, cache, last_only=True)).logits
     rows = []
     for row in out.tolist():
         hit = [i for i, t in enumerate(row) if t in set(eos_token_ids)]

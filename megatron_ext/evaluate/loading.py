@@ -99,7 +99,12 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     except (OSError, ValueError) as e:
         raise EvalError(f"model directory {path}: cannot load its tokenizer ({e}); save the tokenizer next to "
                         "the model (tokenizer.save_pretrained(DIR))") from e
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    import transformers
+    from packaging.version import Version
+
+    # `dtype=` since transformers 4.56; `torch_dtype=` before (older versions ignore unknown names).
+    dtype_key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **{dtype_key: torch_dtype})
     return model.to(dev).eval(), tokenizer
 
 
