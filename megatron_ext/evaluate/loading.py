@@ -25,11 +25,9 @@ def kv_cache_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 
     `config` is an HF config (object or `config.json` dict). Llama-3.1-8B in bf16: 131072 (128 KiB).
     """
-    cfg = _config_dict(config)
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    from megatron_ext.plan import kv_cache_bytes_per_token as planned  # the planner's formula, one copy
+
+    return int(planned(_config_dict(config), dtype_bytes))
 
 
 def _human(n: float) -> str:
