@@ -264,10 +264,11 @@ def _mean(values: list) -> float | None:
 
 
 def _free_device_memory() -> None:
-    import gc
-
-    gc.collect()
+    """Drop what the failed batch left on the GPU (its tensors die with the exception's frames)."""
     if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
         torch.cuda.empty_cache()
 
 
