@@ -1,0 +1,359 @@
+"""GPU throughput of our stack vs a plain transformers training step, on one GPU, in one device call.
+
+    PYTHONUNBUFFERED=1 python3 bench/gpu_throughput.py --wheels .whl --out "$OUT"     # H200 (bench/README.md)
+    python bench/gpu_throughput.py --cpu-dry-run --out /tmp/bench                      # toy sizes on CPU
+
+Model: Llama-3.1-8B at full width (hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256) with
+`--layers` layers, bf16. Ours: `megatron_ext.model.build_model` (local spec + torch SDPA, no TE),
+Megatron DDP and distributed optimizer through `megatron_ext.train` (`wrap_ddp`, `build_optimizer`,
+`forward_step`/`loss_func`) and Megatron's `forward_backward` schedule, as training runs. Peer:
+transformers `LlamaForCausalLM` (SDPA attention, bf16 weights, torch AdamW, grad clip 1.0, HF
+gradient checkpointing where ours uses full recompute). Each length: warm-up steps, then timed steps
+(CUDA events around each whole step: forward, backward, optimizer), median. FLOPs: the causal count
+of `megatron_ext.plan.train_flops_per_token`. MFU against 989.4 TFLOP/s (bf16 dense datasheet) and
+against a bf16 matmul measured in the same run. Out of memory is recorded, not fatal; a time guard
+skips what would not finish inside `--budget-s` and records why. JSON is rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib
+import os
+import subprocess
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+# Long sequences: fewer fragmentation OOMs. Must be set before torch initialises CUDA.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+from bench.measure import Clock, is_oom, measure_matmul, peak_memory_gib, profile_step, timed  # noqa: E402
+from bench.report import (  # noqa: E402
+    GIB, format_table, median, parse_lengths, predict_step_s, ratios, throughput, write_json_atomic,
+)
+from bench.stacks import STACKS, Settings, make_recipe  # noqa: E402
+
+SCHEMA = "megatron_ext.bench.gpu_throughput/1"
+WHEEL_INSTALL = ["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                 "--upgrade", "--target"]
+
+
+class BenchError(RuntimeError):
+    """A user mistake (arguments, missing wheels): one line, exit 1."""
+
+
+# ---------------------------------------------------------------------------- install
+
+
+def install_wheels(wheels: Path, site: Path) -> list[str]:
+    """pip-install every wheel of `wheels` into `site` offline (no index, no dependencies); put `site` first
+    on sys.path. Returns the wheel names. The device machine has no registry: see bench/README.md."""
+    found = sorted(Path(wheels).glob("*.whl"))
+    if not found:
+        raise BenchError(f"--wheels {wheels} holds no .whl file; prepare the folder with the `pip download` "
+                         "command of bench/README.md and carry it")
+    cmd = [sys.executable, *WHEEL_INSTALL, str(site), *map(str, found)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise BenchError(f"pip could not install {[p.name for p in found]} into {site}: {last[0]}")
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    return [p.name for p in found]
+
+
+def ensure_packages(wheels: Path, site: Path, module: str = "megatron.core") -> list[str]:
+    """Import `module`; if it is missing, install the carried wheels (`install_wheels`) and import again.
+
+    Returns the wheels installed ([] when nothing was needed).
+    """
+    try:
+        importlib.import_module(module)
+        return []
+    except ImportError:
+        pass
+    names = install_wheels(wheels, site)
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise BenchError(f"{module} still does not import after installing {names} into {site}: {e}") from None
+    return names
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    dry = args.cpu_dry_run
+    try:
+        lengths = parse_lengths(args.lengths or ("64,128,256" if dry else "8K,32K,64K,128K"))
+        profile = parse_lengths(args.profile_lengths) if args.profile_lengths not in (None, "", "none") else []
+    except ValueError as e:
+        raise BenchError(f"--lengths/--profile-lengths: {e}") from None
+    stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    bad = [s for s in stacks if s not in ("ours", "peer")]
+    if bad or not stacks:
+        raise BenchError(f"--stacks {args.stacks!r}: expected a comma list of ours, peer")
+    out = args.out or os.environ.get("OUT") or str(ROOT / "bench" / "results" / "local")
+    return Settings(
+        device="cpu" if dry else args.device, preset=args.preset or ("tiny" if dry else "llama3.1-8b"),
+        layers=args.layers if args.layers is not None else (None if dry else 4), lengths=lengths,
+        recompute_from=args.recompute_from if args.recompute_from is not None else (128 if dry else 65536),
+        stacks=stacks, warmup=args.warmup if args.warmup is not None else (1 if dry else 2),
+        iters=args.iters if args.iters is not None else (2 if dry else 5), long_step_s=args.long_step_s,
+        budget_s=args.budget_s if args.budget_s is not None else (240.0 if dry else 420.0),
+        matmul_n=args.matmul_n or (256 if dry else 8192), out=Path(out),
+        profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
+    )
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+class Run:
+    """All measurements of one invocation; `self.doc` is the JSON written after every row."""
+
+    def __init__(self, s: Settings, clock: Clock, doc: dict, step_flops, flops_per_token, peak_tflops: float):
+        self.s, self.clock, self.doc = s, clock, doc
+        self.step_flops, self.flops_per_token, self.peak = step_flops, flops_per_token, peak_tflops
+        self.results: list[dict] = doc["results"]
+        self.json_path = s.out / "gpu_throughput.json"
+
+    def save(self) -> None:
+        self.doc["elapsed_s"] = self.clock.elapsed()
+        self.doc["ratios"] = {str(k): v for k, v in ratios(self.results).items()}
+        write_json_atomic(self.json_path, self.doc)
+
+    def record(self, row: dict) -> None:
+        self.results.append(row)
+        self.save()
+        if row["status"] == "ok":
+            print(f"[bench] {row['stack']} L={row['length']} {row['recompute']}: step {row['step_s']:.3f} s, "
+                  f"{row['tokens_per_s']:.0f} tok/s, {row['tflops']:.1f} TFLOP/s, peak {row['peak_gib']:.1f} GiB, "
+                  f"loss {row['loss_first']:.3f}->{row['loss_last']:.3f}", flush=True)
+        else:
+            print(f"[bench] {row['stack']} L={row['length']} {row['recompute']}: {row['status']} ({row['reason']})",
+                  flush=True)
+
+    def known(self, stack: str) -> list[tuple[int, str, float]]:
+        return [(r["length"], r["recompute"], r["step_s"]) for r in self.results
+                if r["stack"] == stack and r["status"] == "ok"]
+
+    def predicted_step(self, stack: str, length: int, recompute: str) -> float:
+        own = self.known(stack)
+        other = [(ln, rc, 1.5 * t) for ln, rc, t in self.known("peer" if stack == "ours" else "ours")]
+        fallback = 0.25 * (self.doc["matmul"] or {}).get("tflops", 100.0)
+        return predict_step_s(own or other, length, recompute, self.step_flops, fallback)
+
+    def run_stack(self, name: str, recompute: str, lengths: list[int]) -> None:
+        import torch
+
+        s, cuda = self.s, self.s.device == "cuda"
+        base = {"stack": name, "recompute": recompute}
+        if self.clock.remaining() < 30:
+            for L in lengths:
+                self.record({**base, "length": L, "status": "skipped", "reason": "time budget (before build)"})
+            return
+        stack, error = None, None
+        try:
+            t0 = time.perf_counter()
+            stack = STACKS[name](s, recompute)
+            self.doc["stacks"].setdefault(name, {})[recompute] = {**stack.info,
+                                                                 "build_s": time.perf_counter() - t0}
+        except Exception as e:  # noqa: BLE001 - one broken stack must not cost the other's numbers
+            traceback.print_exc()
+            error = f"build failed: {'OOM' if is_oom(e) else type(e).__name__}: {str(e)[:300]}"
+        if error:
+            for L in lengths:
+                self.record({**base, "length": L, "status": "oom" if "OOM" in error else "error", "reason": error})
+            return
+        gen = torch.Generator().manual_seed(1234)
+        failed_at = None
+        for L in lengths:
+            row = {**base, "length": L}
+            if failed_at is not None:
+                self.record({**row, "status": "skipped", "reason": f"out of memory at {failed_at}"})
+                continue
+            pred = self.predicted_step(name, L, recompute)
+            warmup, iters = (1, 3) if pred > s.long_step_s else (s.warmup, s.iters)
+            need = (warmup + iters) * pred * 1.2 + 5
+            if need > self.clock.remaining():
+                self.record({**row, "status": "skipped", "reason": f"time budget: needs ~{need:.0f} s, "
+                             f"{self.clock.remaining():.0f} s left"})
+                continue
+            row.update(self.measure(stack, L, warmup, iters, gen, cuda))
+            if row["status"] == "oom":
+                failed_at = L
+            if row["status"] == "ok" and L in s.profile_lengths:
+                if self.clock.remaining() > 2 * row["step_s"] + 10:
+                    try:
+                        batch = stack.batch(L, self.doc["model"]["vocab_size"], s.device, gen)
+                        row["profile"] = profile_step(stack, batch, s.device, s.out / f"profile_{name}_{L}.txt")
+                    except Exception as e:  # noqa: BLE001
+                        row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                else:
+                    row["profile"] = {"error": "skipped: time budget"}
+            self.record(row)
+        del stack
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            self.doc.setdefault("leftover_gib", []).append(
+                {"after": f"{name}/{recompute}", "allocated_gib": torch.cuda.memory_allocated() / GIB})
+
+    def measure(self, stack, L: int, warmup: int, iters: int, gen, cuda: bool) -> dict:
+        import torch
+
+        s, vocab = self.s, self.doc["model"]["vocab_size"]
+        out: dict = {"warmup": warmup, "iters_asked": iters}
+        error = None
+        try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            batch = stack.batch(L, vocab, s.device, gen)
+            losses, times = [], []
+            for _ in range(warmup):
+                losses.append(stack.step(batch))
+            for _ in range(iters):
+                t, loss = timed(lambda: stack.step(batch), cuda)
+                times.append(t)
+                losses.append(loss)
+                if self.clock.remaining() < 0:
+                    break
+            values = [stack.loss_value(x) for x in losses]
+            out.update(status="ok", step_s=median(times), step_s_all=times, iters=len(times),
+                       loss_first=values[0], loss_last=values[-1], **peak_memory_gib(s.device))
+            out.update(throughput(out["step_s"], L, self.flops_per_token(L), self.peak,
+                                  (self.doc["matmul"] or {}).get("tflops")))
+            out["flops_per_token"] = self.flops_per_token(L)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            oom = is_oom(e)
+            if not oom:
+                traceback.print_exc()
+            error = ("oom" if oom else "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        if error:  # outside the except block: the traceback's frames (and their tensors) are gone
+            batch = losses = None
+            gc.collect()
+            out.update(status=error[0], reason=error[1], **(peak_memory_gib(s.device) if cuda else {}))
+            if cuda:
+                torch.cuda.empty_cache()
+        return out
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    for mod in ("transformers", "megatron.core"):
+        try:
+            env[mod] = importlib.import_module(mod).__version__
+        except Exception:  # noqa: BLE001
+            env[mod] = None
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, gpu_memory_gib=p.total_memory / GIB, sms=p.multi_processor_count,
+                   flash_sdp=torch.backends.cuda.flash_sdp_enabled())
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                           timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        env["git_commit"] = None
+    return env
+
+
+def bench(s: Settings, clock: Clock, installed: list[str]) -> dict:
+    """Measure everything `s` asks for; returns the JSON document (also written to s.out)."""
+    import torch
+
+    from megatron_ext.model import hf_config_from_recipe
+    from megatron_ext.plan import GPUS, shape_from_hf_config, train_flops_per_token
+    from megatron_ext.runtime import destroy_distributed, init_distributed
+
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but no CUDA device is visible; use --cpu-dry-run on a CPU machine")
+    hf_cfg = hf_config_from_recipe(make_recipe(s, "none"))
+    shape = shape_from_hf_config(hf_cfg)
+    peak = GPUS["h200-141gb"].bf16_tflops
+
+    def flops_per_token(L: int) -> float:
+        return train_flops_per_token(shape, L, causal=True)
+
+    doc = {"schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
+           "installed_wheels": installed, "model": hf_cfg, "peak_tflops": peak,
+           "flops": "causal, megatron_ext.plan.train_flops_per_token (perf.md 5a); recompute not counted",
+           "matmul": None, "stacks": {}, "results": []}
+    init_distributed(s.device, seed=1234)
+    try:
+        doc["environment"] = environment(s.device)
+        run = Run(s, clock, doc, lambda L: flops_per_token(L) * L, flops_per_token, peak)
+        doc["matmul"] = measure_matmul(s.device, s.matmul_n)
+        print(f"[bench] bf16 matmul {s.matmul_n}^3: {doc['matmul']['tflops']:.1f} TFLOP/s", flush=True)
+        run.save()
+        groups = [("none", [L for L in s.lengths if L < s.recompute_from]),
+                  ("full", [L for L in s.lengths if L >= s.recompute_from])]
+        for recompute, lengths in groups:
+            for name in s.stacks:
+                if lengths:
+                    run.run_stack(name, recompute, lengths)
+        run.save()
+    finally:
+        destroy_distributed()
+    return doc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench/gpu_throughput.py", description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on CPU (tiny preset, lengths 64..256)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--preset", default=None, help="architecture preset (default llama3.1-8b; tiny for the dry run)")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers (default 4 at full width)")
+    p.add_argument("--lengths", default=None, help="comma list, K = 1024 (default 8K,32K,64K,128K)")
+    p.add_argument("--recompute-from", type=int, default=None, help="full recompute at this length and above")
+    p.add_argument("--stacks", default="ours,peer")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per length (default 2)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per length (default 5)")
+    p.add_argument("--long-step-s", type=float, default=4.0,
+                   help="predicted steps longer than this get 1 warm-up and 3 timed steps")
+    p.add_argument("--budget-s", type=float, default=None, help="whole-run time guard in s (default 420)")
+    p.add_argument("--matmul-n", type=int, default=None, help="bf16 matmul size for the measured rate (8192)")
+    p.add_argument("--profile-lengths", default=None,
+                   help="lengths to profile one extra step of (default 32K,128K; 'none' to skip)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
+    p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")
+    p.add_argument("--site", default="/tmp/site", help="where the wheels are installed (pip --target)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    clock = Clock(0.0)
+    try:
+        s = settings_from_args(args)
+        clock.budget_s = s.budget_s
+        installed = ensure_packages(Path(args.wheels), Path(args.site))
+        doc = bench(s, clock, installed)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print()
+    print(f"{doc['environment'].get('gpu', s.device)}; model {s.preset} x {doc['model']['num_hidden_layers']} layers, "
+          f"bf16; matmul {doc['matmul']['tflops']:.1f} TFLOP/s; peak {doc['peak_tflops']} TFLOP/s; "
+          f"{doc['elapsed_s']:.0f} s of {s.budget_s:.0f} s budget")
+    print(format_table(doc["results"], {int(k): v for k, v in doc["ratios"].items()}))
+    print(f"JSON: {s.out / 'gpu_throughput.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

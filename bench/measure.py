@@ -1,0 +1,101 @@
+"""Timing, memory and profiling primitives of the GPU throughput benchmark (METHOD.md: warm-up, events, medians)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.report import GIB, bucket_kernels, median
+
+
+class Clock:
+    """Seconds since the script started, against the whole run's budget."""
+
+    def __init__(self, budget_s: float):
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def remaining(self) -> float:
+        return self.budget_s - self.elapsed()
+
+
+def timed(fn, cuda: bool) -> tuple[float, object]:
+    """Seconds of `fn()` on the device: CUDA events around it and a wait on the end event; on CPU a host clock."""
+    import torch
+
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, out
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def measure_matmul(device: str, n: int, reps: int = 20, warmup: int = 3) -> dict:
+    """Median bf16 n x n x n matmul rate on random data, rotating three input pairs (METHOD.md)."""
+    import torch
+
+    cuda = device == "cuda"
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(n, n, generator=gen).to(device, torch.bfloat16),
+              torch.randn(n, n, generator=gen).to(device, torch.bfloat16)) for _ in range(3)]
+    times = []
+    for i in range(warmup + reps):
+        a, b = pairs[i % 3]
+        t, _ = timed(lambda: a @ b, cuda)
+        if i >= warmup:
+            times.append(t)
+    med = median(times)
+    return {"n": n, "reps": reps, "median_s": med, "tflops": 2 * n**3 / med / 1e12}
+
+
+def peak_memory_gib(device: str) -> dict:
+    import torch
+
+    if device == "cuda":
+        return {"peak_gib": torch.cuda.max_memory_allocated() / GIB,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB, "memory_kind": "cuda max allocated"}
+    import resource
+
+    return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak_reserved_gib": None,
+            "memory_kind": "process max RSS (cpu dry run)"}
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def profile_step(stack, batch: dict, device: str, path: Path) -> dict:
+    """One step under torch.profiler: top kernels to `path`, device time per kernel bucket to the JSON."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        stack.step(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
+    if device == "cuda":
+        kernels = [(e.key, e.self_device_time_total) for e in events
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.self_device_time_total > 0]
+    else:
+        kernels = [(e.key, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
+    buckets = bucket_kernels(kernels)
+    total = sum(buckets.values()) or 1.0
+    return {"file": path.name, "unit": "device us" if device == "cuda" else "cpu us (self time of ops)",
+            "total_us": total, "share": {k: v / total for k, v in buckets.items()}}
