@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -113,6 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         budget_s=args.budget_s if args.budget_s is not None else (240.0 if dry else 420.0),
         matmul_n=args.matmul_n or (256 if dry else 8192), out=Path(out),
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
+        fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
     )
 
 
@@ -120,45 +122,72 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 class Run:
-    """All measurements of one invocation; `self.doc` is the JSON written after every row."""
+    """All measurements of one invocation; `self.doc` is the JSON written after every row.
 
-    def __init__(self, s: Settings, clock: Clock, doc: dict, step_flops, flops_per_token, peak_tflops: float):
+    `flops_per_token(layers, length)`: model FLOPs per token (causal) of the benchmark model with `layers`.
+    """
+
+    def __init__(self, s: Settings, clock: Clock, doc: dict, flops_per_token, peak_tflops: float):
         self.s, self.clock, self.doc = s, clock, doc
-        self.step_flops, self.flops_per_token, self.peak = step_flops, flops_per_token, peak_tflops
+        self.flops_per_token, self.peak = flops_per_token, peak_tflops
+        self.main_layers = self.layers()
         self.results: list[dict] = doc["results"]
         self.json_path = s.out / "gpu_throughput.json"
 
+    def layers(self) -> int:
+        return self.s.layers if self.s.layers is not None else self.doc["model"]["num_hidden_layers"]
+
     def save(self) -> None:
         self.doc["elapsed_s"] = self.clock.elapsed()
-        self.doc["ratios"] = {str(k): v for k, v in ratios(self.results).items()}
+        main = [r for r in self.results if r.get("layers", self.main_layers) == self.main_layers]
+        self.doc["ratios"] = {str(k): v for k, v in ratios(main).items()}
+        other = [r for r in self.results if r.get("layers", self.main_layers) != self.main_layers]
+        if other:
+            self.doc["ratios_fallback_layers"] = {str(k): v for k, v in ratios(other).items()}
         write_json_atomic(self.json_path, self.doc)
 
     def record(self, row: dict) -> None:
         self.results.append(row)
         self.save()
+        tag = f"{row['stack']} L={row['length']} {row['recompute']} {row['layers']} layers"
         if row["status"] == "ok":
-            print(f"[bench] {row['stack']} L={row['length']} {row['recompute']}: step {row['step_s']:.3f} s, "
-                  f"{row['tokens_per_s']:.0f} tok/s, {row['tflops']:.1f} TFLOP/s, peak {row['peak_gib']:.1f} GiB, "
+            print(f"[bench] {tag}: step {row['step_s']:.3f} s, {row['tokens_per_s']:.0f} tok/s, "
+                  f"{row['tflops']:.1f} TFLOP/s, peak {row['peak_gib']:.1f} GiB, "
                   f"loss {row['loss_first']:.3f}->{row['loss_last']:.3f}", flush=True)
         else:
-            print(f"[bench] {row['stack']} L={row['length']} {row['recompute']}: {row['status']} ({row['reason']})",
-                  flush=True)
+            print(f"[bench] {tag}: {row['status']} ({row['reason']})", flush=True)
 
     def known(self, stack: str) -> list[tuple[int, str, float]]:
         return [(r["length"], r["recompute"], r["step_s"]) for r in self.results
-                if r["stack"] == stack and r["status"] == "ok"]
+                if r["stack"] == stack and r["status"] == "ok" and r["layers"] == self.layers()]
 
     def predicted_step(self, stack: str, length: int, recompute: str) -> float:
         own = self.known(stack)
         other = [(ln, rc, 1.5 * t) for ln, rc, t in self.known("peer" if stack == "ours" else "ours")]
         fallback = 0.25 * (self.doc["matmul"] or {}).get("tflops", 100.0)
-        return predict_step_s(own or other, length, recompute, self.step_flops, fallback)
+        layers = self.layers()
+        return predict_step_s(own or other, length, recompute, lambda L: self.flops_per_token(layers, L) * L,
+                              fallback)
+
+    def planned_memory(self, length: int, recompute: str) -> dict | None:
+        """The planner's memory of our stack at this length (megatron_ext.plan), to compare with the peak."""
+        try:
+            from megatron_ext.plan import GPUS, plan
+
+            r = make_recipe(self.s, recompute)
+            r = dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length))
+            m = plan(r, GPUS["h200-141gb"], gpus=1).memory
+            return {"total_gib": m.total / GIB, "without_overhead_gib": (m.total - m.overhead) / GIB,
+                    "logits_gib": m.logits / GIB, "activations_gib": m.activations / GIB,
+                    "states_gib": (m.weights + m.grads + m.optimizer) / GIB}
+        except Exception as e:  # noqa: BLE001 - a diagnostic only
+            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
     def run_stack(self, name: str, recompute: str, lengths: list[int]) -> None:
         import torch
 
         s, cuda = self.s, self.s.device == "cuda"
-        base = {"stack": name, "recompute": recompute}
+        base = {"stack": name, "recompute": recompute, "layers": self.layers()}
         if self.clock.remaining() < 30:
             for L in lengths:
                 self.record({**base, "length": L, "status": "skipped", "reason": "time budget (before build)"})
@@ -167,19 +196,21 @@ class Run:
         try:
             t0 = time.perf_counter()
             stack = STACKS[name](s, recompute)
-            self.doc["stacks"].setdefault(name, {})[recompute] = {**stack.info,
-                                                                 "build_s": time.perf_counter() - t0}
+            self.doc["stacks"].setdefault(name, {})[f"{recompute}/{self.layers()}L"] = {
+                **stack.info, "build_s": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - one broken stack must not cost the other's numbers
             traceback.print_exc()
-            error = f"build failed: {'OOM' if is_oom(e) else type(e).__name__}: {str(e)[:300]}"
+            error = ("oom" if is_oom(e) else "error", f"build failed: {type(e).__name__}: {str(e)[:300]}")
         if error:
             for L in lengths:
-                self.record({**base, "length": L, "status": "oom" if "OOM" in error else "error", "reason": error})
+                self.record({**base, "length": L, "status": error[0], "reason": error[1]})
             return
         gen = torch.Generator().manual_seed(1234)
         failed_at = None
         for L in lengths:
             row = {**base, "length": L}
+            if name == "ours":
+                row["plan"] = self.planned_memory(L, recompute)
             if failed_at is not None:
                 self.record({**row, "status": "skipped", "reason": f"out of memory at {failed_at}"})
                 continue
@@ -197,7 +228,8 @@ class Run:
                 if self.clock.remaining() > 2 * row["step_s"] + 10:
                     try:
                         batch = stack.batch(L, self.doc["model"]["vocab_size"], s.device, gen)
-                        row["profile"] = profile_step(stack, batch, s.device, s.out / f"profile_{name}_{L}.txt")
+                        path = s.out / f"profile_{name}_{L}_{self.layers()}L.txt"
+                        row["profile"] = profile_step(stack, batch, s.device, path)
                     except Exception as e:  # noqa: BLE001
                         row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 else:
@@ -208,7 +240,21 @@ class Run:
         if cuda:
             torch.cuda.empty_cache()
             self.doc.setdefault("leftover_gib", []).append(
-                {"after": f"{name}/{recompute}", "allocated_gib": torch.cuda.memory_allocated() / GIB})
+                {"after": f"{name}/{recompute}/{self.layers()}L", "allocated_gib": torch.cuda.memory_allocated() / GIB})
+
+    def run_fallback(self, fallback_layers: int) -> None:
+        """Lengths where our stack ran out of memory, again with `fallback_layers` layers (both stacks)."""
+        oom = sorted({r["length"] for r in self.results
+                      if r["stack"] == "ours" and r["status"] == "oom" and r["layers"] == self.main_layers})
+        if not oom or not 0 < fallback_layers < self.main_layers:
+            return
+        main = self.s
+        self.s = dataclasses.replace(main, layers=fallback_layers)
+        try:
+            for name in main.stacks:
+                self.run_stack(name, "full" if oom[0] >= main.recompute_from else "none", oom)
+        finally:
+            self.s = main
 
     def measure(self, stack, L: int, warmup: int, iters: int, gen, cuda: bool) -> dict:
         import torch
@@ -230,11 +276,12 @@ class Run:
                 if self.clock.remaining() < 0:
                     break
             values = [stack.loss_value(x) for x in losses]
+            fpt = self.flops_per_token(self.layers(), L)
             out.update(status="ok", step_s=median(times), step_s_all=times, iters=len(times),
-                       loss_first=values[0], loss_last=values[-1], **peak_memory_gib(s.device))
-            out.update(throughput(out["step_s"], L, self.flops_per_token(L), self.peak,
-                                  (self.doc["matmul"] or {}).get("tflops")))
-            out["flops_per_token"] = self.flops_per_token(L)
+                       loss_first=values[0], loss_last=values[-1], flops_per_token=fpt, **peak_memory_gib(s.device))
+            out.update(throughput(out["step_s"], L, fpt, self.peak, (self.doc["matmul"] or {}).get("tflops")))
+            if not all(math.isfinite(v) for v in values):
+                out.update(status="error", reason=f"non-finite loss {values}")
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             oom = is_oom(e)
             if not oom:
@@ -282,11 +329,10 @@ def bench(s: Settings, clock: Clock, installed: list[str]) -> dict:
     if s.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is visible; use --cpu-dry-run on a CPU machine")
     hf_cfg = hf_config_from_recipe(make_recipe(s, "none"))
-    shape = shape_from_hf_config(hf_cfg)
     peak = GPUS["h200-141gb"].bf16_tflops
 
-    def flops_per_token(L: int) -> float:
-        return train_flops_per_token(shape, L, causal=True)
+    def flops_per_token(layers: int, L: int) -> float:
+        return train_flops_per_token(shape_from_hf_config(dict(hf_cfg, num_hidden_layers=layers)), L, causal=True)
 
     doc = {"schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
@@ -296,7 +342,7 @@ def bench(s: Settings, clock: Clock, installed: list[str]) -> dict:
     init_distributed(s.device, seed=1234)
     try:
         doc["environment"] = environment(s.device)
-        run = Run(s, clock, doc, lambda L: flops_per_token(L) * L, flops_per_token, peak)
+        run = Run(s, clock, doc, flops_per_token, peak)
         doc["matmul"] = measure_matmul(s.device, s.matmul_n)
         print(f"[bench] bf16 matmul {s.matmul_n}^3: {doc['matmul']['tflops']:.1f} TFLOP/s", flush=True)
         run.save()
@@ -306,6 +352,8 @@ def bench(s: Settings, clock: Clock, installed: list[str]) -> dict:
             for name in s.stacks:
                 if lengths:
                     run.run_stack(name, recompute, lengths)
+        if s.fallback_layers:
+            run.run_fallback(s.fallback_layers)
         run.save()
     finally:
         destroy_distributed()
@@ -329,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul-n", type=int, default=None, help="bf16 matmul size for the measured rate (8192)")
     p.add_argument("--profile-lengths", default=None,
                    help="lengths to profile one extra step of (default 32K,128K; 'none' to skip)")
+    p.add_argument("--fallback-layers", type=int, default=None,
+                   help="lengths where ours runs out of memory are run again with this many layers (default 2; 0: off)")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")
     p.add_argument("--site", default="/tmp/site", help="where the wheels are installed (pip --target)")
@@ -350,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{doc['environment'].get('gpu', s.device)}; model {s.preset} x {doc['model']['num_hidden_layers']} layers, "
           f"bf16; matmul {doc['matmul']['tflops']:.1f} TFLOP/s; peak {doc['peak_tflops']} TFLOP/s; "
           f"{doc['elapsed_s']:.0f} s of {s.budget_s:.0f} s budget")
-    print(format_table(doc["results"], {int(k): v for k, v in doc["ratios"].items()}))
+    print(format_table(doc["results"]))
     print(f"JSON: {s.out / 'gpu_throughput.json'}")
     return 0
 

@@ -81,24 +81,28 @@ def _num(x: float) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
-def format_table(results: list[dict], ratio: dict[int, float | None]) -> str:
-    """The one table: a row per (length, stack); the ours/peer ratio on the ours row."""
-    head = (f"{'length':>8} {'stack':<5} {'recomp':<6} {'step_s':>8} {'tokens/s':>10} {'TFLOP/s':>8} "
+def format_table(results: list[dict]) -> str:
+    """The one table: a row per (layers, length, stack); ours/peer (same layers and length) on the ours row."""
+    ratio = {}
+    for layers in {r.get("layers") for r in results}:
+        group = [r for r in results if r.get("layers") == layers]
+        ratio.update({(layers, length): v for length, v in ratios(group).items()})
+    head = (f"{'length':>8} {'layers':>6} {'stack':<5} {'recomp':<6} {'step_s':>8} {'tokens/s':>10} {'TFLOP/s':>8} "
             f"{'MFU@peak':>8} {'MFU@mm':>7} {'peak_GiB':>8} {'ours/peer':>9}  status")
     lines = [head, "-" * len(head)]
-    for r in sorted(results, key=lambda r: (r["length"], r["stack"] != "ours")):
-        rat = ratio.get(r["length"]) if r["stack"] == "ours" else None
+    for r in sorted(results, key=lambda r: (-(r.get("layers") or 0), r["length"], r["stack"] != "ours")):
+        rat = ratio.get((r.get("layers"), r["length"])) if r["stack"] == "ours" else None
         rat_s = f"{rat:.2f}x" if rat is not None else "-"
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"[:60]
+        lead = f"{r['length']:>8} {r.get('layers', '-'):>6} {r['stack']:<5} {r['recompute']:<6}"
         if r["status"] == "ok":
             mem = r.get("peak_gib")
             lines.append(
-                f"{r['length']:>8} {r['stack']:<5} {r['recompute']:<6} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} "
+                f"{lead} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} "
                 f"{_num(r['tflops']):>8} {_pct(r['mfu_peak']):>8} {_pct(r['mfu_matmul']):>7} "
                 f"{'-' if mem is None else f'{mem:.1f}':>8} {rat_s:>9}  {status}")
         else:
-            lines.append(f"{r['length']:>8} {r['stack']:<5} {r['recompute']:<6} {'-':>8} {'-':>10} {'-':>8} "
-                         f"{'-':>8} {'-':>7} {'-':>8} {rat_s:>9}  {status}")
+            lines.append(f"{lead} {'-':>8} {'-':>10} {'-':>8} {'-':>8} {'-':>7} {'-':>8} {rat_s:>9}  {status}")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ class Settings:
     matmul_n: int
     profile_lengths: list[int]
     out: Path
+    fallback_layers: int = 0
 
 
 def make_recipe(s: Settings, recompute: str):
