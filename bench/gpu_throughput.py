@@ -115,6 +115,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         matmul_n=args.matmul_n or (256 if dry else 8192), out=Path(out),
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
         fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
+        min_timed_s=args.min_timed_s if args.min_timed_s is not None else (0.0 if dry else 3.0),
     )
 
 
@@ -216,6 +217,8 @@ class Run:
                 continue
             pred = self.predicted_step(name, L, recompute)
             warmup, iters = (1, 3) if pred > s.long_step_s else (s.warmup, s.iters)
+            if pred <= s.long_step_s and s.min_timed_s > 0:  # short steps: time at least min_timed_s in all
+                iters = max(iters, min(20, math.ceil(s.min_timed_s / max(pred, 1e-6))))
             need = (warmup + iters) * pred * 1.2 + 5
             if need > self.clock.remaining():
                 self.record({**row, "status": "skipped", "reason": f"time budget: needs ~{need:.0f} s, "
@@ -373,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed steps per length (default 5)")
     p.add_argument("--long-step-s", type=float, default=4.0,
                    help="predicted steps longer than this get 1 warm-up and 3 timed steps")
+    p.add_argument("--min-timed-s", type=float, default=None,
+                   help="short steps: more timed steps (up to 20) until about this many seconds are timed (3)")
     p.add_argument("--budget-s", type=float, default=None, help="whole-run time guard in s (default 420)")
     p.add_argument("--matmul-n", type=int, default=None, help="bf16 matmul size for the measured rate (8192)")
     p.add_argument("--profile-lengths", default=None,

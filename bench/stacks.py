@@ -27,6 +27,7 @@ class Settings:
     profile_lengths: list[int]
     out: Path
     fallback_layers: int = 0
+    min_timed_s: float = 0.0
 
 
 def make_recipe(s: Settings, recompute: str):

@@ -166,3 +166,14 @@ def test_user_error_is_one_line(capsys):
     assert gt.main(["--cpu-dry-run", "--lengths", "8x"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --lengths") and "'8x'" in err[0]
+
+
+def test_short_steps_get_more_timed_iterations(tmp_path, monkeypatch):
+    monkeypatch.setitem(gt.STACKS, "ours", _FaultyStack)
+    run, doc = _run(tmp_path, budget_s=600)
+    run.run_stack("ours", "none", [64])  # predicted ~1 ms a step (FLOPs / a quarter of the matmul rate)
+    assert doc["results"][0]["iters"] == 2  # min_timed_s off: the asked 2
+    run, doc = _run(tmp_path, budget_s=600)
+    run.s.min_timed_s = 0.5
+    run.run_stack("ours", "none", [64])
+    assert doc["results"][0]["iters_asked"] == doc["results"][0]["iters"] == 20  # capped at 20
