@@ -104,6 +104,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     bad = [s for s in stacks if s not in ("ours", "peer")]
     if bad or not stacks:
         raise BenchError(f"--stacks {args.stacks!r}: expected a comma list of ours, peer")
+    for flag, value, low in (("--layers", args.layers, 1), ("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
+                             ("--fallback-layers", args.fallback_layers, 0)):
+        if value is not None and value < low:
+            raise BenchError(f"{flag} {value}: must be >= {low}")
+    from megatron_ext.presets import PRESETS
+
+    if args.preset is not None and args.preset not in PRESETS:
+        raise BenchError(f"--preset {args.preset!r}: expected one of {sorted(PRESETS)}")
     out = args.out or os.environ.get("OUT") or str(ROOT / "bench" / "results" / "local")
     return Settings(
         device="cpu" if dry else args.device, preset=args.preset or ("tiny" if dry else "llama3.1-8b"),
@@ -321,7 +329,7 @@ def environment(device: str) -> dict:
     return env
 
 
-def bench(s: Settings, clock: Clock, installed: list[str]) -> dict:
+def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = None) -> dict:
     """Measure everything `s` asks for; returns the JSON document (also written to s.out)."""
     import torch
 
@@ -337,7 +345,7 @@ def bench(s: Settings, clock: Clock, installed: list[str]) -> dict:
     def flops_per_token(layers: int, L: int) -> float:
         return train_flops_per_token(shape_from_hf_config(dict(hf_cfg, num_hidden_layers=layers)), L, causal=True)
 
-    doc = {"schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    doc = {"schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "label": label,
            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
            "installed_wheels": installed, "model": hf_cfg, "peak_tflops": peak,
            "flops": "causal, megatron_ext.plan.train_flops_per_token (perf.md 5a); recompute not counted",
@@ -384,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths to profile one extra step of (default 32K,128K; 'none' to skip)")
     p.add_argument("--fallback-layers", type=int, default=None,
                    help="lengths where ours runs out of memory are run again with this many layers (default 2; 0: off)")
+    p.add_argument("--label", default=None, help="free text kept in the JSON, e.g. the commit that ran")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")
     p.add_argument("--site", default="/tmp/site", help="where the wheels are installed (pip --target)")
@@ -397,8 +406,15 @@ def main(argv: list[str] | None = None) -> int:
         s = settings_from_args(args)
         clock.budget_s = s.budget_s
         installed = ensure_packages(Path(args.wheels), Path(args.site))
-        doc = bench(s, clock, installed)
+        doc = bench(s, clock, installed, label=args.label)
     except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bad --preset etc. reaches the recipe checks: one line, not a traceback
+        from megatron_ext.recipe import RecipeError
+
+        if not isinstance(e, RecipeError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     print()

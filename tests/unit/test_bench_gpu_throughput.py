@@ -26,7 +26,8 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--cpu-dry-run", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--cpu-dry-run", "--out", str(out),
+                           "--label", "dry"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout, json.loads((out / "gpu_throughput.json").read_text()), out
@@ -34,7 +35,7 @@ def dry_run(tmp_path_factory):
 
 def test_dry_run_table_and_json(dry_run):
     stdout, doc, out = dry_run
-    assert doc["schema"] == gt.SCHEMA and doc["settings"]["device"] == "cpu"
+    assert doc["schema"] == gt.SCHEMA and doc["settings"]["device"] == "cpu" and doc["label"] == "dry"
     assert doc["peak_tflops"] == 989.4 and doc["matmul"]["tflops"] > 0
     rows = doc["results"]
     assert sorted((r["stack"], r["length"]) for r in rows) == [(s, L) for s in ("ours", "peer") for L in (64, 128, 256)]
