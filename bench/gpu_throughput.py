@@ -119,7 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         recompute_from=args.recompute_from if args.recompute_from is not None else (128 if dry else 65536),
         stacks=stacks, warmup=args.warmup if args.warmup is not None else (1 if dry else 2),
         iters=args.iters if args.iters is not None else (2 if dry else 5), long_step_s=args.long_step_s,
-        budget_s=args.budget_s if args.budget_s is not None else (240.0 if dry else 420.0),
+        budget_s=args.budget_s if args.budget_s is not None else (240.0 if dry else 360.0),
         matmul_n=args.matmul_n or (256 if dry else 8192), out=Path(out),
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
         fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predicted steps longer than this get 1 warm-up and 3 timed steps")
     p.add_argument("--min-timed-s", type=float, default=None,
                    help="short steps: more timed steps (up to 20) until about this many seconds are timed (3)")
-    p.add_argument("--budget-s", type=float, default=None, help="whole-run time guard in s (default 420)")
+    p.add_argument("--budget-s", type=float, default=None, help="whole-run time guard in s (default 360)")
     p.add_argument("--matmul-n", type=int, default=None, help="bf16 matmul size for the measured rate (8192)")
     p.add_argument("--profile-lengths", default=None,
                    help="lengths to profile one extra step of (default 32K,128K; 'none' to skip)")
