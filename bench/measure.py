@@ -87,15 +87,26 @@ def profile_step(stack, batch: dict, device: str, path: Path) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
     events = prof.key_averages()
-    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    cuda = device == "cuda"
+    self_key, total_key = ("self_device_time_total", "device_time_total") if cuda else \
+        ("self_cpu_time_total", "cpu_time_total")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
-    if device == "cuda":
+    # Self time names the kernels; inclusive time of the ops (CPU-side events, their kernels included)
+    # names the layers: the loss (_VocabParallelCrossEntropy), attention, recompute (CheckpointFunction).
+    path.write_text(f"== by self time ({self_key})\n"
+                    + events.table(sort_by=self_key, row_limit=30, max_name_column_width=90)
+                    + f"\n== by inclusive time ({total_key})\n"
+                    + events.table(sort_by=total_key, row_limit=40, max_name_column_width=90))
+    ops = sorted(((e.key, getattr(e, total_key)) for e in events
+                  if not str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, total_key) > 0),
+                 key=lambda kv: -kv[1])[:25]
+    if cuda:
         kernels = [(e.key, e.self_device_time_total) for e in events
                    if str(getattr(e, "device_type", "")).endswith("CUDA") and e.self_device_time_total > 0]
     else:
         kernels = [(e.key, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
     buckets = bucket_kernels(kernels)
     total = sum(buckets.values()) or 1.0
-    return {"file": path.name, "unit": "device us" if device == "cuda" else "cpu us (self time of ops)",
-            "total_us": total, "share": {k: v / total for k, v in buckets.items()}}
+    return {"file": path.name, "unit": "device us" if cuda else "cpu us (self time of ops)",
+            "total_us": total, "share": {k: v / total for k, v in buckets.items()},
+            "top_ops_inclusive_us": [[name, us] for name, us in ops]}
