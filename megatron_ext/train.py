@@ -85,12 +85,17 @@ def build_optimizer(recipe: Recipe, model_chunks: list):
 
 
 def wrap_ddp(recipe: Recipe, model):
+    """DDP around the model; for bf16, Megatron's `Float16Module` first, so that every parameter
+    (the norms too, which the local spec creates in fp32) is bf16 and outputs come back in fp32."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=recipe.train.distributed_optimizer, average_in_collective=False,
     )
+    if model.config.bf16:
+        model = Float16Module(model.config, model)
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
