@@ -1,0 +1,99 @@
+"""Command line of the FP8 export (`tools/quantize.py`); see `main`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from megatron_ext.quantize.errors import QuantizeError
+
+DEFAULT_SEQ_CAP = 32768
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tools/quantize.py",
+        description="FP8 post-training quantization (weights, activations, KV cache) of an HF Llama checkpoint "
+                    "with NVIDIA ModelOpt, calibrated on long samples, exported for vLLM / TensorRT-LLM.")
+    p.add_argument("--hf", required=True, help="Hugging Face model directory (e.g. from tools/convert.py to-hf)")
+    p.add_argument("--out", required=True, help="output directory for the quantized checkpoint (must not exist)")
+    p.add_argument("--weights", choices=("fp8", "none"), default="fp8", help="linear layers: FP8 E4M3 (default)")
+    p.add_argument("--kv-cache", choices=("fp8", "none"), default="fp8", help="KV cache: FP8 with k/v scales (default)")
+    p.add_argument("--calib", required=True,
+                   help="calibration data: indexed dataset PREFIX (PREFIX.bin/.idx), a .txt/.jsonl file or "
+                        "directory, or a Hugging Face dataset name[:config]")
+    p.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
+    p.add_argument("--calib-seq-length", type=int, default=None,
+                   help=f"tokens per window (default: max_position_embeddings, at most {DEFAULT_SEQ_CAP:,})")
+    p.add_argument("--calib-split", default="train", help="split of a Hugging Face dataset (default train)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --hf)")
+    p.add_argument("--check", action="store_true",
+                   help="compare the fake-quant model with the original on held-out windows (perplexity, "
+                        "logits error, NIAH) and do not export when it fails")
+    p.add_argument("--check-samples", type=int, default=2, help="held-out windows for --check (default 2)")
+    p.add_argument("--no-niah", action="store_true", help="--check without NIAH")
+    p.add_argument("--max-ppl-increase", type=float, default=0.05, help="--check limit, fraction (default 0.05)")
+    p.add_argument("--max-logits-rel-err", type=float, default=0.15, help="--check limit (default 0.15)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="dtype to load, calibrate and export in (default: as stored)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Quantize, check, export and report; returns the exit status (1: the check failed)."""
+    from megatron_ext.quantize import calib, check, fp8, report
+
+    hf_cfg = fp8.read_hf_config(args.hf)
+    version, mtq, _ = fp8.modelopt()
+    fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading
+    if Path(args.out).exists():
+        raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
+    seq = args.calib_seq_length or min(int(hf_cfg.get("max_position_embeddings") or DEFAULT_SEQ_CAP), DEFAULT_SEQ_CAP)
+    t0 = time.time()
+    model, tokenizer = fp8.load_model(args.hf, args.dtype, args.device)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise QuantizeError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer ({e})") from None
+    windows, held = calib.load_windows(args.calib, samples=args.calib_samples, seq_length=seq,
+                                       held_out=args.check_samples if args.check else 0, tokenizer=tokenizer,
+                                       vocab_size=model.config.vocab_size, split=args.calib_split)
+    print(f"[quantize] ModelOpt {version}: {args.calib_samples} calibration windows of {seq:,} tokens from {args.calib}")
+    fp8.quantize(model, windows, args.weights, args.kv_cache)
+    layers = fp8.quantized_layers(model)
+    result = None
+    if args.check:
+        result = check.run_check(model, held, tokenizer, max_ppl_increase=args.max_ppl_increase,
+                                 max_logits_rel_err=args.max_logits_rel_err, niah=not args.no_niah)
+        print(f"[quantize] check on {len(held)} held-out windows of {seq:,} tokens (fake-quant FP8 vs original):")
+        print(check.format_table(result))
+        if not result.passed:
+            print(f"error: the FP8 model failed the accuracy check, {args.out} not written "
+                  "(raise --max-ppl-increase / --max-logits-rel-err to accept it)", file=sys.stderr)
+            return 1
+    summary = {"source": str(args.hf), "modelopt": version, "weights": args.weights, "kv_cache": args.kv_cache,
+               "calib": {"data": args.calib, "samples": args.calib_samples, "seq_length": seq},
+               "layers": layers, "check": result.to_dict() if result else None}
+    out = fp8.export(model, args.out, tokenizer, {"quantize_report.json": json.dumps(summary, indent=2)})
+    in_b, out_b = fp8.checkpoint_bytes(args.hf), fp8.checkpoint_bytes(out)
+    print(report.format_report(hf_cfg, layers, in_b, out_b, args.kv_cache, args.weights))
+    print(f"[quantize] wrote {out} in {time.time() - t0:.1f}s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: user errors end as one `error: ...` line and exit status 2."""
+    args = parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
+    try:
+        return run(args)
+    except QuantizeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
