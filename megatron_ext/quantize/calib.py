@@ -34,7 +34,8 @@ def _indexed_documents(prefix: str) -> tuple[Iterator[np.ndarray], int, int]:
     except Exception as e:  # a truncated or foreign file: name it, do not dump a traceback
         raise QuantizeError(f"cannot read the indexed dataset {prefix}.bin/.idx ({type(e).__name__}: {e}): "
                             "rebuild it with tools/prepare_data.py") from None
-    return (ds[i] for i in range(len(ds))), len(ds), int(np.sum(ds.sequence_lengths))
+    # copies: ds[i] is a view into ds's memory map, which closes when ds is collected
+    return (np.array(ds[i], dtype=np.int64) for i in range(len(ds))), len(ds), int(np.sum(ds.sequence_lengths))
 
 
 def _text_documents(path: Path) -> Iterator[str]:

@@ -55,16 +55,12 @@ def run(args: argparse.Namespace) -> int:
         raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
     seq = args.calib_seq_length or min(int(hf_cfg.get("max_position_embeddings") or DEFAULT_SEQ_CAP), DEFAULT_SEQ_CAP)
     t0 = time.time()
-    model, tokenizer = fp8.load_model(args.hf, args.dtype, args.device)
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        except (OSError, ValueError) as e:
-            raise QuantizeError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer ({e})") from None
+    tokenizer = fp8.load_tokenizer(args.tokenizer or args.hf, required=bool(args.tokenizer))
+    # data errors (too short, wrong vocabulary) before the model load, which takes minutes at 8B
     windows, held = calib.load_windows(args.calib, samples=args.calib_samples, seq_length=seq,
                                        held_out=args.check_samples if args.check else 0, tokenizer=tokenizer,
-                                       vocab_size=model.config.vocab_size, split=args.calib_split)
+                                       vocab_size=int(hf_cfg["vocab_size"]), split=args.calib_split)
+    model = fp8.load_model(args.hf, args.dtype, args.device)
     print(f"[quantize] ModelOpt {version}: {args.calib_samples} calibration windows of {seq:,} tokens from {args.calib}")
     fp8.quantize(model, windows, args.weights, args.kv_cache)
     layers = fp8.quantized_layers(model)

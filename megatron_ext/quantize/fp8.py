@@ -92,18 +92,25 @@ def quant_config(mtq, weights: str = "fp8", kv_cache: str = "fp8", version: str 
 
 
 def load_model(hf_dir: str | Path, dtype: str = "auto", device: str | None = None):
-    """The HF model in eval mode (`dtype` "auto": as stored), and its tokenizer or None."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The HF model in eval mode (`dtype` "auto": as stored) on `device` (default: cuda if available)."""
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path, required: bool = False):
+    """The tokenizer saved in `path`, or None when there is none (indexed data needs no tokenizer)."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    except (OSError, ValueError, TypeError):
-        tokenizer = None  # the model directory has no tokenizer files: indexed data still works
-    return model, tokenizer
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        if required:
+            raise QuantizeError(f"--tokenizer {path}: cannot load a tokenizer ({e})") from None
+        return None
 
 
 @torch.no_grad()

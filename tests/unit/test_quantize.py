@@ -1,0 +1,317 @@
+"""FP8 export with NVIDIA ModelOpt on a tiny random Llama (CPU, fake quantization).
+
+Oracles: torch's own float8_e4m3fn cast (the exported weights must equal W / scale rounded to E4M3,
+with scale = max|W| / 448 of the original weights), the original model's logits (transformers),
+the planner's KV-cache formula.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("modelopt.torch.quantization")
+
+from megatron_ext.plan import kv_cache_bytes_per_token  # noqa: E402
+from megatron_ext.presets import TINY  # noqa: E402
+from megatron_ext.quantize import (  # noqa: E402
+    QuantizeError, load_windows, quantize, quantized_layers, quantizers_disabled, run_check, tensor_quantizers,
+)
+from megatron_ext.quantize.cli import main  # noqa: E402
+
+E4M3_MAX = 448.0
+SEQ = 256
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+          "One of the special magic numbers is 1234567. What is the special magic number mentioned? ")
+
+
+def _tokenizer():
+    """A real byte-level BPE tokenizer of 512 ids (0 <unk>, 1 <s>, 2 </s>, as TINY's bos/eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([FILLER * 20], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _save_model(path, **changes):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **changes})).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    _save_model(d)
+    _tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def token_prefix(tmp_path_factory):
+    """40 documents repeating random motifs, written with Megatron-Core's builder (about 6K tokens)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    d = tmp_path_factory.mktemp("data")
+    gen = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(d / "docs.bin"), dtype=np.int32)
+    for _ in range(40):
+        n = int(gen.integers(20, 300))
+        doc = np.resize(gen.integers(3, 512, int(gen.integers(4, 24))), n).astype(np.int32)
+        builder.add_document(torch.from_numpy(doc), [n])
+    builder.finalize(str(d / "docs.idx"))
+    return str(d / "docs")
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def exported(hf_dir, token_prefix, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "fp8"
+    code, stdout, stderr = _cli("--hf", hf_dir, "--out", out, "--calib", token_prefix, "--calib-samples", 4,
+                                "--calib-seq-length", SEQ, "--check", "--check-samples", 2)
+    assert code == 0, stderr + stdout
+    return out, stdout
+
+
+@pytest.fixture(scope="module")
+def quantized(hf_dir, token_prefix):
+    """The tiny model fake-quantized in memory (FP8 weights + KV cache), with held-out windows."""
+    from transformers import AutoModelForCausalLM
+
+    calib, held = load_windows(token_prefix, samples=4, seq_length=SEQ, held_out=2, vocab_size=TINY["vocab_size"])
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    quantize(model, calib, progress=False)
+    return model, held
+
+
+def test_export_config_and_scales(exported, hf_dir):
+    from safetensors.torch import load_file
+
+    out, stdout = exported
+    cfg = json.loads((out / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["quant_algo"]) == ("modelopt", "FP8")
+    assert q["kv_cache_scheme"]["num_bits"] == 8 and q["kv_cache_scheme"]["type"] == "float"
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    t = load_file(out / "model.safetensors")
+    orig = load_file(hf_dir / "model.safetensors")
+    for i in range(TINY["num_hidden_layers"]):
+        for name in LINEARS:
+            p = f"model.layers.{i}.{name}"
+            assert t[f"{p}.weight"].dtype == torch.float8_e4m3fn, p
+            for s in ("weight_scale", "input_scale"):
+                assert t[f"{p}.{s}"].numel() == 1 and float(t[f"{p}.{s}"]) > 0, f"{p}.{s}"
+            # oracle: per-tensor max calibration, scale = max|W| / 448, then torch's E4M3 rounding
+            w = orig[f"{p}.weight"]
+            scale = w.abs().max() / E4M3_MAX
+            torch.testing.assert_close(t[f"{p}.weight_scale"], scale, rtol=1e-6, atol=0)
+            assert torch.equal(t[f"{p}.weight"].float(), (w / t[f"{p}.weight_scale"]).to(torch.float8_e4m3fn).float())
+        for kv in ("k", "v"):
+            assert float(t[f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"]) > 0
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert torch.equal(t[kept], orig[kept]), kept
+    report = json.loads((out / "quantize_report.json").read_text())
+    assert len(report["layers"]["fp8_linear"]) == len(LINEARS) * TINY["num_hidden_layers"]
+    assert report["layers"]["kept"] == ["model.embed_tokens", "lm_head"]
+    assert (out / "tokenizer.json").is_file()  # servable as is
+    assert f"quantized: {len(LINEARS) * TINY['num_hidden_layers']} linear layers" in stdout
+    before, after = kv_cache_bytes_per_token(TINY, 2), kv_cache_bytes_per_token(TINY, 1)
+    assert before == 256 and f"KV cache per token: {before:.0f} B (BF16) -> {after:.0f} B (FP8)" in stdout
+    assert "checkpoint size:" in stdout and "check: PASS" in stdout
+    assert not list(out.parent.glob(".fp8.tmp-*"))
+
+
+def test_check_table_and_niah_column(exported):
+    _, stdout = exported
+    assert "ppl orig" in stdout and "logits relative error" in stdout
+    try:
+        import megatron_ext.evaluate  # noqa: F401
+    except ImportError:
+        assert "NIAH skipped: megatron_ext.evaluate is not importable" in stdout
+    else:
+        assert "NIAH fp8" in stdout or "NIAH skipped" in stdout
+
+
+def test_fake_quant_logits_close_to_original(quantized, hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    model, held = quantized
+    ref_model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    x = torch.stack(held)  # [2, SEQ]
+    with torch.no_grad():
+        ref = ref_model(x).logits
+        fq = model(x).logits
+        with quantizers_disabled(model):
+            off = model(x).logits
+    assert torch.equal(off, ref)  # bypassing the quantizers is exactly the original model
+    rel = float((fq - ref).norm() / ref.norm())
+    assert 1e-4 < rel < 0.08, rel  # measured 0.03-0.04: FP8 E4M3 has 3 mantissa bits
+    layers = quantized_layers(model)
+    assert len(layers["fp8_kv_cache"]) == TINY["num_hidden_layers"]
+
+
+def test_check_catches_absurd_scales(quantized):
+    model, held = quantized
+    good = run_check(model, held, niah=False)
+    assert good.passed and good.logits_rel_err < 0.08
+    saved = {n: q.amax.clone() for n, q in tensor_quantizers(model) if n.endswith("weight_quantizer") and q.is_enabled}
+    try:  # weight scales 1000x too small: every weight clipped to +-max/1000
+        for n, q in tensor_quantizers(model):
+            if n in saved:
+                q.amax = saved[n] * 1e-3
+        bad = run_check(model, held, niah=False)
+    finally:
+        for n, q in tensor_quantizers(model):
+            if n in saved:
+                q.amax = saved[n]
+    assert not bad.passed and bad.logits_rel_err > 0.3 and "logits relative error" in bad.failures[-1]
+    assert run_check(model, held, niah=False).logits_rel_err == pytest.approx(good.logits_rel_err)
+
+
+def test_failed_check_writes_nothing(hf_dir, token_prefix, tmp_path):
+    out = tmp_path / "fp8"
+    code, stdout, stderr = _cli("--hf", hf_dir, "--out", out, "--calib", token_prefix, "--calib-samples", 2,
+                                "--calib-seq-length", 64, "--check", "--no-niah", "--max-logits-rel-err", 1e-4)
+    assert code == 1 and "check: FAIL" in stdout and "not written" in stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _bad(tmp_path, hf, calib, *extra) -> str:
+    code, stdout, stderr = _cli("--hf", hf, "--out", tmp_path / "o", "--calib", calib, *extra)
+    last = stderr.strip().splitlines()[-1]  # transformers' loading bar may precede it
+    assert code == 2 and last.startswith("error: ") and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "o").exists()
+    return last
+
+
+def test_missing_architectures(tmp_path, token_prefix):
+    cfg = {k: v for k, v in TINY.items() if k != "architectures"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert 'no "architectures" field' in _bad(tmp_path, tmp_path, token_prefix)
+
+
+def test_unsupported_architecture(tmp_path, token_prefix):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "architectures": ["MistralForCausalLM"]}))
+    assert "['MistralForCausalLM'] is not supported" in _bad(tmp_path, tmp_path, token_prefix)
+
+
+def test_calibration_data_too_short(tmp_path, hf_dir, token_prefix):
+    msg = _bad(tmp_path, hf_dir, token_prefix, "--calib-samples", 100, "--calib-seq-length", 256)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(token_prefix)  # keep it alive: sequence_lengths is a view of its memory map
+    total = int(ds.sequence_lengths.sum())
+    assert f"has {total:,} tokens in 40 documents, i.e. {total // 256} windows of 256 tokens" in msg
+    assert "100 calibration windows need 25,600 tokens" in msg
+
+
+def test_kv_cache_fp8_needs_modelopt_support(tmp_path, hf_dir, token_prefix, monkeypatch):
+    import modelopt.torch.quantization as mtq
+
+    monkeypatch.delattr(mtq, "FP8_KV_CFG")  # as in a ModelOpt release without FP8 KV-cache support
+    assert "has no FP8 KV-cache config (FP8_KV_CFG)" in _bad(tmp_path, hf_dir, token_prefix)
+    assert _cli("--hf", hf_dir, "--out", tmp_path / "w", "--calib", token_prefix, "--kv-cache", "none",
+                "--calib-samples", 1, "--calib-seq-length", 32)[0] == 0  # the suggested way out works
+
+
+def test_modelopt_missing(tmp_path, hf_dir, token_prefix, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "modelopt", None)
+    assert "pip install 'megatron-ext[quantize]'" in _bad(tmp_path, hf_dir, token_prefix)
+
+
+def test_bad_calibration_sources(tmp_path, hf_dir, token_prefix):
+    assert "not found" in _bad(tmp_path, hf_dir, str(tmp_path / "nope"))
+    (tmp_path / "half.bin").write_bytes(b"")
+    assert "half.idx is missing" in _bad(tmp_path, hf_dir, str(tmp_path / "half"))
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(str(tmp_path / "big.bin"), dtype=np.int32)
+    b.add_document(torch.arange(1000, 1300, dtype=torch.int32), [300])
+    b.finalize(str(tmp_path / "big.idx"))
+    assert "token id 1063, outside the model's vocabulary of 512" in _bad(
+        tmp_path, hf_dir, str(tmp_path / "big"), "--calib-samples", 1, "--calib-seq-length", 64)
+
+
+def test_existing_output_refused(tmp_path, hf_dir, token_prefix):
+    (tmp_path / "o").mkdir()
+    code, _, stderr = _cli("--hf", hf_dir, "--out", tmp_path / "o", "--calib", token_prefix)
+    assert code == 2 and "exists" in stderr
+
+
+# ------------------------------------------------------------------------------- calibration data
+
+
+def test_windows_pack_documents_in_order(token_prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(token_prefix)
+    flat = np.concatenate([ds[i] for i in range(len(ds))])
+    calib, held = load_windows(token_prefix, samples=3, seq_length=100, held_out=2)
+    got = torch.cat(calib + held).numpy()
+    assert [len(w) for w in calib + held] == [100] * 5 and np.array_equal(got, flat[:500])
+    with pytest.raises(QuantizeError, match="lower --calib-samples"):
+        load_windows(token_prefix, samples=len(flat) // 100 + 1, seq_length=100)
+
+
+def test_windows_from_text_files(tmp_path, hf_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    (tmp_path / "a.txt").write_text(FILLER * 3)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": FILLER}) + "\n")
+    calib, _ = load_windows(str(tmp_path), samples=2, seq_length=16, tokenizer=tok)
+    expect = np.concatenate([tok(FILLER * 3)["input_ids"], tok(FILLER)["input_ids"]])  # sorted: a.txt, b.jsonl
+    assert np.array_equal(torch.cat(calib).numpy(), expect[:32])
+    with pytest.raises(QuantizeError, match="needs a tokenizer"):
+        load_windows(str(tmp_path / "a.txt"), samples=1, seq_length=16)
+
+
+# ----------------------------------------------------------------------------------- serving memory
+
+
+def test_serving_memory_llama31_8b():
+    from pathlib import Path
+
+    from megatron_ext.presets import LLAMA31_8B
+    from megatron_ext.quantize import format_serving_table, serving_memory, weight_bytes
+    from megatron_ext.quantize.report import GIB
+
+    rows = serving_memory(LLAMA31_8B)
+    # paper.md section 7: 128 KiB per token in BF16, 128 GiB at 1M, 512 GiB at 4M
+    assert [r["kv_bf16"] / GIB for r in rows] == [128, 256, 512]
+    assert [r["kv_fp8"] / GIB for r in rows] == [64, 128, 256]
+    # 8,030,261,248 parameters; 6,979,321,856 of them in the decoder's linear layers go to 1 byte
+    assert weight_bytes(LLAMA31_8B, "none") == 2 * 8_030_261_248
+    assert weight_bytes(LLAMA31_8B) == 6_979_321_856 + 2 * (8_030_261_248 - 6_979_321_856)
+    assert rows[0]["saved"] == rows[0]["bf16"] - rows[0]["fp8"]
+    kv_only = serving_memory(LLAMA31_8B, weights="none")
+    assert kv_only[2]["saved"] == 256 * GIB
+    doc = (Path(__file__).resolve().parents[2] / "docs/serving.md").read_text()
+    assert format_serving_table(rows) in doc  # the documented numbers are the computed ones
