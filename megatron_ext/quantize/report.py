@@ -37,13 +37,17 @@ def _tokens(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n:,}"
 
 
+def _size(b: float) -> str:
+    return f"{b / GIB:.1f} GiB" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
+
+
 def format_serving_table(rows: list[dict]) -> str:
-    """Markdown table of `serving_memory` rows, GiB."""
+    """Markdown table of `serving_memory` rows."""
     lines = ["| context | BF16 weights + KV | FP8 export | KV cache BF16 -> FP8 | saved |",
              "|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {_tokens(r['tokens'])} | {r['bf16'] / GIB:.1f} GiB | {r['fp8'] / GIB:.1f} GiB | "
-                     f"{r['kv_bf16'] / GIB:.0f} -> {r['kv_fp8'] / GIB:.0f} GiB | {r['saved'] / GIB:.1f} GiB |")
+        lines.append(f"| {_tokens(r['tokens'])} | {_size(r['bf16'])} | {_size(r['fp8'])} | "
+                     f"{_size(r['kv_bf16'])} -> {_size(r['kv_fp8'])} | {_size(r['saved'])} |")
     return "\n".join(lines)
 
 

@@ -151,7 +151,7 @@ def test_check_table_and_niah_column(exported):
     except ImportError:
         assert "NIAH skipped: megatron_ext.evaluate is not importable" in stdout
     else:
-        assert "NIAH fp8" in stdout or "NIAH skipped" in stdout
+        assert "NIAH fp8" in stdout  # the column exists; lengths shorter than the NIAH prompt say n/a
 
 
 def test_fake_quant_logits_close_to_original(quantized, hf_dir):
