@@ -194,7 +194,8 @@ def export(model, out_dir: str | Path, tokenizer=None, extra_files: dict[str, st
     """Write the ModelOpt HF checkpoint (and tokenizer) to `out_dir` atomically.
 
     It is written into a temporary sibling directory and renamed into place when complete, so a
-    failure leaves no half-written checkpoint. `out_dir` must not exist yet.
+    failure leaves no half-written checkpoint. `out_dir` must not exist yet. ModelOpt packs the
+    weights to FP8 in place, so the model cannot run afterwards: check it before exporting.
     """
     _, _, mte = modelopt()
     out = Path(out_dir)

@@ -190,6 +190,41 @@ def test_check_catches_absurd_scales(quantized):
     assert run_check(model, held, niah=False).logits_rel_err == pytest.approx(good.logits_rel_err)
 
 
+def test_export_reloads_as_the_fake_quant_model(hf_dir, token_prefix, tmp_path):
+    """The exported tensors, dequantized (E4M3 x weight_scale) into a plain transformers Llama, give the
+    logits of the fake-quant model with only its weight quantizers on: the export is what was checked."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from megatron_ext.quantize import export
+
+    calib, held = load_windows(token_prefix, samples=2, seq_length=64, held_out=1)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    quantize(model, calib, progress=False)
+    x = held[0][None]  # [1, 64]
+    others = [q for n, q in tensor_quantizers(model) if q.is_enabled and not n.endswith("weight_quantizer")]
+    with torch.no_grad():
+        for q in others:
+            q.disable()
+        weight_fq = model(x).logits
+    for q in others:
+        q.enable()
+    out = export(model, tmp_path / "fp8")  # packs model's weights in place: it is not used after this
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("quantization_config")
+    t = load_file(out / "model.safetensors")
+    state = {k: (v.float() * t[k[:-len("weight")] + "weight_scale"] if v.dtype == torch.float8_e4m3fn else v)
+             for k, v in t.items() if not k.endswith("_scale")}
+    plain = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    plain.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        reloaded = plain(x).logits
+    torch.testing.assert_close(reloaded, weight_fq, rtol=1e-5, atol=1e-5)
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        assert float((reloaded - ref(x).logits).norm() / ref(x).logits.norm()) > 1e-4  # FP8 did change it
+
+
 def test_failed_check_writes_nothing(hf_dir, token_prefix, tmp_path):
     out = tmp_path / "fp8"
     code, stdout, stderr = _cli("--hf", hf_dir, "--out", out, "--calib", token_prefix, "--calib-samples", 2,
@@ -213,6 +248,14 @@ def test_missing_architectures(tmp_path, token_prefix):
     cfg = {k: v for k, v in TINY.items() if k != "architectures"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert 'no "architectures" field' in _bad(tmp_path, tmp_path, token_prefix)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools/quantize.py"
+    proc = subprocess.run([sys.executable, str(tool), "--hf", str(tmp_path), "--out", str(tmp_path / "o"),
+                           "--calib", token_prefix], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_unsupported_architecture(tmp_path, token_prefix):
