@@ -1,91 +1,328 @@
-"""TEMPORARY checkpoint module for the lead's loop testing (replaced by the converter branch)."""
+"""Distributed checkpoints: Megatron-Core `dist_checkpointing` (torch_dist) in Megatron-LM's layout.
+
+    ROOT/iter_0000010/                 torch_dist files (+ common.pt, metadata.json) and
+    ROOT/iter_0000010/megatron_ext.json  our run metadata (HF config incl. rope, recipe, versions, git SHA)
+    ROOT/latest_checkpointed_iteration.txt
+
+Checkpoints are global (every tensor stored with its full shape), so a checkpoint saved at any
+TP/PP loads at any other TP/PP, and `megatron.core.dist_checkpointing.load_plain_tensors` reads
+it without a model. An iteration directory appears only when complete: it is written under a
+temporary name and renamed by rank 0; the latest pointer is replaced atomically afterwards.
+"""
+
 from __future__ import annotations
-import json, os
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
+
 import torch
 
-class CheckpointError(ValueError):
-    pass
+METADATA_FILE = "megatron_ext.json"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+FORMAT = "megatron_ext/1"
 
-def _md(optimizer):
-    from megatron.core import parallel_state
-    md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-          "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    if optimizer is not None and getattr(optimizer.config, "use_distributed_optimizer", False):
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or does not fit the model (one clear message)."""
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _versions() -> dict[str, str | None]:
+    out = {}
+    for pkg in ("megatron-ext", "megatron-core", "torch", "transformers", "safetensors"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _git_sha() -> str | None:
+    """Commit of the megatron_ext source tree (with `-dirty` for local changes), or None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _parallel_layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"tensor": 1, "pipeline": 1, "context": 1, "data": 1}
+    return {"tensor": ps.get_tensor_model_parallel_world_size(),
+            "pipeline": ps.get_pipeline_model_parallel_world_size(),
+            "context": ps.get_context_parallel_world_size(),
+            "data": ps.get_data_parallel_world_size()}
+
+
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (Path, torch.dtype)):
+        return str(obj)
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON-serialisable")
+
+
+def _uses_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(p, DistributedOptimizer) for p in parts)
+
+
+def _sharding_metadata(optimizer, saved: dict | None = None) -> dict:
+    """The `metadata` argument of `sharded_state_dict` (megatron_core.md 4.1)."""
+    from megatron.core import parallel_state as ps
+
+    md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if optimizer is not None and _uses_distributed_optimizer(optimizer):
+        # 0.16.1 rejects the default 'fully_sharded_model_space'; dp_reshardable reshards across DP only.
         md["distrib_optim_sharding_type"] = "dp_reshardable"
+    if saved:  # loading: rebuild the state dict the way it was saved
+        md.update({k: v for k, v in saved.items() if k in ("singleton_local_shards", "chained_optim_avoid_prefix",
+                                                           "distrib_optim_sharding_type")})
+    if ps.model_parallel_is_initialized():
+        md["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     return md
 
-def latest_iteration(root):
-    f = Path(root) / "latest_checkpointed_iteration.txt"
-    return int(f.read_text().strip()) if f.is_file() else None
 
-def _state(model_chunks, optimizer, scheduler, md, is_loading=False):
-    msd = model_chunks[0].sharded_state_dict(metadata=md)
-    sd = {"model": msd}
-    if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(msd, is_loading=is_loading, metadata=md)
-    if scheduler is not None:
-        sd["scheduler"] = scheduler.state_dict()
-    return sd
+def _model_keys(model_chunks: list) -> list[str]:
+    return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
 
-def save_checkpoint(root, iteration, model_chunks, *, optimizer=None, scheduler=None, metadata=None, extra=None, keep_last=None):
+
+def _model_state(model_chunks: list, md: dict) -> dict:
+    return {key: chunk.sharded_state_dict(metadata=md) for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+
+
+def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, optimizer=None, scheduler=None,
+                    metadata: dict, extra: dict | None = None) -> Path:
+    """Save model (+ optimizer, scheduler, extra) as `root/iter_{iteration:07d}` and point `latest` at it.
+
+    Collective: every rank calls it. `model_chunks` are unwrapped GPTModels (one per virtual stage).
+    `metadata` goes to the JSON metadata file; it should hold `hf_config` (the model's HF config with
+    rope scaling) and may hold `recipe` (resolved, dict or dataclass) and `tokenizer` (a location).
+    `extra` must be plain data (numbers, strings, tensors, dicts/lists of them): it is loaded back
+    with `torch.load(weights_only=True)`.
+    """
     from megatron.core import dist_checkpointing
-    root = Path(root); d = root / f"iter_{iteration:07d}"
-    rank0 = torch.distributed.get_rank() == 0
-    if rank0: d.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    md = _md(optimizer)
-    sd = _state(model_chunks, optimizer, scheduler, md)
-    sd["extra"] = extra or {}
-    dist_checkpointing.save(sd, str(d), content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
-    torch.distributed.barrier()
-    if rank0:
-        (d / "run_metadata.json").write_text(json.dumps(metadata or {}))
-        tmp = root / "latest_checkpointed_iteration.txt.tmp"; tmp.write_text(str(iteration)); os.replace(tmp, root / "latest_checkpointed_iteration.txt")
-    torch.distributed.barrier()
 
-def _ensure_optimizer_state(optimizer):
-    # Without Apex/TE, Megatron's optimizer falls back to torch AdamW, whose state is created lazily at
-    # the first step; DistributedOptimizer.state_dict() asserts a `step` exists. Loading into a fresh
-    # optimizer therefore needs placeholder state that the load then overwrites in place.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
-
-
-def _restore_adam_step(optimizer):
-    # torch AdamW keeps `step` per parameter; Megatron's DistributedOptimizer saves it once in the
-    # param groups but its dp_reshardable loader then copies the per-parameter placeholder over it.
-    # Restore it from the param groups, where the saved value survives.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            if "step" not in group:
-                continue
-            for p in group["params"]:
-                if "step" in inner.state[p]:
-                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
-
-
-def load_checkpoint(root, model_chunks, *, optimizer=None, scheduler=None, iteration=None, weights_only=False):
-    from megatron.core import dist_checkpointing
+    if "hf_config" not in metadata:
+        raise CheckpointError("save_checkpoint: metadata must contain 'hf_config' (the model's HF config dict)")
     root = Path(root)
-    it = iteration if iteration is not None else latest_iteration(root)
-    d = root / f"iter_{it:07d}"
-    md = _md(optimizer)
-    if optimizer is not None and not weights_only:
-        _ensure_optimizer_state(optimizer)
-    sd = _state(model_chunks, None if weights_only else optimizer, None, md, is_loading=True)
-    loaded = dist_checkpointing.load(sd, str(d))
-    model_chunks[0].load_state_dict(loaded["model"])
-    if optimizer is not None and not weights_only:
-        with torch.no_grad():  # copies into fp32 main params, which are leaves requiring grad
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_step(optimizer)
-        if scheduler is not None:
-            scheduler.load_state_dict(dist_checkpointing.load_common_state_dict(str(d))["scheduler"])
-    return it, {}
+    final = root / iter_dir_name(iteration)
+    tmp = root / f".{final.name}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
+        tmp.mkdir()
+    _barrier()
+
+    md = _sharding_metadata(optimizer)
+    state: dict[str, Any] = _model_state(model_chunks, md)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=md)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if extra is not None:
+        state["extra"] = extra
+    dist_checkpointing.save(state, str(tmp), content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
+    _barrier()
+
+    if _rank() == 0:
+        info = {
+            "format": FORMAT,
+            "iteration": iteration,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "parallel": _parallel_layout(),
+            "model_chunks": len(model_chunks),
+            "has_optimizer": optimizer is not None,
+            "versions": _versions(),
+            "git_sha": _git_sha(),
+            **metadata,
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=_json_default) + "\n")
+        if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        pointer = root / f".{LATEST_FILE}.tmp"
+        pointer.write_text(f"{iteration}\n")
+        os.replace(pointer, root / LATEST_FILE)
+    _barrier()
+    return final
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """Iteration named by `root/latest_checkpointed_iteration.txt`, or None if there is none."""
+    path = Path(root) / LATEST_FILE
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}; "
+                              "fix or delete the file") from None
+
+
+def _available_iterations(root: Path) -> list[int]:
+    its = []
+    for p in root.glob("iter_*"):
+        try:
+            its.append(int(p.name[5:]))
+        except ValueError:
+            pass
+    return sorted(its)
+
+
+def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tuple[int, Path]:
+    """(iteration, directory) of a checkpoint root; `iteration=None` means the latest."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist; check the path")
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            raise CheckpointError(f"{root} has no {LATEST_FILE}: it is not a Megatron checkpoint root "
+                                  f"(found iterations: {_available_iterations(root) or 'none'}); "
+                                  "pass the directory that holds iter_* folders, or name an iteration")
+    path = root / iter_dir_name(iteration)
+    if not path.is_dir():
+        raise CheckpointError(f"{root} has no iteration {iteration} ({path.name}); "
+                              f"available: {_available_iterations(root) or 'none'}")
+    return iteration, path
+
+
+def read_metadata(path: str | Path) -> dict:
+    """Our JSON metadata of a checkpoint: `path` is an `iter_*` directory or a root (then its latest)."""
+    path = Path(path)
+    if not (path / METADATA_FILE).is_file() and (path / LATEST_FILE).is_file():
+        _, path = resolve_iteration_dir(path)
+    file = path / METADATA_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist: {path} was not written by megatron_ext.checkpoint "
+                              "(or is not a checkpoint directory)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint metadata is corrupt") from None
+
+
+def _architecture_mismatch(meta: dict, config) -> str | None:
+    """First architecture field where the checkpoint's HF config and the model's TransformerConfig differ."""
+    from megatron_ext.model import normalize_hf_config
+
+    hf = meta.get("hf_config")
+    if not hf:
+        return None
+    hf = normalize_hf_config(hf)
+    pairs = [("hidden_size", "hidden_size"), ("intermediate_size", "ffn_hidden_size"),
+             ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_attention_heads"),
+             ("num_key_value_heads", "num_query_groups"), ("head_dim", "kv_channels")]
+    for hf_name, mc_name in pairs:
+        if hf.get(hf_name) != getattr(config, mc_name, None):
+            return f"{hf_name}: checkpoint {hf.get(hf_name)}, model {getattr(config, mc_name, None)}"
+    return None
+
+
+def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
+    """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as e:  # CheckpointingException, OSError, torch errors on corrupt files
+        raise CheckpointError(f"{path}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from None
+    problems = []
+    for sh in nested_values(model_state):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        if sh.key not in stored:
+            problems.append(f"missing {sh.key}")
+        elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
+            problems.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
+                            f"model {tuple(sh.global_shape)}")
+    if problems:
+        meta_file = path / METADATA_FILE
+        arch = _architecture_mismatch(json.loads(meta_file.read_text()), model_chunks[0].config) \
+            if meta_file.is_file() else None
+        why = f" (architecture differs, {arch})" if arch else ""
+        shown = "; ".join(sorted(set(problems))[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise CheckpointError(f"checkpoint {path} does not fit the model{why}: {shown}; "
+                              "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")
+
+
+def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, scheduler=None,
+                    iteration: int | None = None, weights_only: bool = False) -> tuple[int, dict | None]:
+    """Load `root`'s checkpoint (latest, or `iteration`) into unwrapped model chunks (+ optimizer, scheduler).
+
+    Works at any TP/PP. `weights_only=True` loads the model only (starting a new run from it).
+    Returns (iteration, extra) where `extra` is what `save_checkpoint` was given (None if nothing).
+    """
+    from megatron.core import dist_checkpointing
+
+    iteration, path = resolve_iteration_dir(root, iteration)
+    try:
+        saved_md = dist_checkpointing.load_content_metadata(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable torch_dist checkpoint ({type(e).__name__}: {e})") from None
+    load_optim = optimizer is not None and not weights_only
+    md = _sharding_metadata(optimizer if load_optim else None, saved_md)
+    state: dict[str, Any] = _model_state(model_chunks, md)
+    _check_fits(path, state, model_chunks)
+    if load_optim:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        if "optimizer" not in common and not _has_prefix(path, "optimizer."):
+            raise CheckpointError(f"{path} holds no optimizer state; resume with weights_only=True "
+                                  "(checkpoint.init_from) instead")
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
+    loaded = dist_checkpointing.load(state, str(path))
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        chunk.load_state_dict(loaded[key])
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and not weights_only:
+        if "scheduler" not in loaded:
+            raise CheckpointError(f"{path} holds no scheduler state; resume with weights_only=True instead")
+        scheduler.load_state_dict(loaded["scheduler"])
+    return iteration, loaded.get("extra")
+
+
+def _has_prefix(path: Path, prefix: str) -> bool:
+    from megatron.core import dist_checkpointing
+
+    return any(k.startswith(prefix) for k in dist_checkpointing.load_tensors_metadata(str(path)))

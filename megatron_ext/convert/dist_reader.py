@@ -1,0 +1,66 @@
+"""Read single tensors, or one layer of a stacked tensor, from a torch_dist checkpoint without a model.
+
+`dist_checkpointing.load_plain_tensors` reads every tensor of a checkpoint at once (16 GB for an 8B
+model in bf16). For streaming export we read one layer's slice at a time straight from
+torch.distributed.checkpoint: a load planner whose destination is a chunk of the global tensor.
+The checkpoint stores global tensors, so this works whatever TP/PP it was saved at.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+class _ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each key, the chunk (offsets, sizes) of the global tensor into a local tensor."""
+
+    def __init__(self, chunks: dict[str, ChunkStorageMetadata]):
+        super().__init__()
+        self.chunks = chunks
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, chunk in self.chunks.items():
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]  # read items carry offsets relative to our chunk
+
+
+class TorchDistReader:
+    """Global shapes/dtypes of a torch_dist checkpoint's tensors, and reads of whole tensors or layer slices."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._reader = dcp.FileSystemReader(str(self.path))
+        meta = self._reader.read_metadata()
+        self.tensors: dict[str, TensorStorageMetadata] = {
+            k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def read(self, keys: list[str], layer: int | None = None) -> dict[str, torch.Tensor]:
+        """Tensors of `keys`; with `layer`, only slice `layer` of their leading (stacked layer) axis."""
+        state, chunks = {}, {}
+        for key in keys:
+            size = self.shape(key)
+            if layer is None:
+                offsets, local = (0,) * len(size), size
+            else:
+                offsets, local = (layer,) + (0,) * (len(size) - 1), (1,) + size[1:]
+            state[key] = torch.empty(local, dtype=self.dtype(key))
+            chunks[key] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(local))
+        dcp.load(state, storage_reader=self._reader, planner=_ChunkLoadPlanner(chunks), no_dist=True)
+        return {k: (v[0] if layer is not None else v) for k, v in state.items()}

@@ -1,0 +1,210 @@
+"""Hugging Face side of the converter: checked config, streamed safetensors in, sharded safetensors out."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron_ext.model import normalize_hf_config
+
+
+class ConvertError(Exception):
+    """Bad converter input or a failed check (one clear message; the CLI prints it and exits 1)."""
+
+
+SUPPORTED_ROPE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+# UltraLong export presets (paper: YaRN from Llama-3.1's 8K original window, beta_fast 4, beta_slow 1).
+ROPE_PRESETS = {
+    f"ultralong-{m}m": {"factor": float(f), "max_position_embeddings": 8192 * f}
+    for m, f in ((1, 128), (2, 256), (4, 512))
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """`config.json` of a Llama checkpoint, normalised to the transformers-4 form, after support checks."""
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--hf {hf_dir}: directory does not exist")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"--hf {hf_dir}: no config.json; point --hf at a Hugging Face model folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+    check_llama(raw, str(path))
+    return normalize_hf_config(raw)
+
+
+def check_llama(raw: dict, where: str) -> None:
+    """Raise ConvertError unless `raw` is a Llama (3.x family) causal LM config we convert exactly."""
+    arch = raw.get("architectures") or ["LlamaForCausalLM"]
+    if raw.get("model_type", "llama") != "llama" or arch != ["LlamaForCausalLM"]:
+        raise ConvertError(f"{where}: model_type={raw.get('model_type')!r}, architectures={arch}; "
+                           "only LlamaForCausalLM (model_type 'llama') is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ConvertError(f"{where}: {flag}=true is not supported (Llama-3.1 has no biases)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConvertError(f"{where}: hidden_act={raw.get('hidden_act')!r}; only 'silu' (SwiGLU) is supported")
+    cfg = normalize_hf_config(raw)
+    rope = (cfg.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope not in SUPPORTED_ROPE:
+        raise ConvertError(f"{where}: rope_scaling.rope_type={rope!r} is not supported; "
+                           f"expected one of {', '.join(SUPPORTED_ROPE)}")
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ConvertError(f"{where}: num_attention_heads={cfg['num_attention_heads']} is not a multiple of "
+                           f"num_key_value_heads={cfg['num_key_value_heads']}")
+
+
+def source_dtype(cfg: dict) -> torch.dtype:
+    """Dtype the HF config declares (`torch_dtype` or `dtype`), bf16 if absent."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return DTYPES.get(str(name).removeprefix("torch."), torch.bfloat16)
+
+
+class SafetensorsReader:
+    """Name -> file index of an HF checkpoint; tensors are read one at a time from memory maps."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        self.dir = hf_dir
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConvertError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+            if not files:
+                extra = " (only PyTorch .bin weights found; re-save with safe_serialization=True)" \
+                    if list(hf_dir.glob("*.bin")) else ""
+                raise ConvertError(f"--hf {hf_dir}: no *.safetensors weights{extra}")
+            weight_map = None
+        self._handles = {}
+        for name in files:
+            path = hf_dir / name
+            if not path.is_file():
+                raise ConvertError(f"{index}: names shard {name}, which does not exist in {hf_dir}")
+            try:
+                self._handles[name] = safe_open(str(path), framework="pt")
+            except Exception as e:  # SafetensorError on a truncated or corrupt header
+                raise ConvertError(f"{path}: cannot read safetensors file ({e}); re-download it") from None
+        self.file_of: dict[str, str] = {}
+        for name, handle in self._handles.items():
+            for key in handle.keys():
+                self.file_of[key] = name
+        if weight_map is not None:
+            missing = [k for k, f in weight_map.items() if self.file_of.get(k) != f]
+            if missing:
+                raise ConvertError(f"{index}: {len(missing)} tensors listed but not in their shard, "
+                                   f"e.g. {missing[0]} in {weight_map[missing[0]]}; the download is incomplete")
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handles[self.file_of[name]].get_tensor(name)
+        except Exception as e:
+            raise ConvertError(f"{self.dir / self.file_of[name]}: cannot read tensor {name} ({e}); "
+                               "the file is corrupt, re-download it") from None
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors into `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes`."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = 5 * 2**30):
+        self.out, self.max = out_dir, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + size > self.max:
+            self._flush()
+        self.pending[name] = t.contiguous()
+        self.pending_bytes += size
+        self.total += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        i = len(self.shards)
+        save_file(self.pending, str(self.out / f"shard-{i:05d}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Flush, name the shards `-of-N` and write `model.safetensors.index.json`."""
+        if self.pending:
+            self._flush()
+        n = len(self.shards)
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.out / f"shard-{i:05d}.tmp").rename(self.out / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_config(cfg: dict, dtype: torch.dtype, rope_preset: str | None, max_positions: int | None) -> dict:
+    """HF `config.json` (transformers-4 form: `rope_theta` + `rope_scaling`) for the exported model."""
+    out = normalize_hf_config(cfg)
+    if rope_preset is not None:
+        if rope_preset not in ROPE_PRESETS:
+            raise ConvertError(f"--rope-preset {rope_preset!r}: expected one of {', '.join(ROPE_PRESETS)}")
+        p = ROPE_PRESETS[rope_preset]
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": p["factor"], "original_max_position_embeddings": 8192,
+                               "beta_fast": 4.0, "beta_slow": 1.0}
+        out["max_position_embeddings"] = p["max_position_embeddings"]
+    if max_positions is not None:
+        out["max_position_embeddings"] = max_positions
+    for key in ("rope_parameters", "dtype", "transformers_version"):
+        out.pop(key, None)
+    out["architectures"], out["model_type"] = ["LlamaForCausalLM"], "llama"
+    out["torch_dtype"] = dtype_name(dtype)
+    return out
+
+
+def generation_config(cfg: dict, source: dict | None) -> dict:
+    """The source model's generation config if known, else one naming its bos/eos tokens."""
+    if source:
+        return source
+    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+
+
+def tokenizer_files(directory: Path | None) -> list[Path]:
+    if directory is None or not directory.is_dir():
+        return []
+    return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+
+
+def copy_tokenizer(directory: Path | None, out: Path) -> list[str]:
+    """Copy the tokenizer files of `directory` into `out`; names of the files copied."""
+    copied = []
+    for f in tokenizer_files(directory):
+        shutil.copy2(f, out / f.name)
+        copied.append(f.name)
+    return copied

@@ -1,0 +1,135 @@
+"""Megatron-Core torch_dist checkpoint (saved at any TP/PP) -> HF Llama folder, a layer at a time."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_ext.convert import mapping
+from megatron_ext.convert.hf_io import (
+    DTYPES,
+    GENERATION_CONFIG,
+    ConvertError,
+    ShardedSafetensorsWriter,
+    copy_tokenizer,
+    export_config,
+    generation_config,
+)
+from megatron_ext.convert.dist_reader import TorchDistReader
+from megatron_ext.convert.staging import ensure_cpu_process_group, peak_rss_bytes, staged_output
+
+# Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
+_NOT_WEIGHTS = ("optimizer.",)
+
+
+def megatron_shapes(cfg: dict, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Global torch_dist shape of every model key of an HF config (normalised)."""
+    h, f, d, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"], cfg["num_hidden_layers"]
+    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes = {
+        "embedding.word_embeddings.weight": (padded_vocab, h),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (n, h),
+        "decoder.layers.self_attention.linear_qkv.weight": (n, (nh + 2 * ng) * d, h),
+        "decoder.layers.self_attention.linear_proj.weight": (n, h, nh * d),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (n, h),
+        "decoder.layers.mlp.linear_fc1.weight": (n, 2 * f, h),
+        "decoder.layers.mlp.linear_fc2.weight": (n, h, f),
+        "decoder.final_layernorm.weight": (h,),
+        "output_layer.weight": (padded_vocab, h),
+    }
+    return {e.megatron: shapes[e.megatron] for e in mapping.entries(cfg["tie_word_embeddings"])}
+
+
+def check_stored(reader: TorchDistReader, cfg: dict, path: Path) -> None:
+    """Every table key present with the config's shape (any vocab padding), no unknown weight keys."""
+    expected = megatron_shapes(cfg, 0)
+    weights = {k for k in reader.tensors if not k.startswith(_NOT_WEIGHTS) and "._extra_state" not in k}
+    missing = sorted(set(expected) - weights)
+    leftover = sorted(weights - set(expected))
+    if missing or leftover:
+        raise ConvertError(f"{path}: checkpoint keys do not match a Llama model of its hf_config "
+                           f"(tie_word_embeddings={cfg['tie_word_embeddings']}): missing {missing or 'none'}, "
+                           f"unexpected {leftover[:6] or 'none'}")
+    for key, shape in expected.items():
+        got = reader.shape(key)
+        # embedding rows: vocab_size plus any padding
+        vocab_ok = mapping.entry_for_key(key).kind == "vocab" and got[1:] == shape[1:] and got[0] >= cfg["vocab_size"]
+        if got != shape and not vocab_ok:
+            raise ConvertError(f"{path}: {key} has shape {list(got)}, but the metadata hf_config implies "
+                               f"{list(shape)}; the metadata does not describe these weights")
+
+
+def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = None, rope_preset: str | None = None,
+          max_position_embeddings: int | None = None, dtype: str | None = None, tokenizer: str | Path | None = None,
+          verify: bool = False, force: bool = False, tolerance: float = 1e-4, max_shard_bytes: int = 5 * 2**30,
+          progress: bool = True) -> dict:
+    """Export a Megatron checkpoint root to an HF Llama folder `out`. Returns a report dict."""
+    from tqdm import tqdm
+
+    from megatron_ext.checkpoint import CheckpointError, read_metadata, resolve_iteration_dir
+
+    start = time.time()
+    out = Path(out)
+    if rope_preset is not None and max_position_embeddings is not None:
+        raise ConvertError("pass either --rope-preset or --max-position-embeddings, not both")
+    try:
+        iteration, path = resolve_iteration_dir(megatron_dir, iteration)
+        meta = read_metadata(path)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if "hf_config" not in meta:
+        raise ConvertError(f"{path}: metadata has no hf_config; cannot tell the architecture")
+    from megatron_ext.convert.hf_io import check_llama
+    from megatron_ext.model import normalize_hf_config
+
+    check_llama(meta["hf_config"], f"{path} metadata hf_config")
+    cfg = normalize_hf_config(meta["hf_config"])
+    reader = TorchDistReader(path)
+    check_stored(reader, cfg, path)
+    if dtype is not None:
+        target = DTYPES[dtype]
+    else:
+        target = DTYPES.get((meta.get("source") or {}).get("dtype", ""), reader.dtype("embedding.word_embeddings.weight"))
+    hf_cfg = export_config(cfg, target, rope_preset, max_position_embeddings)
+    ensure_cpu_process_group()
+
+    table = mapping.entries(cfg["tie_word_embeddings"])
+    head = [e for e in table if not e.per_layer and e.megatron.startswith("embedding")]
+    tail = [e for e in table if not e.per_layer and not e.megatron.startswith("embedding")]
+    per_layer = [e for e in table if e.per_layer]
+    steps = [(head, None)] + [(per_layer, i) for i in range(cfg["num_hidden_layers"])] + [(tail, None)]
+    written: list[str] = []
+    with staged_output(out, force) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        for group, layer in tqdm(steps, desc="megatron -> hf", unit="step", disable=not progress):
+            tensors = reader.read([e.megatron for e in group], layer)
+            for e in group:
+                for name, t in zip(e.hf_names(layer), mapping.to_hf(e, tensors[e.megatron], cfg)):
+                    writer.add(name, t.to(target))
+                    written.append(name)
+        writer.close()
+        left = sorted(set(mapping.expected_hf_names(cfg)) - set(written))
+        if left:
+            raise ConvertError(f"HF tensors not produced by the mapping: {', '.join(left[:6])}")
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        gen = generation_config(hf_cfg, meta.get("generation_config"))
+        (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
+        tok_dir = Path(tokenizer) if tokenizer else (Path(meta["tokenizer"]) if meta.get("tokenizer") else None)
+        copied = copy_tokenizer(tok_dir, tmp)
+        report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": str(target),
+                  "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
+        if not copied:
+            report["warning"] = (f"no tokenizer files copied (tokenizer location {tok_dir}); "
+                                 "pass --tokenizer DIR to include them")
+        if verify:
+            from megatron_ext.convert.verify import compare_logits
+
+            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration)
+            if diff > tolerance:
+                raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g} between the "
+                                   f"exported model and {path}; nothing written")
+    report.update(seconds=round(time.time() - start, 2), peak_rss_bytes=peak_rss_bytes())
+    return report

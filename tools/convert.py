@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""Hugging Face Llama-3.1 <-> Megatron-Core checkpoints.
+
+    python tools/convert.py to-megatron --hf HF_DIR --out MEGATRON_DIR [--dtype bf16|fp32] [--verify]
+    python tools/convert.py to-hf --megatron MEGATRON_DIR --out HF_DIR [--iteration N]
+        [--rope-preset ultralong-1m|ultralong-2m|ultralong-4m | --max-position-embeddings N] [--verify]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_ext.convert.hf_io import ROPE_PRESETS
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("to-megatron", help="HF safetensors folder -> Megatron torch_dist checkpoint (iteration 0)")
+    a.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, type=Path, help="checkpoint root to create")
+    a.add_argument("--dtype", choices=["bf16", "fp32"], help="stored dtype (default: the HF config's)")
+    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    b = sub.add_parser("to-hf", help="Megatron checkpoint (any TP/PP) -> HF safetensors folder")
+    b.add_argument("--megatron", required=True, type=Path, help="checkpoint root (holds iter_* folders)")
+    b.add_argument("--out", required=True, type=Path, help="HF folder to create")
+    b.add_argument("--iteration", type=int, help="default: latest_checkpointed_iteration.txt")
+    b.add_argument("--rope-preset", choices=sorted(ROPE_PRESETS), help="UltraLong YaRN rope + context length")
+    b.add_argument("--max-position-embeddings", type=int, help="context length to declare (trained length)")
+    b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="output dtype (default: the source model's)")
+    b.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the one recorded at import)")
+    b.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    for p in (a, b):
+        p.add_argument("--verify", action="store_true", help="compare HF and Megatron logits (fp32) and fail if off")
+        p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| for --verify")
+        p.add_argument("--force", action="store_true", help="replace --out if it exists")
+        p.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    from megatron_ext.checkpoint import CheckpointError
+    from megatron_ext.convert import ConvertError, to_hf, to_megatron
+
+    try:
+        if args.cmd == "to-megatron":
+            report = to_megatron(args.hf, args.out, dtype=args.dtype, verify=args.verify, force=args.force,
+                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                 tolerance=args.tolerance, progress=not args.no_progress)
+        else:
+            report = to_hf(args.megatron, args.out, iteration=args.iteration, rope_preset=args.rope_preset,
+                           max_position_embeddings=args.max_position_embeddings, dtype=args.dtype,
+                           tokenizer=args.tokenizer, verify=args.verify, force=args.force, tolerance=args.tolerance,
+                           max_shard_bytes=int(args.max_shard_size_gb * 2**30), progress=not args.no_progress)
+    except (ConvertError, CheckpointError) as e:
+        sys.exit(f"error: {e}")
+    report["peak_rss_gib"] = round(report.pop("peak_rss_bytes") / 2**30, 3)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
