@@ -123,14 +123,14 @@ def _model_state(model_chunks: list, md: dict) -> dict:
 
 
 def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, optimizer=None, scheduler=None,
-                    metadata: dict, extra: dict | None = None) -> Path:
+                    metadata: dict, extra: dict | None = None, keep_last: int | None = None) -> Path:
     """Save model (+ optimizer, scheduler, extra) as `root/iter_{iteration:07d}` and point `latest` at it.
 
     Collective: every rank calls it. `model_chunks` are unwrapped GPTModels (one per virtual stage).
     `metadata` goes to the JSON metadata file; it should hold `hf_config` (the model's HF config with
     rope scaling) and may hold `recipe` (resolved, dict or dataclass) and `tokenizer` (a location).
     `extra` must be plain data (numbers, strings, tensors, dicts/lists of them): it is loaded back
-    with `torch.load(weights_only=True)`.
+    with `torch.load(weights_only=True)`. `keep_last=N` then deletes all but the newest N `iter_*` folders.
     """
     from megatron.core import dist_checkpointing
 
@@ -180,6 +180,10 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
         pointer = root / f".{LATEST_FILE}.tmp"
         pointer.write_text(f"{iteration}\n")
         os.replace(pointer, root / LATEST_FILE)
+        if keep_last:
+            for old_it in _available_iterations(root)[:-keep_last]:
+                if old_it != iteration:
+                    shutil.rmtree(root / iter_dir_name(old_it), ignore_errors=True)
     _barrier()
     return final
 
