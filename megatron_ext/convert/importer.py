@@ -112,7 +112,7 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
             "vocab": {"size": cfg["vocab_size"], "padded": padded,
                       "make_vocab_size_divisible_by": make_vocab_size_divisible_by},
             "source": {"hf_dir": str(hf_dir.resolve()), "dtype": dtype_name(source_dtype(cfg))},
-            "converted_by": "megatron_ext.convert.to_megatron",
+            "converted_by": "megatron_ext.convert.importer",
         }
         save_checkpoint(tmp, 0, [model], metadata=metadata)
         del model
