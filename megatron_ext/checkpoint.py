@@ -313,17 +313,57 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
         if "optimizer" not in common and not _has_prefix(path, "optimizer."):
             raise CheckpointError(f"{path} holds no optimizer state; resume with weights_only=True "
                                   "(checkpoint.init_from) instead")
+        _materialise_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
     loaded = dist_checkpointing.load(state, str(path))
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict(loaded[key])
     if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_torch_adam_steps(optimizer)
     if scheduler is not None and not weights_only:
         if "scheduler" not in loaded:
             raise CheckpointError(f"{path} holds no scheduler state; resume with weights_only=True instead")
         scheduler.load_state_dict(loaded["scheduler"])
     return iteration, loaded.get("extra")
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a never-stepped DistributedOptimizer its state tensors before its sharded state dict is built.
+
+    Without TE/Apex (CPU) its `state_dict()` reads `step` from the inner torch Adam state, which is empty
+    until the first step. Megatron's own dummy-step helper fills it; the model weights and optimizer
+    state it touches are all overwritten by the load that follows.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(part, DistributedOptimizer) and len(part.optimizer.state) == 0:
+            part._init_optimizer_states_with_dummy_values()
+
+
+def _restore_torch_adam_steps(optimizer) -> None:
+    """Per-parameter Adam `step` of a DistributedOptimizer on the torch fallback (no TE/Apex) after a load.
+
+    Megatron 0.16.1 restores `step` into the param groups, then copies the stale pre-load per-parameter
+    `step` back over it (dp_reshardable path) and shares one tensor among all parameters, which torch
+    Adam increments once per parameter. Give each parameter its own tensor holding the saved step.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if not isinstance(part, distrib_optimizer.DistributedOptimizer):
+            continue
+        for group in part.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = part.optimizer.state.get(p)
+                if state is not None and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def _has_prefix(path: Path, prefix: str) -> bool:

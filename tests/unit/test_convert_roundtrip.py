@@ -152,3 +152,25 @@ def test_verify_passes_both_ways_in_bf16(tiny_src, tmp_path, cpu_parallel_state)
     r2 = to_hf(tmp_path / "m", tmp_path / "h", verify=True, progress=False, tolerance=1e-2)
     assert r2["max_abs_logit_diff"] <= 1e-4  # same bf16 weights on both sides, computed in fp32
     assert json.loads((tmp_path / "h/config.json").read_text())["torch_dtype"] == "float32"  # source dtype
+
+
+@pytest.mark.parametrize("preset, factor", [("ultralong-1m", 128.0), ("ultralong-2m", 256.0), ("ultralong-4m", 512.0)])
+def test_rope_preset_export(preset, factor, tiny_src, tmp_path, cpu_parallel_state):
+    to_megatron(tiny_src, tmp_path / "m", progress=False)
+    to_hf(tmp_path / "m", tmp_path / "h", rope_preset=preset, progress=False)
+    cfg = json.loads((tmp_path / "h/config.json").read_text())
+    assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 8192,
+                                   "beta_fast": 4.0, "beta_slow": 1.0}
+    assert cfg["max_position_embeddings"] == int(8192 * factor) and cfg["rope_theta"] == 10000.0
+    from transformers import LlamaConfig
+
+    rp = LlamaConfig.from_pretrained(str(tmp_path / "h")).rope_parameters  # transformers 5 reads the v4 form
+    assert (rp["rope_type"], rp["factor"], rp["beta_fast"], rp["beta_slow"]) == ("yarn", factor, 4.0, 1.0)
+
+
+def test_max_position_embeddings_override(tiny_src, tmp_path, cpu_parallel_state):
+    to_megatron(tiny_src, tmp_path / "m", progress=False)
+    to_hf(tmp_path / "m", tmp_path / "h", max_position_embeddings=65536, progress=False)
+    cfg = json.loads((tmp_path / "h/config.json").read_text())
+    assert cfg["max_position_embeddings"] == 65536
+    assert rope_fields(cfg) == rope_fields(json.loads((tiny_src / "config.json").read_text()))  # rope kept

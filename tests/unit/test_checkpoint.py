@@ -1,0 +1,153 @@
+"""megatron_ext.checkpoint: layout, metadata, model+optimizer+scheduler round trip, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_ext.checkpoint import (
+    METADATA_FILE,
+    CheckpointError,
+    latest_iteration,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
+from megatron_ext.model import BuildOptions, build_model
+from megatron_ext.presets import TINY
+
+
+def setup(seed: int, distributed_optimizer: bool):
+    """Tiny model, DDP wrapper, Megatron optimizer and LR scheduler (what the trainer builds)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    torch.manual_seed(seed)
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, bf16=False,
+                                                 params_dtype=torch.float32,
+                                                 use_distributed_optimizer=distributed_optimizer), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+                                    lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                    wd_incr_steps=10, wd_incr_style="constant")
+    return model, ddp, opt, sched
+
+
+def step(ddp, opt, sched, seed: int) -> None:
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(seed))
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(tokens, torch.arange(32).expand(2, 32), None, labels=torch.roll(tokens, -1, 1)).mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok
+    sched.step(increment=1)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
+def test_resume_continues_exactly(tmp_path, cpu_parallel_state, distributed_optimizer):
+    root = tmp_path / "ckpt"
+    model, ddp, opt, sched = setup(1, distributed_optimizer)
+    step(ddp, opt, sched, 0)
+    step(ddp, opt, sched, 1)
+    save_checkpoint(root, 2, [model], optimizer=opt, scheduler=sched, metadata={"hf_config": TINY},
+                    extra={"tokens_seen": 128, "rng": torch.arange(3)})
+    step(ddp, opt, sched, 2)
+    expected = params(model)
+
+    model2, ddp2, opt2, sched2 = setup(2, distributed_optimizer)  # other init: everything must come from disk
+    it, extra = load_checkpoint(root, [model2], optimizer=opt2, scheduler=sched2)
+    assert it == 2 and extra["tokens_seen"] == 128 and torch.equal(extra["rng"], torch.arange(3))
+    assert sched2.num_steps == sched.num_steps - 1
+    step(ddp2, opt2, sched2, 2)
+    got = params(model2)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+    # negative control: weights only (fresh Adam moments, fresh schedule) gives another update
+    model3, ddp3, opt3, sched3 = setup(3, distributed_optimizer)
+    load_checkpoint(root, [model3], optimizer=opt3, scheduler=sched3, weights_only=True)
+    step(ddp3, opt3, sched3, 2)
+    assert not all(torch.equal(expected[k], v) for k, v in params(model3).items())
+
+
+def test_layout_metadata_and_plain_tensors(tmp_path, cpu_parallel_state):
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    assert latest_iteration(root) is None
+    save_checkpoint(root, 10, [model], metadata={"hf_config": TINY, "tokenizer": "/x/tok", "recipe": {"a": 1}})
+    save_checkpoint(root, 20, [model], metadata={"hf_config": TINY}, keep_last=None)
+    assert latest_iteration(root) == 20
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "20\n"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000010", "iter_0000020",
+                                                       "latest_checkpointed_iteration.txt"]
+    meta = read_metadata(root / "iter_0000010")
+    assert meta["hf_config"]["rope_scaling"] == TINY["rope_scaling"] and meta["tokenizer"] == "/x/tok"
+    assert meta["recipe"] == {"a": 1} and meta["iteration"] == 10 and meta["parallel"]["tensor"] == 1
+    assert meta["versions"]["torch"] and meta["versions"]["megatron-core"].startswith("0.16")
+    assert read_metadata(root)["iteration"] == 20  # a root reads its latest
+    plain = dist_checkpointing.load_plain_tensors(str(root / "iter_0000020"))
+    assert torch.equal(plain["decoder.layers.self_attention.linear_qkv.weight"][1],
+                       model.decoder.layers[1].self_attention.linear_qkv.weight)
+    assert torch.equal(plain["decoder.layers.mlp.linear_fc1.weight"][0], model.decoder.layers[0].mlp.linear_fc1.weight)
+    # re-saving an iteration replaces it; keep_last prunes old ones
+    save_checkpoint(root, 30, [model], metadata={"hf_config": TINY}, keep_last=2)
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000020", "iter_0000030"]
+
+
+def test_crashed_save_leaves_previous_checkpoint(tmp_path, cpu_parallel_state, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dist_checkpointing, "save", boom)
+    with pytest.raises(OSError):
+        save_checkpoint(root, 2, [model], metadata={"hf_config": TINY})
+    assert latest_iteration(root) == 1 and not (root / "iter_0000002").exists()
+    monkeypatch.undo()
+    save_checkpoint(root, 2, [model], metadata={"hf_config": TINY})  # the partial leftover is cleaned up
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", "iter_0000002",
+                                                       "latest_checkpointed_iteration.txt"]
+
+
+def test_errors(tmp_path, cpu_parallel_state):
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope", [model])
+    with pytest.raises(CheckpointError, match="must contain 'hf_config'"):
+        save_checkpoint(root, 1, [model], metadata={})
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+    with pytest.raises(CheckpointError, match=r"no iteration 5 .*available: \[1\]"):
+        load_checkpoint(root, [model], iteration=5)
+    wide = build_model(dict(TINY, hidden_size=128), BuildOptions(device="cpu", seq_length=32))
+    with pytest.raises(CheckpointError, match="hidden_size: checkpoint 64, model 128"):
+        load_checkpoint(root, [wide])
+    deep = build_model(dict(TINY, num_hidden_layers=3), BuildOptions(device="cpu", seq_length=32))
+    with pytest.raises(CheckpointError, match="num_hidden_layers: checkpoint 2, model 3"):
+        load_checkpoint(root, [deep])
+    tied = build_model(dict(TINY, tie_word_embeddings=True), BuildOptions(device="cpu", seq_length=32))
+    load_checkpoint(root, [tied])  # untied checkpoint into tied model: output layer is simply not used
+    (root / "latest_checkpointed_iteration.txt").write_text("abc")
+    with pytest.raises(CheckpointError, match="expected an iteration number"):
+        latest_iteration(root)
+    (root / "iter_0000001" / METADATA_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_metadata(root / "iter_0000001")
+    json.dumps  # noqa: B018

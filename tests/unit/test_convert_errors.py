@@ -1,0 +1,137 @@
+"""Bad input to tools/convert.py: one clear `error: ...` line, non-zero exit, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.unit.convert_helpers import make_hf_model
+
+sys.path.insert(0, str(ROOT / "tools"))
+import convert as cli  # noqa: E402  (tools/convert.py)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("src") / "hf")
+
+
+@pytest.fixture(scope="module")
+def mcore(src, tmp_path_factory, cpu_parallel_state):
+    out = tmp_path_factory.mktemp("mc") / "mcore"
+    assert cli.main(["to-megatron", "--hf", str(src), "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def fails(args: list[str], *fragments: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    for f in fragments:
+        assert f in msg, (f, msg)
+    return msg
+
+
+def no_leftovers(parent, name):
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+def copy_src(src, tmp_path):
+    d = tmp_path / "hf"
+    shutil.copytree(src, d)
+    return d
+
+
+def edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_hf_dir(tmp_path, cpu_parallel_state):
+    fails(["to-megatron", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist")
+    (tmp_path / "empty").mkdir()
+    fails(["to-megatron", "--hf", str(tmp_path / "empty"), "--out", str(tmp_path / "o")], "no config.json")
+    no_leftovers(tmp_path, "o")
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only LlamaForCausalLM"),
+    ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "rope_type='mrope' is not supported"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"intermediate_size": 200}, "mlp.gate_proj.weight has shape [176, 64] but config.json implies [200, 64]"),
+    ({"num_hidden_layers": 1}, "no place in a Llama model"),
+    ({"num_hidden_layers": 3}, "tensors missing"),
+])
+def test_bad_config(src, tmp_path, cpu_parallel_state, changes, fragment):
+    d = copy_src(src, tmp_path)
+    edit_config(d, **changes)
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], fragment)
+    no_leftovers(tmp_path, "o")
+
+
+def test_index_names_missing_shard(src, tmp_path, cpu_parallel_state):
+    d = copy_src(src, tmp_path)
+    names = json.loads(json.dumps(list(__import__("safetensors").safe_open(str(d / "model.safetensors"), "pt").keys())))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: ("model-00002-of-00002.safetensors" if "layers.1." in n else "model.safetensors")
+                        for n in names}}))
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], "model-00002-of-00002.safetensors",
+          "does not exist")
+    no_leftovers(tmp_path, "o")
+
+
+def test_corrupt_shard(src, tmp_path, cpu_parallel_state):
+    d = copy_src(src, tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated download
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], "model.safetensors", "re-download")
+    no_leftovers(tmp_path, "o")
+
+
+def test_missing_lm_head_when_untied(src, tmp_path, cpu_parallel_state):
+    from safetensors.torch import load_file, save_file
+
+    d = copy_src(src, tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], "lm_head.weight is required")
+
+
+def test_output_exists_needs_force(src, mcore, tmp_path, cpu_parallel_state):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    fails(["to-megatron", "--hf", str(src), "--out", str(out)], "already exists", "--force")
+    assert (out / "keep").is_file()
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(out)], "already exists")
+    assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(out), "--force", "--no-progress"]) == 0
+    assert not (out / "keep").exists() and (out / "config.json").is_file()
+
+
+def test_megatron_dir_without_latest(tmp_path, mcore, cpu_parallel_state):
+    d = tmp_path / "m"
+    shutil.copytree(mcore, d)
+    (d / "latest_checkpointed_iteration.txt").unlink()
+    fails(["to-hf", "--megatron", str(d), "--out", str(tmp_path / "o")], "latest_checkpointed_iteration.txt",
+          "found iterations: [0]")
+    fails(["to-hf", "--megatron", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist")
+    no_leftovers(tmp_path, "o")
+
+
+def test_iteration_that_does_not_exist(tmp_path, mcore, cpu_parallel_state):
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--iteration", "7"],
+          "no iteration 7", "available: [0]")
+    no_leftovers(tmp_path, "o")
+
+
+def test_rope_preset_and_max_positions_exclusive(tmp_path, mcore, cpu_parallel_state):
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--rope-preset", "ultralong-1m",
+           "--max-position-embeddings", "5"], "either --rope-preset or --max-position-embeddings")
