@@ -132,19 +132,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
     `extra` must be plain data (numbers, strings, tensors, dicts/lists of them): it is loaded back
     with `torch.load(weights_only=True)`. `keep_last=N` then deletes all but the newest N `iter_*` folders.
     """
-    from megatron.core import dist_checkpointing
-
     if "hf_config" not in metadata:
         raise CheckpointError("save_checkpoint: metadata must contain 'hf_config' (the model's HF config dict)")
-    root = Path(root)
-    final = root / iter_dir_name(iteration)
-    tmp = root / f".{final.name}.partial"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
-        tmp.mkdir()
-    _barrier()
-
     md = _sharding_metadata(optimizer)
     state: dict[str, Any] = _model_state(model_chunks, md)
     if optimizer is not None:
@@ -153,6 +142,27 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
         state["scheduler"] = scheduler.state_dict()
     if extra is not None:
         state["extra"] = extra
+    info = {"model_chunks": len(model_chunks), "has_optimizer": optimizer is not None, **metadata}
+    return save_sharded_state(root, iteration, state, metadata=info, sharding_metadata=md, keep_last=keep_last)
+
+
+def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadata: dict,
+                       sharding_metadata: dict | None = None, keep_last: int | None = None) -> Path:
+    """Write a ready sharded state dict as `root/iter_{iteration:07d}` (temp dir + rename) and update `latest`.
+
+    The layer under `save_checkpoint`; the converter uses it directly with tensors it built itself.
+    """
+    from megatron.core import dist_checkpointing
+
+    md = sharding_metadata if sharding_metadata is not None else _sharding_metadata(None)
+    root = Path(root)
+    final = root / iter_dir_name(iteration)
+    tmp = root / f".{final.name}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
+        tmp.mkdir()
+    _barrier()
     dist_checkpointing.save(state, str(tmp), content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
     _barrier()
 
@@ -162,8 +172,6 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
             "iteration": iteration,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "parallel": _parallel_layout(),
-            "model_chunks": len(model_chunks),
-            "has_optimizer": optimizer is not None,
             "versions": _versions(),
             "git_sha": _git_sha(),
             **metadata,

@@ -75,12 +75,43 @@ def source_dtype(cfg: dict) -> torch.dtype:
     return DTYPES.get(str(name).removeprefix("torch."), torch.bfloat16)
 
 
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _read_header(path: Path) -> dict[str, dict]:
+    """Tensor entries (dtype, shape, data_offsets) of a safetensors file, checked against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise ConvertError(f"{path}: not a safetensors file (bad header length); re-download it")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConvertError(f"{path}: corrupt safetensors header; re-download it") from None
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, e in header.items():
+        start, end = e["data_offsets"]
+        if e["dtype"] not in _ST_DTYPES:
+            raise ConvertError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
+        if end > data_size or start > end:
+            raise ConvertError(f"{path}: tensor {name} extends past the end of the file "
+                               f"({end} > {data_size} bytes); the file is truncated, re-download it")
+        e["base"] = 8 + n
+    return header
+
+
 class SafetensorsReader:
-    """Name -> file index of an HF checkpoint; tensors are read one at a time from memory maps."""
+    """Name -> file index of an HF checkpoint; tensors are read one at a time with plain reads.
+
+    Plain reads (not memory maps) keep resident memory at the tensors the converter holds.
+    """
 
     def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
-
         self.dir = hf_dir
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -96,19 +127,14 @@ class SafetensorsReader:
                     if list(hf_dir.glob("*.bin")) else ""
                 raise ConvertError(f"--hf {hf_dir}: no *.safetensors weights{extra}")
             weight_map = None
-        self._handles = {}
+        self.file_of: dict[str, str] = {}
+        self._entries: dict[str, dict] = {}
         for name in files:
             path = hf_dir / name
             if not path.is_file():
                 raise ConvertError(f"{index}: names shard {name}, which does not exist in {hf_dir}")
-            try:
-                self._handles[name] = safe_open(str(path), framework="pt")
-            except Exception as e:  # SafetensorError on a truncated or corrupt header
-                raise ConvertError(f"{path}: cannot read safetensors file ({e}); re-download it") from None
-        self.file_of: dict[str, str] = {}
-        for name, handle in self._handles.items():
-            for key in handle.keys():
-                self.file_of[key] = name
+            for key, entry in _read_header(path).items():
+                self.file_of[key], self._entries[key] = name, entry
         if weight_map is not None:
             missing = [k for k, f in weight_map.items() if self.file_of.get(k) != f]
             if missing:
@@ -119,14 +145,19 @@ class SafetensorsReader:
         return list(self.file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+        return tuple(self._entries[name]["shape"])
 
     def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._handles[self.file_of[name]].get_tensor(name)
-        except Exception as e:
-            raise ConvertError(f"{self.dir / self.file_of[name]}: cannot read tensor {name} ({e}); "
-                               "the file is corrupt, re-download it") from None
+        e = self._entries[name]
+        start, end = e["data_offsets"]
+        buf = bytearray(end - start)
+        with open(self.dir / self.file_of[name], "rb") as f:
+            f.seek(e["base"] + start)
+            if f.readinto(buf) != len(buf):
+                raise ConvertError(f"{self.dir / self.file_of[name]}: short read of tensor {name}; re-download it")
+        if not buf:
+            return torch.empty(e["shape"], dtype=_ST_DTYPES[e["dtype"]])
+        return torch.frombuffer(buf, dtype=_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
 class ShardedSafetensorsWriter:

@@ -46,28 +46,58 @@ def check_hf_tensors(reader: SafetensorsReader, cfg: dict) -> None:
                                f"{list(shape)}; config.json and the weights do not belong together")
 
 
-def fill_model(model, reader: SafetensorsReader, cfg: dict, padded_vocab: int, progress: bool = True) -> None:
-    """Copy HF tensors into a TP=1, PP=1 Megatron model through its sharded state dict (checkpoint keys)."""
+def _skeleton(cfg: dict, precision: str, divisible: int) -> dict:
+    """Sharded state dict of a narrow model with `cfg`'s layer count and embedding tying (TP=1, PP=1).
+
+    Its keys, layer offsets, per-key dtypes and `_extra_state` objects are what a model of `cfg` saves
+    and loads; widths do not change them. Building the real model would hold its random init in memory
+    beside the converted tensors (2x the model size), so we build this one and swap in real tensors.
+    """
+    from megatron_ext.model import BuildOptions, build_model
+
+    narrow = {k: cfg[k] for k in ("num_hidden_layers", "tie_word_embeddings", "rms_norm_eps")}
+    narrow.update(hidden_size=8, intermediate_size=8, num_attention_heads=2, head_dim=4, vocab_size=divisible,
+                  num_key_value_heads=1 if cfg["num_key_value_heads"] < cfg["num_attention_heads"] else 2,
+                  rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128)
+    model = build_model(narrow, BuildOptions(device="cpu", precision=precision,
+                                             make_vocab_size_divisible_by=divisible, seq_length=16))
+    return model.sharded_state_dict()
+
+
+def build_state(reader: SafetensorsReader, cfg: dict, precision: str, divisible: int,
+                progress: bool = True) -> dict:
+    """The torch_dist sharded state dict of the HF model: every table entry, layer by layer, real tensors."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from tqdm import tqdm
 
-    items = [(name, sh) for name, sh in model.sharded_state_dict().items()
-             if isinstance(sh, (ShardedTensor, ShardedTensorFactory))]
+    from megatron_ext.convert.exporter import megatron_shapes
+    from megatron_ext.model import padded_vocab_size
+
+    padded = padded_vocab_size(cfg["vocab_size"], divisible, 1)
+    shapes = megatron_shapes(cfg, padded)
+    layers = cfg["num_hidden_layers"]
+    state = _skeleton(cfg, precision, divisible)
     consumed: set[str] = set()
-    with torch.no_grad():
-        for name, sh in tqdm(items, desc="hf -> megatron", unit="tensor", disable=not progress):
-            try:
-                entry = mapping.entry_for_key(sh.key)
-            except KeyError:
-                raise ConvertError(f"model tensor {sh.key} has no entry in the mapping table") from None
-            m = _LAYER.match(name)
-            layer = int(m.group(1)) if m else None
-            names = entry.hf_names(layer)
-            t = mapping.to_megatron(entry, [reader.get(n) for n in names], cfg, padded_vocab)
-            if tuple(t.shape) != tuple(sh.data.shape):
-                raise ConvertError(f"{names[0]}: converted shape {list(t.shape)} != model {list(sh.data.shape)}")
-            sh.data.copy_(t)
-            consumed.update(names)
+    todo = [(name, sh) for name, sh in state.items() if isinstance(sh, (ShardedTensor, ShardedTensorFactory))]
+    for name, sh in tqdm(todo, desc="hf -> megatron", unit="tensor", disable=not progress):
+        try:
+            entry = mapping.entry_for_key(sh.key)
+        except KeyError:
+            raise ConvertError(f"model tensor {sh.key} has no entry in the mapping table") from None
+        m = _LAYER.match(name)
+        layer = int(m.group(1)) if m else None
+        names = entry.hf_names(layer)
+        dtype = sh.data.dtype  # what the model keeps this tensor in (norms stay fp32 in a bf16 model)
+        t = mapping.to_megatron(entry, [reader.get(n) for n in names], cfg, padded).to(dtype).contiguous()
+        want = shapes[sh.key][1:] if entry.per_layer else shapes[sh.key]
+        if tuple(t.shape) != tuple(want):
+            raise ConvertError(f"{names[0]}: converted shape {list(t.shape)} != expected {list(want)}")
+        if entry.per_layer:
+            state[name] = ShardedTensor.from_rank_offsets(sh.key, t, (0, layer, layers), replica_id=0,
+                                                          prepend_axis_num=1)
+        else:
+            state[name] = ShardedTensor.from_rank_offsets(sh.key, t, replica_id=0)
+        consumed.update(names)
     if cfg["tie_word_embeddings"] and "lm_head.weight" in reader.names():
         # transformers ignores a stored lm_head when tied; it must then equal the embedding
         if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
@@ -77,14 +107,15 @@ def fill_model(model, reader: SafetensorsReader, cfg: dict, padded_vocab: int, p
     left = sorted(set(mapping.expected_hf_names(cfg)) - consumed)
     if left:
         raise ConvertError(f"HF tensors not consumed by the mapping: {', '.join(left[:6])}")
+    return state
 
 
 def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, verify: bool = False,
                 force: bool = False, make_vocab_size_divisible_by: int = 128, tolerance: float = 1e-4,
                 progress: bool = True) -> dict:
     """Convert an HF Llama folder into a Megatron checkpoint root `out` (iteration 0). Returns a report dict."""
-    from megatron_ext.checkpoint import save_checkpoint
-    from megatron_ext.model import BuildOptions, build_model, padded_vocab_size
+    from megatron_ext.checkpoint import save_sharded_state
+    from megatron_ext.model import padded_vocab_size
 
     start = time.time()
     hf_dir, out = Path(hf_dir), Path(out)
@@ -97,13 +128,8 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
     padded = padded_vocab_size(cfg["vocab_size"], make_vocab_size_divisible_by, 1)
     ensure_cpu_process_group()
     with staged_output(out, force) as tmp:
-        opts = BuildOptions(device="cpu", precision="bf16" if target == torch.bfloat16 else "fp32",
-                            make_vocab_size_divisible_by=make_vocab_size_divisible_by, seq_length=128)
-        try:
-            model = build_model(cfg, opts)
-        except NotImplementedError as e:
-            raise ConvertError(f"{hf_dir / 'config.json'}: {e}") from None
-        fill_model(model, reader, cfg, padded, progress)
+        precision = "bf16" if target == torch.bfloat16 else "fp32"
+        state = build_state(reader, cfg, precision, make_vocab_size_divisible_by, progress)
         gen = hf_dir / GENERATION_CONFIG
         metadata = {
             "hf_config": cfg,
@@ -114,8 +140,8 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
             "source": {"hf_dir": str(hf_dir.resolve()), "dtype": dtype_name(source_dtype(cfg))},
             "converted_by": "megatron_ext.convert.importer",
         }
-        save_checkpoint(tmp, 0, [model], metadata=metadata)
-        del model
+        save_sharded_state(tmp, 0, {"model": state}, metadata=metadata)
+        del state
         report = {"direction": "to-megatron", "out": str(out), "dtype": dtype_name(target)}
         if verify:
             from megatron_ext.convert.verify import compare_logits
