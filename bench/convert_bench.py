@@ -39,14 +39,15 @@ SHAPES = {
 
 def write_random_hf(out: Path, cfg: dict, shard_bytes: int = 2 * 2**30) -> int:
     """Random bf16 weights of `cfg` as sharded safetensors + index + config; returns bytes written."""
-    from megatron_ext.convert.hf_io import ShardedSafetensorsWriter
+    from megatron_ext.convert.hf_io import StreamingSafetensorsWriter
     from megatron_ext.convert.mapping import hf_shapes
     from megatron_ext.model import normalize_hf_config
 
     out.mkdir(parents=True)
-    writer = ShardedSafetensorsWriter(out, shard_bytes)
+    shapes = hf_shapes(normalize_hf_config(cfg))
+    writer = StreamingSafetensorsWriter(out, [(n, s, torch.bfloat16) for n, s in shapes.items()], shard_bytes)
     gen = torch.Generator().manual_seed(0)
-    for name, shape in hf_shapes(normalize_hf_config(cfg)).items():
+    for name, shape in shapes.items():
         writer.add(name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
     writer.close()
     (out / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="bfloat16"), indent=2))

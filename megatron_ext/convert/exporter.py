@@ -13,7 +13,7 @@ from megatron_ext.convert.hf_io import (
     DTYPES,
     GENERATION_CONFIG,
     ConvertError,
-    ShardedSafetensorsWriter,
+    StreamingSafetensorsWriter,
     copy_tokenizer,
     export_config,
     generation_config,
@@ -103,7 +103,9 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     steps = [(head, None)] + [(per_layer, i) for i in range(cfg["num_hidden_layers"])] + [(tail, None)]
     written: list[str] = []
     with staged_output(out, force) as tmp:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        shapes = mapping.hf_shapes(cfg)
+        plan = [(n, shapes[n], target) for group, layer in steps for e in group for n in e.hf_names(layer)]
+        writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
         for group, layer in tqdm(steps, desc="megatron -> hf", unit="step", disable=not progress):
             tensors = reader.read([e.megatron for e in group], layer)
             for e in group:

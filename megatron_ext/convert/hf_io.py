@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def source_dtype(cfg: dict) -> torch.dtype:
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def _read_header(path: Path) -> dict[str, dict]:
@@ -160,42 +162,65 @@ class SafetensorsReader:
         return torch.frombuffer(buf, dtype=_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
-class ShardedSafetensorsWriter:
-    """Writes tensors into `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes`."""
+class StreamingSafetensorsWriter:
+    """Writes `model-0000i-of-0000n.safetensors` shards tensor by tensor, holding none of them.
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int = 5 * 2**30):
-        self.out, self.max = out_dir, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.total = 0
+    The plan (names, shapes, dtypes in write order) is known before any data is read, so every shard's
+    header (with all byte offsets) is written first and each tensor's bytes are appended as it arrives.
+    """
+
+    def __init__(self, out_dir: Path, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int = 5 * 2**30):
+        self.out = out_dir
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = []
+        size = 0
+        for name, shape, dtype in plan:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not shards or (shards[-1] and size + nbytes > max_shard_bytes):
+                shards.append([])
+                size = 0
+            shards[-1].append((name, tuple(shape), dtype, nbytes))
+            size += nbytes
+        n = len(shards)
+        self.shards = [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", items) for i, items in enumerate(shards)]
+        self.queue = [(si, item) for si, (_, items) in enumerate(self.shards) for item in items]
+        self.pos = 0
+        self.total = sum(item[3] for _, item in self.queue)
+        self._fh = None
+
+    def _open(self, shard: int) -> None:
+        name, items = self.shards[shard]
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for tname, shape, dtype, nbytes in items:
+            header[tname] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self._fh = open(self.out / name, "wb")
+        self._fh.write(len(raw).to_bytes(8, "little") + raw)
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
-        if self.pending and self.pending_bytes + size > self.max:
-            self._flush()
-        self.pending[name] = t.contiguous()
-        self.pending_bytes += size
-        self.total += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        i = len(self.shards)
-        save_file(self.pending, str(self.out / f"shard-{i:05d}.tmp"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        """Append the next tensor of the plan (same name, shape and dtype, in plan order)."""
+        if self.pos >= len(self.queue):
+            raise ValueError(f"tensor {name} is not in the write plan")
+        shard, (want, shape, dtype, _) = self.queue[self.pos]
+        if name != want or tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"expected {want} {list(shape)} {dtype}, got {name} {list(t.shape)} {t.dtype}")
+        if self._fh is None:
+            self._open(shard)
+        self._fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        self.pos += 1
+        if self.pos == len(self.queue) or self.queue[self.pos][0] != shard:
+            self._fh.close()
+            self._fh = None
 
     def close(self) -> None:
-        """Flush, name the shards `-of-N` and write `model.safetensors.index.json`."""
-        if self.pending:
-            self._flush()
-        n = len(self.shards)
-        weight_map = {}
-        for i, names in enumerate(self.shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.out / f"shard-{i:05d}.tmp").rename(self.out / final)
-            weight_map.update({name: final for name in names})
+        """Check every planned tensor arrived and write `model.safetensors.index.json`."""
+        if self.pos != len(self.queue):
+            missing = [item[0] for _, item in self.queue[self.pos:]]
+            raise ValueError(f"{len(missing)} planned tensors were not written, e.g. {missing[0]}")
+        weight_map = {item[0]: name for name, items in self.shards for item in items}
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
