@@ -14,12 +14,14 @@ from megatron_ext.convert.hf_io import (
     GENERATION_CONFIG,
     ConvertError,
     StreamingSafetensorsWriter,
+    check_llama,
     copy_tokenizer,
     export_config,
     generation_config,
 )
 from megatron_ext.convert.dist_reader import TorchDistReader
-from megatron_ext.convert.staging import ensure_cpu_process_group, peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import peak_rss_bytes, staged_output
+from megatron_ext.model import normalize_hf_config
 
 # Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
 _NOT_WEIGHTS = ("optimizer.",)
@@ -82,9 +84,6 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         raise ConvertError(str(e)) from None
     if "hf_config" not in meta:
         raise ConvertError(f"{path}: metadata has no hf_config; cannot tell the architecture")
-    from megatron_ext.convert.hf_io import check_llama
-    from megatron_ext.model import normalize_hf_config
-
     check_llama(meta["hf_config"], f"{path} metadata hf_config")
     cfg = normalize_hf_config(meta["hf_config"])
     reader = TorchDistReader(path)
@@ -94,7 +93,6 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     else:
         target = DTYPES.get((meta.get("source") or {}).get("dtype", ""), reader.dtype("embedding.word_embeddings.weight"))
     hf_cfg = export_config(cfg, target, rope_preset, max_position_embeddings)
-    ensure_cpu_process_group()
 
     table = mapping.entries(cfg["tie_word_embeddings"])
     head = [e for e in table if not e.per_layer and e.megatron.startswith("embedding")]
