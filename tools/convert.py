@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                            max_shard_bytes=int(args.max_shard_size_gb * 2**30), progress=not args.no_progress)
     except (ConvertError, CheckpointError) as e:
         sys.exit(f"error: {e}")
+    for key in ("warning", "rope_changed"):
+        if key in report:
+            print(f"warning: {report[key]}", file=sys.stderr)
     report["peak_rss_gib"] = round(report.pop("peak_rss_bytes") / 2**30, 3)
     print(json.dumps(report))
     return 0

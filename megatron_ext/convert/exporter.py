@@ -121,6 +121,9 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         copied = copy_tokenizer(tok_dir, tmp)
         report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": str(target),
                   "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
+        if (hf_cfg["rope_theta"], hf_cfg["rope_scaling"]) != (cfg["rope_theta"], cfg["rope_scaling"]):
+            report["rope_changed"] = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs "
+                                      f"from the checkpoint's {cfg['rope_scaling']} (theta {cfg['rope_theta']})")
         if not copied:
             report["warning"] = (f"no tokenizer files copied (tokenizer location {tok_dir}); "
                                  "pass --tokenizer DIR to include them")

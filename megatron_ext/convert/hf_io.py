@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.model import normalize_hf_config
+from megatron_ext.presets import ROPE_PRESETS
 
 
 class ConvertError(Exception):
@@ -23,11 +24,6 @@ GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 
-# UltraLong export presets (paper: YaRN from Llama-3.1's 8K original window, beta_fast 4, beta_slow 1).
-ROPE_PRESETS = {
-    f"ultralong-{m}m": {"factor": float(f), "max_position_embeddings": 8192 * f}
-    for m, f in ((1, 128), (2, 256), (4, 512))
-}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -231,10 +227,11 @@ def export_config(cfg: dict, dtype: torch.dtype, rope_preset: str | None, max_po
     if rope_preset is not None:
         if rope_preset not in ROPE_PRESETS:
             raise ConvertError(f"--rope-preset {rope_preset!r}: expected one of {', '.join(ROPE_PRESETS)}")
-        p = ROPE_PRESETS[rope_preset]
-        out["rope_scaling"] = {"rope_type": "yarn", "factor": p["factor"], "original_max_position_embeddings": 8192,
-                               "beta_fast": 4.0, "beta_slow": 1.0}
-        out["max_position_embeddings"] = p["max_position_embeddings"]
+        # the shared UltraLong blocks (transformers-5 form) -> transformers-4 `rope_theta` + `rope_scaling`
+        block = normalize_hf_config({**out, "rope_parameters": ROPE_PRESETS[rope_preset]})
+        out["rope_theta"], out["rope_scaling"] = block["rope_theta"], block["rope_scaling"]
+        scaling = out["rope_scaling"]
+        out["max_position_embeddings"] = int(scaling["factor"] * scaling["original_max_position_embeddings"])
     if max_positions is not None:
         out["max_position_embeddings"] = max_positions
     for key in ("rope_parameters", "dtype", "transformers_version"):

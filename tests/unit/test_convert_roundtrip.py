@@ -161,7 +161,7 @@ def test_rope_preset_export(preset, factor, tiny_src, tmp_path, cpu_parallel_sta
     cfg = json.loads((tmp_path / "h/config.json").read_text())
     assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 8192,
                                    "beta_fast": 4.0, "beta_slow": 1.0}
-    assert cfg["max_position_embeddings"] == int(8192 * factor) and cfg["rope_theta"] == 10000.0
+    assert cfg["max_position_embeddings"] == int(8192 * factor) and cfg["rope_theta"] == 500000.0
     from transformers import LlamaConfig
 
     rp = LlamaConfig.from_pretrained(str(tmp_path / "h")).rope_parameters  # transformers 5 reads the v4 form
@@ -174,3 +174,20 @@ def test_max_position_embeddings_override(tiny_src, tmp_path, cpu_parallel_state
     cfg = json.loads((tmp_path / "h/config.json").read_text())
     assert cfg["max_position_embeddings"] == 65536
     assert rope_fields(cfg) == rope_fields(json.loads((tiny_src / "config.json").read_text()))  # rope kept
+
+
+def test_yarn_trained_checkpoint_exports_with_preset(tmp_path, cpu_parallel_state):
+    """A model whose metadata rope is UltraLong-1M exports with that preset and verifies; 4M does not."""
+    from megatron_ext.presets import ROPE_PRESETS
+
+    if not rope_supported("yarn-gqa2"):
+        pytest.skip("megatron_ext.rope cannot build yarn yet (issue 3)")
+    rope = {k: v for k, v in ROPE_PRESETS["ultralong-1m"].items() if k != "rope_theta"}
+    src = make_hf_model(tmp_path / "hf", rope_theta=500000.0, rope_scaling=rope, max_position_embeddings=2**20)
+    to_megatron(src, tmp_path / "m", progress=False)
+    r = to_hf(tmp_path / "m", tmp_path / "h1", rope_preset="ultralong-1m", verify=True, progress=False)
+    assert r["max_abs_logit_diff"] <= TOL and "rope_changed" not in r
+    with pytest.raises(ConvertError, match="--verify"):  # a different rope computes other logits
+        to_hf(tmp_path / "m", tmp_path / "h4", rope_preset="ultralong-4m", verify=True, progress=False)
+    r4 = to_hf(tmp_path / "m", tmp_path / "h4", rope_preset="ultralong-4m", progress=False)
+    assert "rope_changed" in r4
