@@ -269,6 +269,9 @@ def _architecture_mismatch(meta: dict, config) -> str | None:
     return None
 
 
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
     """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint."""
     from megatron.core import dist_checkpointing
@@ -280,6 +283,7 @@ def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
     except Exception as e:  # CheckpointingException, OSError, torch errors on corrupt files
         raise CheckpointError(f"{path}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from None
     problems = []
+    vocab_rows = False
     for sh in nested_values(model_state):
         if not isinstance(sh, ShardedTensor):
             continue
@@ -288,11 +292,17 @@ def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
         elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
             problems.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
                             f"model {tuple(sh.global_shape)}")
+            if sh.key in _VOCAB_KEYS and tuple(stored[sh.key].global_shape)[1:] == tuple(sh.global_shape)[1:]:
+                vocab_rows = True
     if problems:
         meta_file = path / METADATA_FILE
         arch = _architecture_mismatch(json.loads(meta_file.read_text()), model_chunks[0].config) \
             if meta_file.is_file() else None
         why = f" (architecture differs, {arch})" if arch else ""
+        if not arch and vocab_rows:
+            why = (" (padded vocabulary rows differ: padding is vocab_size rounded up to "
+                   "make_vocab_size_divisible_by x TP, so this TP or divisor pads differently; use the "
+                   "make_vocab_size_divisible_by and a TP that give the checkpoint's row count)")
         shown = "; ".join(sorted(set(problems))[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
         raise CheckpointError(f"checkpoint {path} does not fit the model{why}: {shown}; "
                               "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")

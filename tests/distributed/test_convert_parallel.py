@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from megatron_ext.convert import to_hf, to_megatron
 from tests.conftest import ROOT, read_json
-from tests.unit.convert_helpers import make_hf_model
+from tests.unit.test_convert_fixtures import make_hf_model
 from tests.unit.test_convert_roundtrip import read_all
 
 WORKER = ROOT / "tests/distributed/workers/convert_parallel.py"

@@ -148,6 +148,9 @@ def test_errors(tmp_path, cpu_parallel_state):
     deep = build_model(dict(TINY, num_hidden_layers=3), BuildOptions(device="cpu", seq_length=32))
     with pytest.raises(CheckpointError, match="num_hidden_layers: checkpoint 2, model 3"):
         load_checkpoint(root, [deep])
+    padded = build_model(TINY, BuildOptions(device="cpu", seq_length=32, make_vocab_size_divisible_by=1024))
+    with pytest.raises(CheckpointError, match="padded vocabulary rows differ"):
+        load_checkpoint(root, [padded])
     tied = build_model(dict(TINY, tie_word_embeddings=True), BuildOptions(device="cpu", seq_length=32))
     load_checkpoint(root, [tied])  # untied checkpoint into tied model: output layer is simply not used
     (root / "latest_checkpointed_iteration.txt").write_text("abc")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.convert_helpers import make_hf_model
+from tests.unit.test_convert_fixtures import make_hf_model
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convert as cli  # noqa: E402  (tools/convert.py)
@@ -135,3 +135,14 @@ def test_iteration_that_does_not_exist(tmp_path, mcore, cpu_parallel_state):
 def test_rope_preset_and_max_positions_exclusive(tmp_path, mcore, cpu_parallel_state):
     fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--rope-preset", "ultralong-1m",
            "--max-position-embeddings", "5"], "either --rope-preset or --max-position-embeddings")
+
+
+def test_cli_process_exits_with_one_line(tmp_path):
+    """The real command: exit status 1 and a single `error:` line on stderr, no traceback."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-hf", "--megatron", str(tmp_path / "x"),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
+    assert lines == [f"error: checkpoint directory {tmp_path / 'x'} does not exist; check the path"], proc.stderr

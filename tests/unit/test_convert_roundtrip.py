@@ -16,7 +16,7 @@ from safetensors import safe_open
 from megatron_ext.checkpoint import read_metadata
 from megatron_ext.convert import ConvertError, hf_io, mapping, to_hf, to_megatron
 from megatron_ext.convert.verify import hf_logits, megatron_logits, random_tokens
-from tests.unit.convert_helpers import VARIANTS, make_hf_model, rope_fields, rope_supported
+from tests.unit.test_convert_fixtures import VARIANTS, make_hf_model, rope_fields, rope_supported
 
 to_megatron_mod = importlib.import_module("megatron_ext.convert.importer")
 TOL = 1e-4  # issue 4: fp32 logits within 1e-4

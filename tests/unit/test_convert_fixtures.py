@@ -1,4 +1,4 @@
-"""Tiny random HF Llama-3.1 models saved with transformers, for converter tests."""
+"""Tiny random HF Llama-3.1 models saved with transformers, for converter tests (helpers, no tests)."""
 
 from __future__ import annotations
 
