@@ -17,6 +17,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import pickle
 import shutil
 import subprocess
 from pathlib import Path
@@ -272,6 +273,42 @@ def _architecture_mismatch(meta: dict, config) -> str | None:
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a torch_dist `.metadata` file, allowing only the classes such files contain.
+
+    torch.distributed.checkpoint stores its index as a pickle and reads it with plain `pickle.load`,
+    which would run code from a crafted file. Checkpoints come from elsewhere, so we allow-list.
+    """
+
+    _MODULES = ("torch.distributed.checkpoint.",)
+    _TORCH = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last",
+              "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+    _OTHER = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+              ("builtins", "slice"), ("torch", "device"),
+              ("torch.serialization", "_get_layout")}  # looks a layout up by name in torch
+
+    def find_class(self, module: str, name: str):
+        if module.startswith(self._MODULES) or (module == "torch" and name in self._TORCH) \
+                or (module, name) in self._OTHER:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def read_dcp_index(path: str | Path):
+    """The torch.distributed.checkpoint index (`.metadata`) of a checkpoint directory, read with an allow-list.
+
+    Raises CheckpointError for a missing, corrupt or crafted file. `load_checkpoint` reads the index
+    this way first, so the plain `pickle.load` that torch then does runs only on a vetted file.
+    """
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            return _IndexUnpickler(f).load()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: not a readable torch_dist checkpoint index ({type(e).__name__}: {e})") \
+            from None
+
+
 def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
     """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint."""
     from megatron.core import dist_checkpointing
@@ -318,6 +355,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     from megatron.core import dist_checkpointing
 
     iteration, path = resolve_iteration_dir(root, iteration)
+    read_dcp_index(path)  # vet the pickled index before torch unpickles it
     try:
         saved_md = dist_checkpointing.load_content_metadata(str(path))
     except Exception as e:
@@ -333,9 +371,10 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
                                   "(checkpoint.init_from) instead")
         _materialise_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
+    skipped = _drop_extra_state(state, _model_keys(model_chunks)) if weights_only else {}
     loaded = dist_checkpointing.load(state, str(path))
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
-        chunk.load_state_dict(loaded[key])
+        chunk.load_state_dict({**loaded[key], **dict.fromkeys(skipped.get(key, ()))})
     if load_optim:
         with torch.no_grad():  # fp32 main params are views of the (leaf) model params
             optimizer.load_state_dict(loaded["optimizer"])
@@ -345,6 +384,22 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
             raise CheckpointError(f"{path} holds no scheduler state; resume with weights_only=True instead")
         scheduler.load_state_dict(loaded["scheduler"])
     return iteration, loaded.get("extra")
+
+
+def _drop_extra_state(state: dict, model_keys: list[str]) -> dict[str, list[str]]:
+    """Remove the modules' `_extra_state` objects from a load request; returns their names per model key.
+
+    torch.distributed.checkpoint reads such objects with `torch.load(weights_only=False)`, i.e. it
+    unpickles them. Weights-only loads (`checkpoint.init_from`, often a checkpoint from elsewhere) skip
+    them: they hold nothing for the local spec and only FP8 scaling history for TE, which restarts.
+    """
+    skipped = {}
+    for key in model_keys:
+        names = [n for n in state[key] if n.endswith("._extra_state")]
+        for n in names:
+            del state[key][n]
+        skipped[key] = names
+    return skipped
 
 
 def _materialise_optimizer_state(optimizer) -> None:

@@ -17,6 +17,22 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_ext.checkpoint import read_dcp_index
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose index is read with an allow-list (`read_dcp_index`); tensor data is read with
+    `torch.load(weights_only=True)` by torch itself."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_index(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
 
 class _ChunkLoadPlanner(DefaultLoadPlanner):
     """Reads, for each key, the chunk (offsets, sizes) of the global tensor into a local tensor."""
@@ -39,9 +55,15 @@ class TorchDistReader:
     """Global shapes/dtypes of a torch_dist checkpoint's tensors, and reads of whole tensors or layer slices."""
 
     def __init__(self, path: str | Path):
+        from megatron_ext.checkpoint import CheckpointError
+        from megatron_ext.convert.hf_io import ConvertError
+
         self.path = Path(path)
-        self._reader = dcp.FileSystemReader(str(self.path))
-        meta = self._reader.read_metadata()
+        self._reader = _SafeReader(str(self.path))
+        try:
+            meta = self._reader.read_metadata()
+        except CheckpointError as e:
+            raise ConvertError(str(e)) from None
         self.tensors: dict[str, TensorStorageMetadata] = {
             k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 

@@ -160,3 +160,39 @@ def test_errors(tmp_path, cpu_parallel_state):
     with pytest.raises(CheckpointError, match="not valid JSON"):
         read_metadata(root / "iter_0000001")
     json.dumps  # noqa: B018
+
+
+def test_weights_only_load_unpickles_nothing(tmp_path, cpu_parallel_state, monkeypatch):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+
+    def no_unpickling(self, read_item, value):
+        raise AssertionError(f"unpickled {read_item.dest_index.fqn}")
+
+    monkeypatch.setattr(DefaultLoadPlanner, "load_bytes", no_unpickling)
+    fresh = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    load_checkpoint(root, [fresh], weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    with pytest.raises(BaseException) as err:  # control (torch raises a BaseException subclass): a full load does read the objects
+        load_checkpoint(root, [fresh])
+    assert "unpickled" in str(err.value) + repr(getattr(err.value, "failures", ""))
+
+
+def test_crafted_index_is_refused_before_torch_unpickles_it(tmp_path, cpu_parallel_state):
+    import os
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+    (root / "iter_0000001/.metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointError, match="refusing to load posix.system"):
+        load_checkpoint(root, [model], weights_only=True)
+    assert not (tmp_path / "pwned").exists()

@@ -146,3 +146,20 @@ def test_cli_process_exits_with_one_line(tmp_path):
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
     assert lines == [f"error: checkpoint directory {tmp_path / 'x'} does not exist; check the path"], proc.stderr
+
+
+def test_crafted_checkpoint_index_is_not_unpickled(tmp_path, mcore, cpu_parallel_state):
+    """torch_dist's `.metadata` is a pickle; the exporter reads it with an allow-list, so code never runs."""
+    import os
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    d = tmp_path / "m"
+    shutil.copytree(mcore, d)
+    (d / "iter_0000000/.metadata").write_bytes(pickle.dumps(Exploit()))
+    fails(["to-hf", "--megatron", str(d), "--out", str(tmp_path / "o")], "refusing to load posix.system")
+    assert not (tmp_path / "pwned").exists()
+    no_leftovers(tmp_path, "o")
