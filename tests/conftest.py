@@ -48,10 +48,16 @@ def torchrun():
 @pytest.fixture(scope="session")
 def cpu_parallel_state():
     """A single-process gloo group with Megatron parallel state (TP=PP=CP=1), CPU backend applied."""
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     from megatron_ext.runtime import destroy_distributed, init_distributed
 
     init_distributed("cpu", seed=1234)
+    for key, value in saved.items():  # the group exists: do not hand its port to subprocesses we start
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     yield
     destroy_distributed()
 
