@@ -338,7 +338,7 @@ def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
         why = f" (architecture differs, {arch})" if arch else ""
         if not arch and vocab_rows:
             why = (" (padded vocabulary rows differ: padding is vocab_size rounded up to "
-                   "make_vocab_size_divisible_by x TP, so this TP or divisor pads differently; use the "
+                   "a multiple of both make_vocab_size_divisible_by and TP, so this TP or divisor pads differently; use the "
                    "make_vocab_size_divisible_by and a TP that give the checkpoint's row count)")
         shown = "; ".join(sorted(set(problems))[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
         raise CheckpointError(f"checkpoint {path} does not fit the model{why}: {shown}; "

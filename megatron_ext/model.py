@@ -87,9 +87,10 @@ def hf_config_from_recipe(recipe: Recipe) -> dict:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Rows of the embedding table: vocab rounded up to a multiple of `divisible_by` x TP (Megatron-LM's rule)."""
-    multiple = max(1, divisible_by) * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
+    """Rows of the embedding table (`megatron_ext.plan.padded_vocab`: a multiple of divisible_by and TP)."""
+    from megatron_ext.plan import padded_vocab
+
+    return padded_vocab(vocab_size, divisible_by, tensor_parallel)
 
 
 @dataclass(frozen=True)

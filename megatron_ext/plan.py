@@ -13,6 +13,8 @@ Megatron-Core 0.16.1's local layer spec with torch SDPA.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -89,8 +91,14 @@ def shape_from_hf_config(cfg: dict) -> Shape:
 
 
 def padded_vocab(vocab: int, divisible_by: int, tensor: int) -> int:
-    """Embedding rows as Megatron allocates them (same rule as `model.padded_vocab_size`)."""
-    multiple = max(1, divisible_by) * tensor
+    """Embedding rows: vocab rounded up to a multiple of both `divisible_by` and TP.
+
+    Megatron-LM pads to a multiple of divisible_by x TP, which makes the row count depend on TP
+    (128256 -> 129024 at TP 8) so a checkpoint converted at TP 1 no longer loads at TP 8. The
+    least common multiple keeps every power-of-two TP up to `divisible_by` on the same rows
+    (128256 for Llama-3.1 at TP 1..128), while each TP rank still gets whole rows.
+    """
+    multiple = math.lcm(max(1, divisible_by), tensor)
     return -(-vocab // multiple) * multiple
 
 

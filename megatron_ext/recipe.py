@@ -56,7 +56,7 @@ class ModelConfig:
     max_position_embeddings: int | None = _f(None, "Context length the model advertises (HF config field).")
     initializer_range: float = _f(0.02, "Std of the normal init for a model trained from scratch.")
     make_vocab_size_divisible_by: int = _f(
-        128, "Pad the embedding rows to a multiple of this x parallel.tensor (as Megatron-LM); 1 = no padding."
+        128, "Pad the embedding rows to a multiple of both this and parallel.tensor (TP-portable); 1 = no padding."
     )
 
 
