@@ -174,7 +174,9 @@ def train(recipe: Recipe) -> int:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from megatron_ext.checkpoint import (
+        CheckpointError, latest_iteration, load_checkpoint, read_metadata, save_checkpoint,
+    )
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.plan import shape_from_hf_config, train_flops_per_token
     from megatron_ext.training_data import TrainBatches
@@ -193,16 +195,33 @@ def train(recipe: Recipe) -> int:
     optimizer, scheduler = build_optimizer(recipe, [ddp_model])
 
     start = 0
-    metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg}
+    metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer}
     if latest_iteration(root) is not None:
-        start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
+        saved = read_metadata(root)
+        layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": dp_size}
+        saved_optimizer = (saved.get("recipe") or {}).get("train", {}).get("distributed_optimizer")
+        if saved.get("parallel") == layout and saved_optimizer == t.distributed_optimizer:
+            start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
+            log(f"[train] resumed from {root} at step {start}")
+        else:
+            # The distributed optimizer's state is sharded by the DP x CP bucket layout; another
+            # layout can load the (global) weights but not that state.
+            start, _ = load_checkpoint(root, [model], weights_only=True)
+            scheduler.step(increment=start)
+            log(f"[train] resumed weights from {root} at step {start}; parallel layout changed "
+                f"({saved.get('parallel')} -> {layout}): fresh optimizer state")
         # The recipe's schedule wins over the one saved in the optimizer's param groups.
         for group in optimizer.param_groups:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr
         scheduler.step(increment=0)
-        log(f"[train] resumed from {root} at step {start}")
+        metadata["tokenizer"] = metadata["tokenizer"] or saved.get("tokenizer")
     elif recipe.checkpoint.init_from:
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
+        if metadata["tokenizer"] is None:
+            try:  # carry the tokenizer location along (converted checkpoints record it)
+                metadata["tokenizer"] = read_metadata(recipe.checkpoint.init_from).get("tokenizer")
+            except CheckpointError:
+                pass
         log(f"[train] initialised weights from {recipe.checkpoint.init_from} (fresh optimizer)")
 
     data = TrainBatches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
