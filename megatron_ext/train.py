@@ -31,10 +31,6 @@ from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 EXIT_REQUEUE = 3
 
 
-class TrainError(RuntimeError):
-    """A user mistake found at setup (data, checkpoints): one line, non-zero exit."""
-
-
 # ---------------------------------------------------------------------------- signals
 
 
@@ -318,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_ext.data import DataError
 
         return train(recipe)
-    except (TrainError, RecipeError, CheckpointError, DataError) as e:
+    except (RecipeError, CheckpointError, DataError) as e:  # user mistakes found at setup
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
