@@ -1,0 +1,288 @@
+"""Submit training stages to Slurm from Python (a login node) through submitit.
+
+    python -m megatron_ext.launch --recipe recipes/cpt_1m.yaml --stages cpt_1m,sft \
+        [--nodes N --gpus-per-node G --partition P --account A --time T] [--dry-run] [--wait] \
+        [dotted.key=value ...] [STAGE:dotted.key=value ...]
+
+Each stage is one recipe, run as one Slurm job of `nodes x gpus_per_node` tasks (one per GPU);
+stage k+1 waits for stage k with `--dependency=afterok`. `--stages` names recipes in the folder of
+`--recipe` (`sft` -> that folder's `sft.yaml`; a name ending in `.yaml` is a path); without it the
+one `--recipe` runs. Overrides apply to every stage; `STAGE:key=value` only to the stage named STAGE.
+Nodes and GPUs per node default to the recipe's `cluster` block (the recipe is the source of truth).
+
+Preemption and time limits: the jobs are sent USR1 `signal_delay_s` before the limit (and on
+`scancel --signal=USR1`); the trainer saves a checkpoint and returns `EXIT_REQUEUE`, and rank 0 then
+requeues the job (`scontrol requeue`), which resumes from the checkpoint.
+
+`--check` is the pre-launch validation the sbatch scripts (slurm/common.sh) run before srun: the
+recipe and overrides for the job's task count, data and checkpoint paths, and GPUs per node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The trainer's SIGUSR1 handler saves and exits with EXIT_REQUEUE; submitit reads this variable
+# (at import, in the submitter and in every task) to choose the signal it asks Slurm to send.
+PREEMPT_SIGNAL = "USR1"
+DEFAULT_TIME = "04:00:00"
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check(recipe_path: str, overrides: list[str], world_size: int, tasks_per_node: int | None = None,
+          gpus_per_node: int | None = None, paths: bool = True) -> Recipe:
+    """Load and validate a recipe for a job of `world_size` tasks; raises `RecipeError` with one line.
+
+    `paths`: also require the data files and `checkpoint.init_from` (false for a stage whose input
+    an earlier stage of the same chain writes). `gpus_per_node`: GPUs Slurm gave each node; a cuda
+    recipe needs one per task.
+    """
+    if not Path(recipe_path).is_file():
+        raise RecipeError(f"recipe {recipe_path!r}: file not found; give a recipe YAML, e.g. recipes/cpt_1m.yaml")
+    recipe = load_recipe(recipe_path, overrides, world_size=world_size)
+    if paths:
+        from megatron_ext.train import check_setup
+
+        check_setup(recipe)
+    if recipe.runtime.device == "cuda" and gpus_per_node is not None and tasks_per_node is not None:
+        if gpus_per_node < tasks_per_node:
+            raise RecipeError(
+                f"runtime.device = 'cuda': {tasks_per_node} tasks per node but {gpus_per_node} GPUs per node "
+                f"allocated; submit with --gpus-per-node={tasks_per_node} (one task per GPU) or set runtime.device=cpu")
+    return recipe
+
+
+def describe(recipe: Recipe, world_size: int) -> str:
+    """One line: name, stage, layout and length, e.g. `cpt_4m: cpt TP8 PP1 CP16 DP2 on 256 ...`."""
+    p, t = recipe.parallel, recipe.train
+    dp = world_size // (p.tensor * p.pipeline * p.context)
+    return (f"{recipe.name}: {t.stage} TP{p.tensor} PP{p.pipeline} CP{p.context} DP{dp} on {world_size} "
+            f"processes ({recipe.runtime.device}), seq {t.seq_length}, {t.steps} steps, "
+            f"checkpoint.dir {recipe.checkpoint.dir}")
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+@dataclass
+class Stage:
+    name: str
+    recipe: str
+    overrides: list[str] = field(default_factory=list)
+
+
+def stage_recipe(base: str, name: str) -> str:
+    """`sft` -> `<folder of base>/sft.yaml`; a name ending in .yaml/.yml is a path."""
+    if name.endswith((".yaml", ".yml")):
+        return name
+    return str(Path(base).parent / f"{name}.yaml")
+
+
+def plan_stages(recipe: str, stages: str | None, overrides: list[str]) -> list[Stage]:
+    """Stages in order with their overrides (`STAGE:key=value` only for STAGE)."""
+    names = [s.strip() for s in stages.split(",") if s.strip()] if stages else [Path(recipe).stem]
+    plan = [Stage(Path(n).stem, stage_recipe(recipe, n) if stages else recipe) for n in names]
+    known = {s.name for s in plan}
+    for text in overrides:
+        m = re.match(r"^([A-Za-z0-9_.-]+):(.+)$", text)
+        if m and "=" not in m.group(1):
+            if m.group(1) not in known:
+                raise RecipeError(f"override {text!r}: no stage named {m.group(1)!r}; stages are {sorted(known)}")
+            for s in plan:
+                if s.name == m.group(1):
+                    s.overrides.append(m.group(2))
+        else:
+            for s in plan:
+                s.overrides.append(text)
+    return plan
+
+
+def parse_time(text: str) -> int:
+    """Slurm time (`MM`, `HH:MM:SS`, `D-HH:MM:SS`, `D-HH`) -> minutes, rounded up."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise RecipeError(f"--time {text!r}: use minutes or [D-]HH:MM:SS, e.g. 04:00:00")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is None and b is None:
+        return a  # plain minutes
+    if days is not None and b is None:
+        hours, minutes, seconds = a, 0, 0
+    elif c is None:
+        hours, minutes, seconds = (a, b, 0) if days is not None else (0, a, b)
+    else:
+        hours, minutes, seconds = a, b, c
+    return (days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+
+
+def slurm_parameters(args, recipe: Recipe, stage: Stage) -> dict:
+    """submitit SlurmExecutor parameters of one stage (dependency added at submission)."""
+    nodes = args.nodes or recipe.cluster.nodes
+    per_node = args.gpus_per_node or recipe.cluster.gpus_per_node
+    params = {
+        "job_name": stage.name, "nodes": nodes, "ntasks_per_node": per_node, "time": parse_time(args.time),
+        "signal_delay_s": args.signal_delay_s, "additional_parameters": {"requeue": True},
+        "setup": [f"export PYTHONPATH={shlex.quote(str(PROJECT_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
+                  f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
+                  # the NCCL/IB defaults of the sbatch scripts, overridable in the environment
+                  f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults"],
+    }
+    if recipe.runtime.device == "cuda":
+        params.update(gpus_per_node=per_node, exclusive=True)
+    if args.cpus_per_task:
+        params["cpus_per_task"] = args.cpus_per_task
+    if args.partition:
+        params["partition"] = args.partition
+    if args.account:
+        params["account"] = args.account
+    return params
+
+
+# ---------------------------------------------------------------------------- the job
+
+
+class TrainStage:
+    """The callable each Slurm task runs: `megatron_ext.train.main` on one recipe.
+
+    Checkpointable (submitit calls `checkpoint` on a timeout or preemption signal that arrives
+    before the trainer installs its own handler): the resubmitted callable is the same stage, which
+    resumes from `checkpoint.dir`.
+    """
+
+    def __init__(self, recipe: str, overrides: list[str]):
+        self.recipe = recipe
+        self.overrides = list(overrides)
+
+    def __call__(self) -> dict:
+        import json
+
+        from megatron_ext.train import EXIT_REQUEUE, main
+
+        code = main(["--recipe", self.recipe, *self.overrides])
+        if code == EXIT_REQUEUE:
+            if int(os.environ.get("SLURM_PROCID", "0")) == 0:
+                job = os.environ["SLURM_JOB_ID"]
+                print(f"[launch] checkpoint saved; requeueing job {job}", flush=True)
+                subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
+            # No result file: the job is not over (what submitit itself does after requeueing).
+            raise SystemExit(EXIT_REQUEUE)
+        if code != 0:
+            raise RuntimeError(f"megatron_ext.train exited with {code} (recipe {self.recipe}); see the job log")
+        recipe = load_recipe(self.recipe, self.overrides, world_size=int(os.environ.get("SLURM_NTASKS", "1")))
+        metrics = Path(recipe.checkpoint.dir) / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        return {"stage": recipe.name, "checkpoint_dir": recipe.checkpoint.dir,
+                "last": json.loads(lines[-1]) if lines else None}
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(TrainStage(self.recipe, self.overrides))
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.launch", description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", required=True, help="recipe YAML (the first stage, or the folder of --stages)")
+    p.add_argument("--stages", help="comma list of recipe names in the folder of --recipe, run in order")
+    p.add_argument("--nodes", type=int, help="nodes per job (default: the recipe's cluster.nodes)")
+    p.add_argument("--gpus-per-node", type=int, help="tasks (GPUs) per node (default: cluster.gpus_per_node)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per task (default: Slurm's)")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--time", default=DEFAULT_TIME, help=f"time limit per job (default {DEFAULT_TIME}; requeues "
+                                                         "continue the stage)")
+    p.add_argument("--signal-delay-s", type=int, default=600, help="USR1 this long before the time limit")
+    p.add_argument("--folder", default="logs/submitit/%j", help="submitit logs and pickles (%%j: job id)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print what would be submitted")
+    p.add_argument("--wait", action="store_true", help="wait for the last stage and print every stage's result")
+    p.add_argument("--check", action="store_true", help="only validate the recipe for --world-size tasks "
+                                                        "(what slurm/*.sh run before srun)")
+    p.add_argument("--world-size", type=int, help="--check: tasks of the job")
+    p.add_argument("--tasks-per-node", type=int, help="--check: tasks per node")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
+    return p
+
+
+def run_check(args) -> int:
+    world = args.world_size or 1
+    recipe = check(args.recipe, args.overrides, world, args.tasks_per_node, args.gpus_per_node, paths=True)
+    print(f"ok: {describe(recipe, world)}", flush=True)
+    return 0
+
+
+def submit(args, plan: list[Stage]) -> int:
+    """Validate every stage, then print (dry run) or submit the chain."""
+    jobs_params = []
+    for i, stage in enumerate(plan):
+        nodes = args.nodes or load_recipe(stage.recipe, stage.overrides).cluster.nodes
+        per_node = args.gpus_per_node or load_recipe(stage.recipe, stage.overrides).cluster.gpus_per_node
+        # Later stages read what earlier ones write: check their paths when they start.
+        recipe = check(stage.recipe, stage.overrides, nodes * per_node, paths=not args.dry_run and i == 0)
+        jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
+
+    if args.dry_run:
+        for i, (stage, (recipe, params)) in enumerate(zip(plan, jobs_params)):
+            world = params["nodes"] * params["ntasks_per_node"]
+            print(f"stage {i + 1}/{len(plan)} {stage.name}: {stage.recipe}")
+            print(f"  layout: {describe(recipe, world)}")
+            shown = {k: v for k, v in params.items() if k != "setup"}
+            if i:
+                shown["additional_parameters"] = dict(shown["additional_parameters"],
+                                                      dependency=f"afterok:<job of stage {i}>")
+            for key in sorted(shown):
+                print(f"  sbatch {key}: {shown[key]}")
+            for line in params["setup"]:
+                print(f"  setup: {line.replace(str(PROJECT_ROOT), '<project>')}")
+            run = ["python", "-m", "megatron_ext.train", "--recipe", stage.recipe, *stage.overrides]
+            print(f"  run per task: {shlex.join(run)}")
+        return 0
+
+    os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", PREEMPT_SIGNAL)
+    import submitit
+
+    jobs = []
+    for stage, (recipe, params) in zip(plan, jobs_params):
+        executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
+        params = dict(params)
+        if jobs:
+            params["additional_parameters"] = dict(params["additional_parameters"],
+                                                   dependency=f"afterok:{jobs[-1].job_id}")
+        executor.update_parameters(**params)
+        job = executor.submit(TrainStage(stage.recipe, stage.overrides))
+        print(f"submitted {stage.name}: job {job.job_id} ({describe(recipe, params['nodes'] * params['ntasks_per_node'])})",
+              flush=True)
+        jobs.append(job)
+    if args.wait:
+        for stage, job in zip(plan, jobs):
+            result = job.result()
+            print(f"done {stage.name}: job {job.job_id}: {result}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.check:
+            return run_check(args)
+        return submit(args, plan_stages(args.recipe, args.stages, args.overrides))
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+# shellcheck shell=bash
+# Shared body of the stage scripts (slurm/cpt_1m.sh, cpt_2m.sh, cpt_4m.sh, sft.sh); sourced, not run.
+#
+# One stage = one training run of one recipe. The recipe is the single source of truth for the
+# model and the parallel layout; this file only launches it:
+#   1. logs the job (git SHA, recipe, overrides, nodes, restart count),
+#   2. validates the recipe for this job's size before any worker starts (`megatron_ext.launch
+#      --check`: unknown keys, TP x PP x CP not dividing the task count, missing data, GPUs),
+#   3. starts one task per GPU with srun (rank/world/rendezvous come from Slurm's env; the
+#      trainer reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST, SLURM_JOB_ID),
+#   4. on the warning signal (--signal=B:USR1@T reaches this shell) forwards USR1 to the tasks;
+#      the trainer saves a checkpoint and exits with EXIT_REQUEUE, and this script then runs
+#      `scontrol requeue`. The requeued job resumes from the latest checkpoint by itself.
+#
+# Environment (all optional):
+#   RECIPE            recipe file (default: the stage's recipes/<stage>.yaml)
+#   PYTHON            python with megatron_ext's dependencies (default: python)
+#   CONTAINER_IMAGE   run the tasks in this container via pyxis (srun --container-image)
+#   CONTAINER_MOUNTS  extra pyxis mounts, SRC:DST[,SRC:DST...]; the project folder is always mounted
+#   MAX_REQUEUES      stop requeueing after this many restarts (default 50)
+#   NCCL_*, CUDA_DEVICE_MAX_CONNECTIONS, TORCH_NCCL_*  see nccl_defaults below; any value set
+#                     in the submitting shell wins (sbatch exports the environment)
+
+EXIT_REQUEUE=3 # megatron_ext.train.EXIT_REQUEUE
+PROJECT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+log() { printf '[%s] %s\n' "$(date -u +%FT%TZ)" "$*"; }
+die() {
+  printf 'error: %s\n' "$*" >&2
+  exit 1
+}
+
+# NCCL / InfiniBand defaults for multi-node H100 jobs; every one can be overridden by exporting it
+# before sbatch. Interface and HCA names are cluster-specific and left to NCCL's detection unless
+# the user sets NCCL_SOCKET_IFNAME / NCCL_IB_HCA.
+nccl_defaults() {
+  # Megatron: one hardware queue keeps TP/CP communication kernels in launch order.
+  export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+  export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  # IB retry timeout 4.096us * 2^22 ~ 17 s: rides out short fabric hiccups on large jobs.
+  export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+  # Fail a stuck collective instead of hanging the whole allocation until the time limit.
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+}
+
+# Sets the array LAUNCH: the srun command line for N tasks (default: the whole allocation).
+build_launcher() {
+  LAUNCH=(srun --kill-on-bad-exit=1 --unbuffered)
+  # Since Slurm 22.05 srun does not inherit --cpus-per-task from the job.
+  [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && LAUNCH+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
+  if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+    local mounts="$PROJECT_ROOT:$PROJECT_ROOT"
+    [[ -n ${CONTAINER_MOUNTS:-} ]] && mounts+=",$CONTAINER_MOUNTS"
+    LAUNCH+=("--container-image=$CONTAINER_IMAGE" "--container-mounts=$mounts"
+      "--container-workdir=$PWD")
+  fi
+}
+
+log_job() {
+  local sha
+  sha=$(git -C "$PROJECT_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+  if [[ $sha != unknown ]] && ! git -C "$PROJECT_ROOT" diff --quiet HEAD -- 2>/dev/null; then
+    sha+="-dirty"
+  fi
+  log "job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}"
+  log "git $sha in $PROJECT_ROOT"
+  log "recipe $RECIPE"
+  log "overrides: ${*:-(none)}"
+  log "nodes ${SLURM_JOB_NODELIST:-?} (${SLURM_JOB_NUM_NODES:-?}), tasks ${SLURM_NTASKS:-?}," \
+    "gpus/node ${SLURM_GPUS_ON_NODE:-0}, python $PYTHON${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
+}
+
+# Fail before any worker starts: the recipe, overrides, data and checkpoint paths must be good
+# for this many tasks.
+preflight() {
+  local per_node=${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}
+  per_node=${per_node%%[(,]*} # "8(x32)" -> 8
+  local -a check=("$PYTHON" -m megatron_ext.launch --check --recipe "$RECIPE"
+    --world-size "$SLURM_NTASKS" --tasks-per-node "$per_node"
+    --gpus-per-node "${SLURM_GPUS_ON_NODE:-0}" "$@")
+  if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+    srun --help 2>/dev/null | grep -q -- --container-image ||
+      die "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed)"
+    "${LAUNCH[@]}" --nodes=1 --ntasks=1 "${check[@]}" || die "recipe check failed; nothing launched"
+  else
+    "${check[@]}" || die "recipe check failed; nothing launched"
+  fi
+}
+
+on_signal() {
+  log "received $1: asking the tasks to save a checkpoint and exit"
+  scancel --signal="$1" "$SLURM_JOB_ID" || log "scancel --signal=$1 failed"
+}
+
+# stage_main STAGE [dotted.key=value ...]: run recipes/STAGE.yaml (or $RECIPE) with the overrides.
+stage_main() {
+  set -euo pipefail
+  RECIPE=${RECIPE:-$PROJECT_ROOT/recipes/$1.yaml}
+  shift
+  PYTHON=${PYTHON:-python}
+  [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0"
+  [[ -f $RECIPE ]] || die "recipe $RECIPE not found; set RECIPE=path/to/recipe.yaml"
+  export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  nccl_defaults
+  build_launcher
+  log_job "$@"
+  preflight "$@"
+
+  "${LAUNCH[@]}" "$PYTHON" -m megatron_ext.train --recipe "$RECIPE" "$@" &
+  local pid=$! rc
+  trap 'on_signal USR1' USR1
+  trap 'on_signal TERM' TERM
+  while :; do
+    rc=0
+    wait "$pid" || rc=$?
+    # wait returns early (> 128) when a trap ran; srun still runs then, so wait again.
+    if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then continue; fi
+    break
+  done
+  trap - USR1 TERM
+  log "training exited with $rc"
+  if ((rc == EXIT_REQUEUE)); then
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
+    log "checkpoint saved; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
+    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
+    exit 0
+  fi
+  exit "$rc"
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# UltraLong CPT to 2M tokens (recipes/cpt_2m.yaml): 256 H100, TP 8 x CP 16, ~6 h (perf.md).
+#   sbatch slurm/cpt_2m.sh [dotted.key=value ...]       (submit from the project root)
+# Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
+# recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.
+#SBATCH --job-name=cpt_2m
+#SBATCH --nodes=32
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=8
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=08:00:00
+#SBATCH --signal=B:USR1@600
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+# sbatch runs a spool copy of this file: find the project from the submit folder (or MEGATRON_EXT_ROOT).
+# shellcheck source=slurm/common.sh
+source "${MEGATRON_EXT_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/common.sh" || exit 1
+stage_main cpt_2m "$@"
