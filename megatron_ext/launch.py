@@ -36,6 +36,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # (at import, in the submitter and in every task) to choose the signal it asks Slurm to send.
 PREEMPT_SIGNAL = "USR1"
 DEFAULT_TIME = "04:00:00"
+GPU_CPUS_PER_TASK = 8  # as slurm/*.sh: data loading and the Python side of each rank
 
 
 # ---------------------------------------------------------------------------- checks
@@ -139,7 +140,7 @@ def slurm_parameters(args, recipe: Recipe, stage: Stage) -> dict:
                   f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults"],
     }
     if recipe.runtime.device == "cuda":
-        params.update(gpus_per_node=per_node, exclusive=True)
+        params.update(gpus_per_node=per_node, exclusive=True, cpus_per_task=GPU_CPUS_PER_TASK)
     if args.cpus_per_task:
         params["cpus_per_task"] = args.cpus_per_task
     if args.partition:
@@ -200,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", help="comma list of recipe names in the folder of --recipe, run in order")
     p.add_argument("--nodes", type=int, help="nodes per job (default: the recipe's cluster.nodes)")
     p.add_argument("--gpus-per-node", type=int, help="tasks (GPUs) per node (default: cluster.gpus_per_node)")
-    p.add_argument("--cpus-per-task", type=int, help="CPUs per task (default: Slurm's)")
+    p.add_argument("--cpus-per-task", type=int, help=f"CPUs per task (default: {GPU_CPUS_PER_TASK} "
+                                                                 "on cuda, else Slurm's)")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--account", help="Slurm account")
     p.add_argument("--time", default=DEFAULT_TIME, help=f"time limit per job (default {DEFAULT_TIME}; requeues "
@@ -213,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(what slurm/*.sh run before srun)")
     p.add_argument("--world-size", type=int, help="--check: tasks of the job")
     p.add_argument("--tasks-per-node", type=int, help="--check: tasks per node")
+    p.add_argument("--get", metavar="KEY", help="print one resolved recipe field (e.g. checkpoint.dir) and exit")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
     return p
 
@@ -221,6 +224,17 @@ def run_check(args) -> int:
     world = args.world_size or 1
     recipe = check(args.recipe, args.overrides, world, args.tasks_per_node, args.gpus_per_node, paths=True)
     print(f"ok: {describe(recipe, world)}", flush=True)
+    return 0
+
+
+def print_field(args) -> int:
+    """`--get checkpoint.dir`: the resolved value (for slurm/pipeline.sh)."""
+    value = load_recipe(args.recipe, args.overrides).to_dict()
+    for key in args.get.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise RecipeError(f"--get {args.get}: no such recipe field")
+        value = value[key]
+    print("" if value is None else value)
     return 0
 
 
@@ -278,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.check:
             return run_check(args)
+        if args.get:
+            return print_field(args)
         return submit(args, plan_stages(args.recipe, args.stages, args.overrides))
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

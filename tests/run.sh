@@ -1,6 +1,29 @@
 #!/usr/bin/env bash
-# The whole suite, as `make test` and CI run it. Argument: the venv's python.
+# The whole suite, as `make test` and CI run it. Argument: the venv's python; the rest go to pytest.
+#
+# The local Slurm cluster (tests/slurm/local_cluster.sh: apt install on first use, then daemons)
+# starts in the background while the other tests run. MEGATRON_EXT_SLURM_STATUS names the file that
+# receives its exit code and output; tests/slurm waits for it, skips when the script says Slurm
+# cannot run here (exit 2: not root, no apt) and fails on any other error.
+# MEGATRON_EXT_SLURM=0 leaves the cluster alone (the Slurm tests then skip with that reason).
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 cd "$(dirname "$0")/.."
-exec "$PY" -m pytest -q -ra tests "${@:2}"
+
+STATUS=$(mktemp "${TMPDIR:-/tmp}/megatron_ext_slurm_status.XXXXXX")
+: >"$STATUS"
+export MEGATRON_EXT_SLURM_STATUS=$STATUS
+if [[ ${MEGATRON_EXT_SLURM:-1} == 0 ]]; then
+  printf '2\nlocal_cluster: cannot run Slurm here: disabled by MEGATRON_EXT_SLURM=0\n' >"$STATUS"
+else
+  (
+    rc=0
+    out=$(bash tests/slurm/local_cluster.sh start 2>&1) || rc=$?
+    printf '%s\n%s\n' "$rc" "$out" >"$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS"
+  ) &
+fi
+rc=0
+"$PY" -m pytest -q -ra tests "${@:2}" || rc=$?
+wait || true
+rm -f "$STATUS"
+exit "$rc"

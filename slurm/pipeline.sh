@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Submit the whole UltraLong run as a chain of Slurm jobs, each starting after the previous one
+# succeeded (--dependency=afterok):
+#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> export (to-hf)
+#
+#   bash slurm/pipeline.sh [--cpt cpt_1m|cpt_2m|cpt_4m] [--hf DIR] [--export DIR] [--sft-recipe FILE]
+#                          [--no-sft] [--dry-run] [dotted.key=value ...]
+#
+#   --cpt      CPT stage script/recipe (default cpt_1m)
+#   --hf       HF model folder to convert first (default: no conversion job; the CPT recipe's
+#              checkpoint.init_from must then exist)
+#   --export   HF folder to write from the last stage's checkpoint (default: no export job)
+#   --sft-recipe  SFT recipe (default recipes/sft.yaml, which keeps the 1M RoPE: for cpt_2m/cpt_4m
+#              give an SFT recipe with that stage's RoPE, see the header of recipes/sft.yaml)
+#   --dry-run  print the sbatch commands instead of submitting
+# Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>.
+# SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
+# Run from the project root; PYTHON selects the python (default: python).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+CPT=cpt_1m HF="" EXPORT="" SFT_RECIPE="" SFT=1 DRY=0
+OVERRIDES=()
+while (($#)); do
+  case $1 in
+    --cpt) CPT=$2; shift 2 ;;
+    --hf) HF=$2; shift 2 ;;
+    --export) EXPORT=$2; shift 2 ;;
+    --sft-recipe) SFT_RECIPE=$2; shift 2 ;;
+    --no-sft) SFT=0; shift ;;
+    --dry-run) DRY=1; shift ;;
+    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    --*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;;
+    *) OVERRIDES+=("$1"); shift ;;
+  esac
+done
+[[ -f slurm/$CPT.sh ]] || { echo "error: --cpt $CPT: no slurm/$CPT.sh (cpt_1m, cpt_2m, cpt_4m)" >&2; exit 1; }
+if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
+  [[ $CPT == cpt_1m ]] || {
+    echo "error: recipes/sft.yaml keeps the 1M RoPE; for $CPT give --sft-recipe FILE with its RoPE" >&2
+    exit 1
+  }
+  SFT_RECIPE=recipes/sft.yaml
+fi
+read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
+
+# field RECIPE KEY [overrides...]: a resolved recipe value (validates the recipe too).
+field() {
+  local recipe=$1 key=$2
+  shift 2
+  "$PYTHON" -m megatron_ext.launch --recipe "$recipe" --get "$key" "$@"
+}
+
+PREV="" N=0
+# submit NAME sbatch-args...: submit after the previous job; sets PREV to the new job id.
+submit() {
+  local name=$1 id
+  shift
+  local -a cmd=(sbatch --parsable "${EXTRA[@]}")
+  [[ -n $PREV ]] && cmd+=("--dependency=afterok:$PREV")
+  cmd+=("$@")
+  N=$((N + 1))
+  if ((DRY)); then
+    id="<$name>"
+    printf '%s\n' "$(printf '%q ' "${cmd[@]}")"
+  else
+    id=$("${cmd[@]}")
+    id=${id%%;*}
+    echo "submitted $name: job $id" >&2
+  fi
+  PREV=$id
+}
+
+# A one-task job running a python tool.
+tool_job() {
+  local name=$1
+  shift
+  local wrap
+  wrap=$(printf '%q ' "$PYTHON" "$@")
+  submit "$name" --job-name="$name" --nodes=1 --ntasks=1 --time=04:00:00 --output="slurm-%x-%j.out" \
+    --wrap="$wrap"
+}
+
+need_convert_tool() {
+  [[ -f tools/convert.py ]] && return 0
+  if ((DRY)); then
+    echo "warning: $1 needs tools/convert.py, which is missing" >&2
+  else
+    echo "error: $1 needs tools/convert.py, which is missing" >&2
+    exit 1
+  fi
+}
+
+CPT_RECIPE=recipes/$CPT.yaml
+CPT_OVERRIDES=("${OVERRIDES[@]}")
+if [[ -n $HF ]]; then
+  need_convert_tool --hf
+  INIT=$(field "$CPT_RECIPE" checkpoint.init_from "${OVERRIDES[@]}")
+  tool_job convert tools/convert.py to-megatron --hf "$HF" --out "$INIT"
+fi
+submit "$CPT" "slurm/$CPT.sh" "${CPT_OVERRIDES[@]}"
+LAST_DIR=$(field "$CPT_RECIPE" checkpoint.dir "${OVERRIDES[@]}")
+if ((SFT)); then
+  submit sft --export="ALL,RECIPE=$SFT_RECIPE" slurm/sft.sh "checkpoint.init_from=$LAST_DIR"
+  LAST_DIR=$(field "$SFT_RECIPE" checkpoint.dir "checkpoint.init_from=$LAST_DIR")
+fi
+if [[ -n $EXPORT ]]; then
+  need_convert_tool --export
+  tool_job export tools/convert.py to-hf --megatron "$LAST_DIR" --out "$EXPORT"
+fi
+echo "pipeline: $N job(s), last $PREV" >&2

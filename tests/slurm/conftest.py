@@ -1,0 +1,120 @@
+"""The local Slurm cluster for these tests (tests/slurm/local_cluster.sh) and job helpers.
+
+`tests/run.sh` starts the cluster in the background when the suite starts and exports
+MEGATRON_EXT_SLURM_STATUS, a file that receives the start script's exit code and output. Without
+it (plain `pytest tests/slurm`) the fixture starts the cluster itself. Tests skip only when the
+script says Slurm cannot run here (exit 2: not root, no apt); any other failure fails them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+START = ROOT / "tests/slurm/local_cluster.sh"
+# The tiny CPT recipe at a size that runs in seconds; the same overrides go to torchrun and sbatch.
+TINY = ROOT / "recipes/tiny/cpt.yaml"
+TINY_OVERRIDES = ["train.seq_length=256", "train.global_batch_size=1", "train.lr=1e-2", "runtime.device=cpu"]
+NODES, TASKS_PER_NODE = 2, 1  # 2 "nodes" x 1 task: CP=2 across nodes (the host has 2 cores)
+SBATCH_SIZE = [f"--nodes={NODES}", f"--ntasks-per-node={TASKS_PER_NODE}", "--gpus-per-node=0",
+               "--cpus-per-task=1", "--time=30"]
+
+
+def _start_status() -> tuple[int, str]:
+    status_file = os.environ.get("MEGATRON_EXT_SLURM_STATUS")
+    if status_file:
+        path = Path(status_file)
+        deadline = time.time() + 600
+        while not (path.exists() and path.read_text().strip()):
+            if time.time() > deadline:
+                return 1, f"local cluster start did not finish in 600 s ({path})"
+            time.sleep(0.5)
+        code, _, output = path.read_text().partition("\n")
+        return int(code), output
+    proc = subprocess.run(["bash", str(START), "start"], capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    code, output = _start_status()
+    if code == 2:
+        reason = [line for line in output.splitlines() if "cannot run Slurm" in line] or [output.strip()]
+        pytest.skip(f"no local Slurm cluster: {reason[-1]}")
+    if code != 0:
+        pytest.fail(f"local Slurm cluster failed to start (exit {code}):\n{output[-3000:]}")
+    return output
+
+
+def job_env(**extra: str) -> dict:
+    """The submitter's environment for jobs (sbatch exports it): this venv's python, 1 thread."""
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
+    env.pop("RECIPE", None)
+    env.update(extra)
+    return env
+
+
+def sbatch(script: str, *args: str, sbatch_args: list[str] | None = None, env: dict | None = None,
+           wait: bool = True, out: Path) -> subprocess.CompletedProcess | subprocess.Popen:
+    """`sbatch [--wait] SIZE --output=out slurm/SCRIPT args` from the project root."""
+    cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={out}", *(sbatch_args or [])]
+    cmd += ["--wait"] if wait else []
+    cmd += [str(ROOT / "slurm" / script), *args]
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env or job_env(), timeout=600)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=env or job_env())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def squeue_state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+class RequeueNow:
+    """Background loop that lets requeued jobs start at once.
+
+    Slurm holds a requeued job for 121 s (`PENDING BeginTime`); setting its StartTime to now once
+    it is in that state starts it within a second (slurm_local.md). Test-only: production jobs
+    simply wait.
+    """
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self.released: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            out = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"], capture_output=True,
+                                 text=True).stdout
+            for line in out.splitlines():
+                job, _, reason = line.partition(" ")
+                if reason.strip() == "BeginTime":
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                                   capture_output=True)
+                    self.released.append(job)
+            self._stop.wait(0.5)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,99 @@
+"""megatron_ext.launch: --dry-run text, stage planning, errors, and the submitit 2-stage chain on the
+local Slurm cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.launch import check, parse_time, plan_stages
+from megatron_ext.recipe import RecipeError
+from tests.conftest import ROOT
+from tests.slurm.conftest import TINY_OVERRIDES, RequeueNow, job_env, metrics
+
+EXPECTED = ROOT / "tests/slurm/expected/launch_dry_run.txt"
+DRY_RUN_ARGS = ["--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--partition", "batch",
+                "--account", "proj", "--time", "1-00:00:00", "--dry-run", "sft:train.steps=100", "train.seed=7"]
+
+
+def launch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_ext.launch", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=job_env(), timeout=timeout)
+
+
+def test_dry_run_matches_expected_text():
+    proc = launch(*DRY_RUN_ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == EXPECTED.read_text()
+
+
+def test_dry_run_reflects_its_arguments():
+    """Negative control for the comparison: other arguments print other text."""
+    proc = launch(*[a if a != "batch" else "debug" for a in DRY_RUN_ARGS])
+    assert proc.returncode == 0 and proc.stdout != EXPECTED.read_text()
+    assert "sbatch partition: debug" in proc.stdout
+
+
+def test_plan_stages_and_stage_overrides():
+    plan = plan_stages("recipes/tiny/cpt.yaml", "cpt,sft", ["a.b=1", "sft:c.d=2"])
+    assert [(s.name, s.recipe, s.overrides) for s in plan] == [
+        ("cpt", "recipes/tiny/cpt.yaml", ["a.b=1"]), ("sft", "recipes/tiny/sft.yaml", ["a.b=1", "c.d=2"])]
+    assert [s.recipe for s in plan_stages("recipes/cpt_4m.yaml", None, [])] == ["recipes/cpt_4m.yaml"]
+    with pytest.raises(RecipeError, match="no stage named 'cpt2'"):
+        plan_stages("recipes/tiny/cpt.yaml", "cpt,sft", ["cpt2:train.steps=1"])
+
+
+def test_parse_time():
+    assert [parse_time(t) for t in ("30", "04:00:00", "1-00:00:00", "10:30", "1-02", "00:00:01")] == \
+           [30, 240, 1440, 11, 1560, 1]
+    with pytest.raises(RecipeError, match="--time"):
+        parse_time("4h")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "recipes/nope.yaml", "--dry-run"], "recipes/nope.yaml"),
+    (["--recipe", "recipes/cpt_4m.yaml", "--nodes", "3", "--dry-run"], "does not divide the world size = 24"),
+    (["--recipe", "recipes/cpt_4m.yaml", "--dry-run", "train.bogus=1"], "bogus"),
+])
+def test_launch_bad_input_one_line(args, message):
+    proc = launch(*args)
+    assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ")
+
+
+def test_check_gpus_per_node():
+    with pytest.raises(RecipeError, match="8 tasks per node but 4 GPUs per node"):
+        check(str(ROOT / "recipes/cpt_4m.yaml"), [], 256, tasks_per_node=8, gpus_per_node=4, paths=False)
+    check(str(ROOT / "recipes/cpt_4m.yaml"), [], 256, tasks_per_node=8, gpus_per_node=8, paths=False)
+
+
+def test_submitit_chain_cpt_then_second_stage(slurm_cluster, tmp_path, token_data):
+    """Two stages through submitit with afterok: tiny CPT, then the tiny SFT recipe from its checkpoint.
+
+    train.stage=sft is not wired into the trainer yet, so the second stage runs the SFT recipe
+    (its layout, length, lr and checkpoint.init_from) as a CPT stage: `sft:train.stage=cpt`.
+    """
+    cpt, sft = tmp_path / "cpt", tmp_path / "sft"
+    args = ["--recipe", "recipes/tiny/cpt.yaml", "--stages", "cpt,sft", "--nodes", "2", "--gpus-per-node", "1",
+            "--cpus-per-task", "1", "--time", "30", "--folder", str(tmp_path / "submitit/%j"), "--wait",
+            f"data.prefix={token_data}", *TINY_OVERRIDES, "train.steps=3",
+            f"cpt:checkpoint.dir={cpt}", f"sft:checkpoint.dir={sft}", f"sft:checkpoint.init_from={cpt}",
+            "sft:train.stage=cpt", "sft:train.global_batch_size=2", "sft:train.lr=1e-3"]
+    with RequeueNow():
+        proc = launch(*args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith(("submitted", "done"))] == \
+           ["submitted cpt", "submitted sft", "done cpt", "done sft"]
+    a, b = metrics(cpt), metrics(sft)
+    assert [m["step"] for m in a] == [1, 2, 3] and [m["step"] for m in b] == [1, 2, 3]
+    # Stage 2 starts from stage 1's weights: its first loss is below the untrained model's.
+    assert b[0]["loss"] < a[0]["loss"] - 0.05
+    logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.out"))
+    assert f"initialised weights from {cpt}" in logs
+    sft_job = lines[1].split("job ")[1].split()[0]
+    deps = subprocess.run(["sacct", "-X", "-n", "-P", "-j", sft_job, "-o", "State"], capture_output=True,
+                          text=True).stdout
+    assert "COMPLETED" in deps

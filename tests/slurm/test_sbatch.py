@@ -1,0 +1,118 @@
+"""sbatch slurm/*.sh on the local 2-node Slurm cluster: same losses as torchrun, preemption and requeue
+resume exactly, bad input fails before srun."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from megatron_ext.train import EXIT_REQUEUE
+from tests.conftest import ROOT
+from tests.slurm.conftest import (NODES, TASKS_PER_NODE, TINY, TINY_OVERRIDES, RequeueNow, job_env, metrics,
+                                  sbatch, squeue_state)
+
+STEPS = 24  # long enough that a USR1 sent after step 2 lands mid-run, short enough for seconds
+
+
+def overrides(run_dir, data, steps=STEPS):
+    return [f"checkpoint.dir={run_dir}", f"data.prefix={data}", f"train.steps={steps}", *TINY_OVERRIDES]
+
+
+def losses(ms):
+    return [m["loss"] for m in ms]
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory, torchrun, token_data):
+    """The reference: the same recipe and overrides under torchrun on this machine."""
+    out = tmp_path_factory.mktemp("torchrun")
+    torchrun("megatron_ext.train", NODES * TASKS_PER_NODE, "--recipe", str(TINY), *overrides(out, token_data),
+             module=True)
+    return metrics(out)
+
+
+@pytest.fixture(scope="module")
+def sbatch_run(slurm_cluster, tmp_path_factory, token_data):
+    tmp = tmp_path_factory.mktemp("sbatch")
+    started = time.time()
+    proc = sbatch("cpt_4m.sh", *overrides(tmp / "run", token_data), out=tmp / "job.log",
+                  env=job_env(RECIPE=str(TINY)))
+    return proc, (tmp / "job.log").read_text(), metrics(tmp / "run"), time.time() - started
+
+
+def test_sbatch_cpt_4m_matches_torchrun(sbatch_run, torchrun_run):
+    proc, log, ms, seconds = sbatch_run
+    assert proc.returncode == 0, log[-4000:]
+    assert f"tasks {NODES * TASKS_PER_NODE}" in log and "nodes node[1-2] (2)" in log
+    assert "git " in log and f"recipe {TINY}" in log
+    assert [m["step"] for m in ms] == list(range(1, STEPS + 1))
+    assert losses(ms)[0] > 5.0  # untrained: about ln(vocab)
+    # Same processes, same layout, same data order: bitwise equal on CPU.
+    assert losses(ms) == losses(torchrun_run)
+    assert [m["grad_norm"] for m in ms] == [m["grad_norm"] for m in torchrun_run]
+
+
+def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_data, torchrun_run):
+    run = tmp_path / "run"
+    log = tmp_path / "job.log"
+    with RequeueNow() as requeue:
+        proc = sbatch("cpt_4m.sh", *overrides(run, token_data), out=log, env=job_env(RECIPE=str(TINY)),
+                      wait=False)
+        job_id = None
+        deadline = time.time() + 300
+        while len(metrics(run)) < 2:  # training is under way
+            assert proc.poll() is None, f"job ended early:\n{log.read_text()[-3000:] if log.exists() else ''}"
+            assert time.time() < deadline
+            time.sleep(0.05)
+        job_id = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "cpt_4m"], capture_output=True,
+                                text=True).stdout.split()[0]
+        # What Slurm does at --signal=B:USR1@600 before the time limit: USR1 to the batch shell only.
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+        stdout, stderr = proc.communicate(timeout=400)
+    text = log.read_text()
+    assert proc.returncode == 0, f"{stderr}\n{text[-4000:]}"
+    assert "received USR1" in text and f"training exited with {EXIT_REQUEUE}" in text, text[-3000:]
+    assert f"requeueing job {job_id} (restart 1)" in text
+    assert f"job {job_id} (cpt_4m) restart 1" in text  # the same job ran again (--open-mode=append kept the log)
+    assert job_id in requeue.released
+    resumed = int(text.split("resumed from")[1].split("at step ")[1].split()[0])
+    assert 2 <= resumed < STEPS, f"USR1 arrived after the run finished (step {resumed}); make it longer"
+    ms = metrics(run)
+    assert [m["step"] for m in ms] == list(range(1, STEPS + 1))
+    assert losses(ms) == losses(torchrun_run)  # final losses equal an uninterrupted run, bitwise
+
+
+@pytest.mark.parametrize("what, env_extra, args, message", [
+    ("missing recipe", {"RECIPE": "recipes/nope.yaml"}, [], "recipe recipes/nope.yaml not found"),
+    ("unknown key", {}, ["train.bogus=1"], "bogus"),
+    ("world size", {}, ["parallel.context=3"], "does not divide the world size = 2"),
+    ("gpu count", {}, ["runtime.device=cuda"], "1 tasks per node but 0 GPUs per node allocated"),
+])
+def test_bad_input_fails_before_srun(slurm_cluster, tmp_path, token_data, what, env_extra, args, message):
+    env = job_env(RECIPE=str(TINY), **env_extra)
+    over = overrides(tmp_path / "run", token_data, steps=2) + args  # later overrides win
+    started = time.time()
+    proc = sbatch("cpt_4m.sh", *over, out=tmp_path / "job.log", env=env)
+    text = (tmp_path / "job.log").read_text()
+    assert proc.returncode == 1, text
+    assert message in text, text
+    assert "nothing launched" in text or "not found" in text
+    assert "[train]" not in text and "srun" not in text and not (tmp_path / "run").exists()
+    assert time.time() - started < 60
+
+
+def test_preflight_accepts_good_input(slurm_cluster, sbatch_run):
+    """Negative control for the bad-input checks: the same preflight lets a good job through."""
+    _, log, _, _ = sbatch_run
+    assert "ok: cpt: cpt TP1 PP1 CP2 DP1 on 2 processes (cpu)" in log
+
+
+def test_scripts_exist_for_every_stage():
+    for stage in ("cpt_1m", "cpt_2m", "cpt_4m", "sft"):
+        text = (ROOT / "slurm" / f"{stage}.sh").read_text()
+        assert f"stage_main {stage} " in text and (ROOT / "recipes" / f"{stage}.yaml").is_file()
+        for header in ("--nodes=32", "--gpus-per-node=8", "--exclusive", "--signal=B:USR1@", "--requeue",
+                       "--open-mode=append"):
+            assert f"#SBATCH {header}" in text, (stage, header)

@@ -1,0 +1,43 @@
+"""Every shell script passes `bash -n` and shellcheck; shellcheck is shown to catch a real mistake."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPTS = sorted([*ROOT.glob("slurm/*.sh"), *ROOT.glob("tests/slurm/*.sh"), ROOT / "tests/run.sh"])
+
+
+def test_scripts_found():
+    names = {p.name for p in SCRIPTS}
+    assert {"common.sh", "cpt_1m.sh", "cpt_2m.sh", "cpt_4m.sh", "sft.sh", "pipeline.sh", "local_cluster.sh",
+            "run.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_bash_syntax(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def shellcheck(*args: str) -> subprocess.CompletedProcess:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian: apt-get install -y shellcheck)")
+    return subprocess.run(["shellcheck", "--external-sources", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_shellcheck_clean():
+    proc = shellcheck(*[str(p.relative_to(ROOT)) for p in SCRIPTS])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_shellcheck_catches_unquoted_variable(tmp_path):
+    """Negative control: the check above can fail."""
+    bad = tmp_path / "bad.sh"
+    bad.write_text('#!/usr/bin/env bash\nrm -rf $1/build\n')
+    proc = shellcheck(str(bad))
+    assert proc.returncode != 0 and "SC2086" in proc.stdout
