@@ -18,6 +18,7 @@
 #   CONTAINER_IMAGE   run the tasks in this container via pyxis (srun --container-image)
 #   CONTAINER_MOUNTS  extra pyxis mounts, SRC:DST[,SRC:DST...]; the project folder is always mounted
 #   MAX_REQUEUES      stop requeueing after this many restarts (default 50)
+#   SRUN_WAIT         seconds the other tasks may run after one ended, then srun ends them (120)
 #   NCCL_*, CUDA_DEVICE_MAX_CONNECTIONS, TORCH_NCCL_*  see nccl_defaults below; any value set
 #                     in the submitting shell wins (sbatch exports the environment)
 
@@ -46,7 +47,10 @@ nccl_defaults() {
 
 # Sets the array LAUNCH: the srun command line for N tasks (default: the whole allocation).
 build_launcher() {
-  LAUNCH=(srun --kill-on-bad-exit=1 --unbuffered)
+  # Not --kill-on-bad-exit: a rank that returns EXIT_REQUEUE first would get the others killed
+  # while they finish, and srun would report their signal instead of EXIT_REQUEUE. --wait bounds
+  # how long the others may run on after any task ended (a crashed rank does not hang the job).
+  LAUNCH=(srun --kill-on-bad-exit=0 "--wait=${SRUN_WAIT:-120}" --unbuffered)
   # Since Slurm 22.05 srun does not inherit --cpus-per-task from the job.
   [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && LAUNCH+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then

@@ -66,9 +66,8 @@ def job_env(**extra: str) -> dict:
 
 def sbatch(script: str, *args: str, sbatch_args: list[str] | None = None, env: dict | None = None,
            wait: bool = True, out: Path) -> subprocess.CompletedProcess | subprocess.Popen:
-    """`sbatch [--wait] SIZE --output=out slurm/SCRIPT args` from the project root."""
-    cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={out}", *(sbatch_args or [])]
-    cmd += ["--wait"] if wait else []
+    """`sbatch --wait SIZE --output=out slurm/SCRIPT args` from the project root; wait=False: a Popen."""
+    cmd = ["sbatch", "--parsable", "--wait", *SBATCH_SIZE, f"--output={out}", *(sbatch_args or [])]
     cmd += [str(ROOT / "slurm" / script), *args]
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env or job_env(), timeout=600)
