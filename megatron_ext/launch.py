@@ -281,8 +281,16 @@ def submit(args, plan: list[Stage]) -> int:
               flush=True)
         jobs.append(job)
     if args.wait:
-        for stage, job in zip(plan, jobs):
-            result = job.result()
+        for i, (stage, job) in enumerate(zip(plan, jobs)):
+            try:
+                result = job.results()[0]  # global rank 0's
+            except Exception as e:  # submitit's job errors carry the task's traceback
+                later = jobs[i + 1:]
+                for other in later:  # their afterok can never be satisfied now
+                    other.cancel(check=False)
+                print(f"error: stage {stage.name} (job {job.job_id}) failed; cancelled {len(later)} later "
+                      f"stage(s); log: {job.paths.stdout}\n{str(e)[-2000:]}", file=sys.stderr)
+                return 1
             print(f"done {stage.name}: job {job.job_id}: {result}", flush=True)
     return 0
 
