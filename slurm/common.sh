@@ -93,6 +93,7 @@ preflight() {
 }
 
 on_signal() {
+  SIGNALLED=$1
   log "received $1: asking the tasks to save a checkpoint and exit"
   scancel --signal="$1" "$SLURM_JOB_ID" || log "scancel --signal=$1 failed"
 }
@@ -124,7 +125,9 @@ stage_main() {
   done
   trap - USR1 TERM
   log "training exited with $rc"
-  if ((rc == EXIT_REQUEUE)); then
+  # 128 + 10: the tasks got USR1 before the trainer's handler was installed (still starting up),
+  # so nothing new was saved; requeueing resumes from the previous checkpoint.
+  if ((rc == EXIT_REQUEUE)) || [[ ${SIGNALLED:-} == USR1 && $rc -eq 138 ]]; then
     local restarts=${SLURM_RESTART_COUNT:-0}
     ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
     log "checkpoint saved; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"

@@ -93,19 +93,19 @@ need_convert_tool() {
   fi
 }
 
+# Resolve (and so validate) every recipe before the first submission.
 CPT_RECIPE=recipes/$CPT.yaml
-CPT_OVERRIDES=("${OVERRIDES[@]}")
+CPT_DIR=$(field "$CPT_RECIPE" checkpoint.dir "${OVERRIDES[@]}")
+[[ -n $HF ]] && INIT=$(field "$CPT_RECIPE" checkpoint.init_from "${OVERRIDES[@]}")
+LAST_DIR=$CPT_DIR
+((SFT)) && LAST_DIR=$(field "$SFT_RECIPE" checkpoint.dir "checkpoint.init_from=$CPT_DIR")
+
 if [[ -n $HF ]]; then
   need_convert_tool --hf
-  INIT=$(field "$CPT_RECIPE" checkpoint.init_from "${OVERRIDES[@]}")
   tool_job convert tools/convert.py to-megatron --hf "$HF" --out "$INIT"
 fi
-submit "$CPT" "slurm/$CPT.sh" "${CPT_OVERRIDES[@]}"
-LAST_DIR=$(field "$CPT_RECIPE" checkpoint.dir "${OVERRIDES[@]}")
-if ((SFT)); then
-  submit sft --export="ALL,RECIPE=$SFT_RECIPE" slurm/sft.sh "checkpoint.init_from=$LAST_DIR"
-  LAST_DIR=$(field "$SFT_RECIPE" checkpoint.dir "checkpoint.init_from=$LAST_DIR")
-fi
+submit "$CPT" "slurm/$CPT.sh" "${OVERRIDES[@]}"
+((SFT)) && submit sft --export="ALL,RECIPE=$SFT_RECIPE" slurm/sft.sh "checkpoint.init_from=$CPT_DIR"
 if [[ -n $EXPORT ]]; then
   need_convert_tool --export
   tool_job export tools/convert.py to-hf --megatron "$LAST_DIR" --out "$EXPORT"

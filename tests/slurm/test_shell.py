@@ -41,3 +41,16 @@ def test_shellcheck_catches_unquoted_variable(tmp_path):
     bad.write_text('#!/usr/bin/env bash\nrm -rf $1/build\n')
     proc = shellcheck(str(bad))
     assert proc.returncode != 0 and "SC2086" in proc.stdout
+
+
+def test_local_cluster_says_why_it_cannot_run_without_root():
+    """The skip path: not root -> exit 2 and a reason (what the Slurm tests then skip with)."""
+    import os
+
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        pytest.skip("needs root and runuser to try the script as an unprivileged user")
+    proc = subprocess.run(["runuser", "-u", "nobody", "--", "bash", str(ROOT / "tests/slurm/local_cluster.sh"),
+                           "start"], capture_output=True, text=True, env={"PATH": os.environ["PATH"],
+                                                                         "SLURM_LOCAL_DIR": "/tmp/not_used"})
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot run Slurm here: not root" in proc.stderr

@@ -1,0 +1,38 @@
+"""slurm/pipeline.sh: convert -> CPT -> SFT -> export chained with afterok (dry run: no cluster needed)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.conftest import ROOT
+from tests.slurm.conftest import job_env
+
+
+def pipeline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), *args], capture_output=True, text=True,
+                          env=job_env(SBATCH_ARGS="--account=proj"), timeout=120)
+
+
+def test_dry_run_chains_four_jobs_with_afterok():
+    proc = pipeline("--dry-run", "--hf", "/models/Llama-3.1-8B-Instruct", "--export", "out/ultralong_1m",
+                    "train.steps=10")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("sbatch --parsable --account=proj") for line in lines)
+    convert, cpt, sft, export = lines
+    assert "--dependency" not in convert and "to-megatron" in convert
+    assert "checkpoints/llama31_8b_instruct" in convert  # cpt_1m's checkpoint.init_from (from the recipe)
+    assert "--dependency=afterok:\\<convert\\>" in cpt and "slurm/cpt_1m.sh train.steps=10" in cpt
+    assert "--dependency=afterok:\\<cpt_1m\\>" in sft and "checkpoint.init_from=checkpoints/cpt_1m" in sft
+    assert "--dependency=afterok:\\<sft\\>" in export and "checkpoints/sft_1m" in export and "to-hf" in export
+
+
+def test_sft_after_longer_cpt_needs_its_own_recipe():
+    proc = pipeline("--dry-run", "--cpt", "cpt_4m")
+    assert proc.returncode == 1 and "--sft-recipe" in proc.stderr
+
+
+def test_bad_override_fails_at_submission():
+    proc = pipeline("--dry-run", "train.bogus=1")
+    assert proc.returncode != 0 and "bogus" in proc.stderr
+    assert proc.stdout == ""  # validated before the first submission
