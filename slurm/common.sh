@@ -84,8 +84,10 @@ preflight() {
     --world-size "$SLURM_NTASKS" --tasks-per-node "$per_node"
     --gpus-per-node "${SLURM_GPUS_ON_NODE:-0}" "$@")
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
-    srun --help 2>/dev/null | grep -q -- --container-image ||
-      die "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed)"
+    local help # captured first: `srun --help | grep -q` can fail under pipefail (SIGPIPE)
+    help=$(srun --help 2>&1 || true)
+    [[ $help == *--container-image* ]] ||
+      die "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed); unset it or install pyxis"
     "${LAUNCH[@]}" --nodes=1 --ntasks=1 "${check[@]}" || die "recipe check failed; nothing launched"
   else
     "${check[@]}" || die "recipe check failed; nothing launched"

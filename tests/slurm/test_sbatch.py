@@ -89,17 +89,18 @@ def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_
     ("unknown key", {}, ["train.bogus=1"], "bogus"),
     ("world size", {}, ["parallel.context=3"], "does not divide the world size = 2"),
     ("gpu count", {}, ["runtime.device=cuda"], "1 tasks per node but 0 GPUs per node allocated"),
+    ("no pyxis", {"CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.01-py3"}, [], "pyxis is not installed"),
 ])
 def test_bad_input_fails_before_srun(slurm_cluster, tmp_path, token_data, what, env_extra, args, message):
-    env = job_env(RECIPE=str(TINY), **env_extra)
+    env = job_env(**{"RECIPE": str(TINY), **env_extra})
     over = overrides(tmp_path / "run", token_data, steps=2) + args  # later overrides win
     started = time.time()
     proc = sbatch("cpt_4m.sh", *over, out=tmp_path / "job.log", env=env)
     text = (tmp_path / "job.log").read_text()
     assert proc.returncode == 1, text
     assert message in text, text
-    assert "nothing launched" in text or "not found" in text
-    assert "[train]" not in text and "srun" not in text and not (tmp_path / "run").exists()
+    assert "nothing launched" in text or "not found" in text or "pyxis" in text
+    assert "[train]" not in text and "srun: " not in text and not (tmp_path / "run").exists()
     assert time.time() - started < 60
 
 
