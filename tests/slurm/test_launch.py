@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -99,3 +100,27 @@ def test_submitit_chain_cpt_then_second_stage(slurm_cluster, tmp_path, token_dat
     # (the last job may still be finishing: submitit's result file comes before Slurm's end)
     assert rows[jobs[0]][0] == "COMPLETED" and rows[jobs[1]][0] in ("RUNNING", "COMPLETING", "COMPLETED"), acct
     assert rows[jobs[1]][1] >= rows[jobs[0]][2], acct  # ISO times compare as strings
+
+
+def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data):
+    """submitit path: USR1 to the tasks -> the trainer saves -> rank 0 requeues -> the rerun resumes."""
+    run = tmp_path / "run"
+    args = ["--recipe", "recipes/tiny/cpt.yaml", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
+            "--time", "30", "--folder", str(tmp_path / "submitit/%j"), "--wait", f"data.prefix={token_data}",
+            *TINY_OVERRIDES, "train.steps=24", f"checkpoint.dir={run}"]
+    with RequeueNow() as requeue:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_ext.launch", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=job_env())
+        deadline = time.time() + 300
+        while len(metrics(run)) < 2:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        job = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "cpt"], capture_output=True,
+                             text=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@T does
+        stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert job in requeue.released
+    logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.out"))
+    assert f"requeueing job {job}" in logs and "resumed from" in logs, logs[-3000:]
+    assert [m["step"] for m in metrics(run)] == list(range(1, 25))
