@@ -112,12 +112,17 @@ stage_main() {
   nccl_defaults
   build_launcher
   log_job "$@"
+  # Trapped from here on: an early warning signal must not kill this shell (bash's default).
+  trap 'SIGNALLED=USR1' USR1
+  trap 'SIGNALLED=TERM' TERM
   preflight "$@"
 
   "${LAUNCH[@]}" "$PYTHON" -m megatron_ext.train --recipe "$RECIPE" "$@" &
   local pid=$! rc
   trap 'on_signal USR1' USR1
   trap 'on_signal TERM' TERM
+  # A signal that came during the preflight goes to the tasks now.
+  [[ -n ${SIGNALLED:-} ]] && on_signal "$SIGNALLED"
   while :; do
     rc=0
     wait "$pid" || rc=$?
