@@ -42,10 +42,11 @@ GPU_CPUS_PER_TASK = 8  # as slurm/*.sh: data loading and the Python side of each
 # ---------------------------------------------------------------------------- checks
 
 
-def check(recipe_path: str, overrides: list[str], world_size: int, tasks_per_node: int | None = None,
+def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_per_node: int | None = None,
           gpus_per_node: int | None = None, paths: bool = True) -> Recipe:
-    """Load and validate a recipe for a job of `world_size` tasks; raises `RecipeError` with one line.
+    """Load and validate a recipe for a job of `world_size` tasks (None: its cluster block's size).
 
+    Raises `RecipeError` with one line.
     `paths`: also require the data files and `checkpoint.init_from` (false for a stage whose input
     an earlier stage of the same chain writes). `gpus_per_node`: GPUs Slurm gave each node; a cuda
     recipe needs one per task.
@@ -129,8 +130,7 @@ def parse_time(text: str) -> int:
 
 def slurm_parameters(args, recipe: Recipe, stage: Stage) -> dict:
     """submitit SlurmExecutor parameters of one stage (dependency added at submission)."""
-    nodes = args.nodes or recipe.cluster.nodes
-    per_node = args.gpus_per_node or recipe.cluster.gpus_per_node
+    nodes, per_node = recipe.cluster.nodes, recipe.cluster.gpus_per_node
     params = {
         "job_name": stage.name, "nodes": nodes, "ntasks_per_node": per_node, "time": parse_time(args.time),
         "signal_delay_s": args.signal_delay_s, "additional_parameters": {"requeue": True},
@@ -240,12 +240,13 @@ def print_field(args) -> int:
 
 def submit(args, plan: list[Stage]) -> int:
     """Validate every stage, then print (dry run) or submit the chain."""
+    # --nodes/--gpus-per-node override the recipe's cluster block, which sizes the job.
+    size = [f"cluster.nodes={args.nodes}"] if args.nodes else []
+    size += [f"cluster.gpus_per_node={args.gpus_per_node}"] if args.gpus_per_node else []
     jobs_params = []
     for i, stage in enumerate(plan):
-        nodes = args.nodes or load_recipe(stage.recipe, stage.overrides).cluster.nodes
-        per_node = args.gpus_per_node or load_recipe(stage.recipe, stage.overrides).cluster.gpus_per_node
-        # Later stages read what earlier ones write: check their paths when they start.
-        recipe = check(stage.recipe, stage.overrides, nodes * per_node, paths=not args.dry_run and i == 0)
+        # Later stages read what earlier ones write: their paths are checked when they start.
+        recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
 
     if args.dry_run:

@@ -55,7 +55,7 @@ def test_parse_time():
 
 @pytest.mark.parametrize("args, message", [
     (["--recipe", "recipes/nope.yaml", "--dry-run"], "recipes/nope.yaml"),
-    (["--recipe", "recipes/cpt_4m.yaml", "--nodes", "3", "--dry-run"], "does not divide the world size = 24"),
+    (["--recipe", "recipes/cpt_4m.yaml", "--nodes", "3", "--dry-run"], "does not divide cluster.nodes x cluster.gpus_per_node = 24"),
     (["--recipe", "recipes/cpt_4m.yaml", "--dry-run", "train.bogus=1"], "bogus"),
 ])
 def test_launch_bad_input_one_line(args, message):
