@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite, as `make test` and CI run it. Argument: the venv's python; the rest go to pytest.
+# The whole suite, as `make test` and CI run it. Arguments: the venv's python, then pytest's
+# (e.g. `bash tests/run.sh .venv/bin/python tests/slurm -x`).
 #
 # The local Slurm cluster (tests/slurm/local_cluster.sh: apt install on first use, then daemons)
 # starts in the background while the other tests run. MEGATRON_EXT_SLURM_STATUS names the file that
@@ -22,8 +23,12 @@ else
     printf '%s\n%s\n' "$rc" "$out" >"$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS"
   ) &
 fi
+# Extra arguments go to pytest; the whole tests/ folder unless one of them names a test path.
+ARGS=("${@:2}")
+TARGET=(tests)
+for a in "${ARGS[@]}"; do [[ -e ${a%%::*} ]] && TARGET=(); done
 rc=0
-"$PY" -m pytest -q -ra tests "${@:2}" || rc=$?
+"$PY" -m pytest -q -ra "${TARGET[@]}" "${ARGS[@]}" || rc=$?
 wait || true
 rm -f "$STATUS"
 exit "$rc"

@@ -64,15 +64,10 @@ def job_env(**extra: str) -> dict:
     return env
 
 
-def sbatch(script: str, *args: str, sbatch_args: list[str] | None = None, env: dict | None = None,
-           wait: bool = True, out: Path) -> subprocess.CompletedProcess | subprocess.Popen:
-    """`sbatch --wait SIZE --output=out slurm/SCRIPT args` from the project root; wait=False: a Popen."""
-    cmd = ["sbatch", "--parsable", "--wait", *SBATCH_SIZE, f"--output={out}", *(sbatch_args or [])]
-    cmd += [str(ROOT / "slurm" / script), *args]
-    if wait:
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env or job_env(), timeout=600)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=env or job_env())
+def sbatch(script: str, *args: str, env: dict | None = None, out: Path) -> subprocess.CompletedProcess:
+    """`sbatch --wait SIZE --output=out slurm/SCRIPT args` from the project root."""
+    cmd = ["sbatch", "--parsable", "--wait", *SBATCH_SIZE, f"--output={out}", str(ROOT / "slurm" / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env or job_env(), timeout=600)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -80,9 +75,26 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def squeue_state(job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
-                          text=True).stdout.strip()
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+def wait_job(job_id: str, timeout: float = 400) -> tuple[str, str]:
+    """Poll accounting until the job reaches a final state; returns (State, ExitCode).
+
+    Used instead of `sbatch --wait` across a requeue: sbatch --wait can return (exit 1) while the
+    job is between its runs.
+    """
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        row = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,ExitCode"],
+                             capture_output=True, text=True).stdout.strip().split("|")
+        state = row[0].split()[0] if row and row[0] else ""
+        if not queued.stdout.strip() and state in FINAL_STATES:
+            return state, row[1]
+        time.sleep(0.5)
+    raise TimeoutError(f"job {job_id} not finished after {timeout} s")
 
 
 class RequeueNow:

@@ -10,14 +10,18 @@ import pytest
 
 from megatron_ext.train import EXIT_REQUEUE
 from tests.conftest import ROOT
-from tests.slurm.conftest import (NODES, TASKS_PER_NODE, TINY, TINY_OVERRIDES, RequeueNow, job_env, metrics,
-                                  sbatch, squeue_state)
+from tests.slurm.conftest import (NODES, SBATCH_SIZE, TASKS_PER_NODE, TINY, TINY_OVERRIDES, RequeueNow, job_env,
+                                  metrics, sbatch, wait_job)
 
 STEPS = 24  # long enough that a USR1 sent after step 2 lands mid-run, short enough for seconds
 
 
 def overrides(run_dir, data, steps=STEPS):
     return [f"checkpoint.dir={run_dir}", f"data.prefix={data}", f"train.steps={steps}", *TINY_OVERRIDES]
+
+
+def squeue_state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
 def losses(ms):
@@ -58,21 +62,20 @@ def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_
     run = tmp_path / "run"
     log = tmp_path / "job.log"
     with RequeueNow() as requeue:
-        proc = sbatch("cpt_4m.sh", *overrides(run, token_data), out=log, env=job_env(RECIPE=str(TINY)),
-                      wait=False)
-        job_id = None
+        cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={log}", str(ROOT / "slurm/cpt_4m.sh"),
+               *overrides(run, token_data)]
+        job_id = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
+                                env=job_env(RECIPE=str(TINY))).stdout.strip().split(";")[0]
         deadline = time.time() + 300
         while len(metrics(run)) < 2:  # training is under way
-            assert proc.poll() is None, f"job ended early:\n{log.read_text()[-3000:] if log.exists() else ''}"
+            assert squeue_state(job_id), f"job ended early:\n{log.read_text()[-3000:] if log.exists() else ''}"
             assert time.time() < deadline
             time.sleep(0.05)
-        job_id = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "cpt_4m"], capture_output=True,
-                                text=True).stdout.split()[0]
         # What Slurm does at --signal=B:USR1@600 before the time limit: USR1 to the batch shell only.
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-        stdout, stderr = proc.communicate(timeout=400)
+        state, exit_code = wait_job(job_id)
     text = log.read_text()
-    assert proc.returncode == 0, f"{stderr}\n{text[-4000:]}"
+    assert (state, exit_code) == ("COMPLETED", "0:0"), text[-4000:]
     assert "received USR1" in text and f"training exited with {EXIT_REQUEUE}" in text, text[-3000:]
     assert f"requeueing job {job_id} (restart 1)" in text
     assert f"job {job_id} (cpt_4m) restart 1" in text  # the same job ran again (--open-mode=append kept the log)
