@@ -1,5 +1,5 @@
-"""megatron_ext.launch: --dry-run text, stage planning, errors, and the submitit 2-stage chain on the
-local Slurm cluster."""
+"""megatron_ext.launch: --dry-run text, stage planning, errors, and through submitit on the local Slurm
+cluster the CPT -> SFT chain and a USR1 requeue."""
 
 from __future__ import annotations
 
@@ -70,18 +70,14 @@ def test_check_gpus_per_node():
     check(str(ROOT / "recipes/cpt_4m.yaml"), [], 256, tasks_per_node=8, gpus_per_node=8, paths=False)
 
 
-def test_submitit_chain_cpt_then_second_stage(slurm_cluster, tmp_path, token_data):
-    """Two stages through submitit with afterok: tiny CPT, then the tiny SFT recipe from its checkpoint.
-
-    train.stage=sft is not wired into the trainer yet, so the second stage runs the SFT recipe
-    (its layout, length, lr and checkpoint.init_from) as a CPT stage: `sft:train.stage=cpt`.
-    """
+def test_submitit_chain_cpt_then_sft(slurm_cluster, tmp_path, token_data, sft_data):
+    """Two stages through submitit with afterok: tiny CPT, then tiny SFT from its checkpoint."""
     cpt, sft = tmp_path / "cpt", tmp_path / "sft"
     args = ["--recipe", "recipes/tiny/cpt.yaml", "--stages", "cpt,sft", "--nodes", "2", "--gpus-per-node", "1",
             "--cpus-per-task", "1", "--time", "30", "--folder", str(tmp_path / "submitit/%j"), "--wait",
-            f"data.prefix={token_data}", *TINY_OVERRIDES, "train.steps=3",
+            *TINY_OVERRIDES, "train.steps=3", f"cpt:data.prefix={token_data}", f"sft:data.prefix={sft_data}",
             f"cpt:checkpoint.dir={cpt}", f"sft:checkpoint.dir={sft}", f"sft:checkpoint.init_from={cpt}",
-            "sft:train.stage=cpt", "sft:train.global_batch_size=2", "sft:train.lr=1e-3"]
+            "sft:train.global_batch_size=2", "sft:train.lr=1e-3"]
     with RequeueNow():
         proc = launch(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -92,6 +88,8 @@ def test_submitit_chain_cpt_then_second_stage(slurm_cluster, tmp_path, token_dat
     assert [m["step"] for m in a] == [1, 2, 3] and [m["step"] for m in b] == [1, 2, 3]
     logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.out"))
     assert f"initialised weights from {cpt}" in logs  # stage 2 starts from stage 1's checkpoint
+    assert "[train] cpt: cpt seq 256" in logs and "[train] sft: sft seq 256" in logs
+    assert all(m["loss_tokens"] < 2 * 256 for m in b)  # SFT: loss on assistant tokens only
     # afterok: stage 2 started only once stage 1 had completed.
     jobs = [line.split("job ")[1].split()[0].rstrip(":") for line in lines if line.startswith("submitted")]
     acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(jobs), "-o", "JobID,State,Start,End"],
