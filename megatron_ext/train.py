@@ -164,7 +164,7 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------- main
 
 
-def train(recipe: Recipe) -> int:
+def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     """Run the recipe on the already-initialised process group; returns the exit code."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -223,7 +223,7 @@ def train(recipe: Recipe) -> int:
     data = TrainBatches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
                         cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context)
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
-    stop = StopFlag()
+    stop = stop or StopFlag()
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
     args = parser.parse_args(argv)
+    stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save
 
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
 
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_ext.checkpoint import CheckpointError
         from megatron_ext.data import DataError
 
-        return train(recipe)
+        return train(recipe, stop)
     except (RecipeError, CheckpointError, DataError) as e:  # user mistakes found at setup
         print(f"error: {e}", file=sys.stderr)
         return 1
