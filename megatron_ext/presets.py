@@ -66,7 +66,25 @@ TINY: dict = {
     },
 }
 
-PRESETS: dict[str, dict] = {"llama3.1-8b": LLAMA31_8B, "tiny": TINY}
+# The `make demo` model: Llama-3.1-shaped (GQA, SwiGLU, llama3-type RoPE over an original context of 256 with
+# Llama-3.1's factor 8 and low/high frequency factors 1/4), small enough to learn needle retrieval on 2 CPU cores
+# in minutes. Trained at 256 tokens it stands in for Llama-3.1-8B-Instruct at 128K; the demo extends it 8x
+# (2048 tokens) by YaRN CPT as the paper extends 128K to 1M. Vocabulary: the demo tokenizer (< 640 tokens).
+TINY_DEMO: dict = {
+    **TINY,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 640,
+    "max_position_embeddings": 256,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 256},
+}
+
+PRESETS: dict[str, dict] = {"llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-demo": TINY_DEMO}
 
 
 def _ultralong_rope(factor: int) -> dict:

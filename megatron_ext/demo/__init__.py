@@ -1,0 +1,1 @@
+"""The CPU demo of the UltraLong pipeline (`make demo`, `python -m megatron_ext.demo`)."""

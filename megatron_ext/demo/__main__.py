@@ -1,0 +1,159 @@
+"""`make demo` / `python -m megatron_ext.demo [--fresh] [--quick] [--out DIR]`: the UltraLong pipeline at toy scale.
+
+Steps (each printed with its time; all but the base run the project's real CLIs as subprocesses):
+  0. tokenizer      the demo BPE (digits one per token, Llama-3 special tokens and chat template)
+  a. base           tiny Llama-3.1-shaped model trained at 256 tokens -> HF folder (cached)
+  b. to-megatron    tools/convert.py to-megatron
+  c. data           synthetic corpus -> tools/prepare_data.py cpt (`<s>` separators) and sft
+  d. cpt            torchrun x2 -m megatron_ext.train: YaRN factor 8 at 2048 tokens, CP=2
+  e. sft            torchrun x2 -m megatron_ext.train: short SFT on chat-formatted needle questions
+  f. to-hf          tools/convert.py to-hf (CPT and SFT checkpoints)
+  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT; tools/niah.py ppl on base and final
+Writes demo_out/REPORT.md with the accuracy table, heatmaps and the perplexity plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from megatron_ext.demo.pipeline import ROOT, DemoSettings, StepLog, run_tool, torchrun, yarn_untrained
+
+
+def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
+    """Run the whole pipeline into `out`; return the report's path."""
+    from megatron_ext.demo.corpus import build_demo_tokenizer, demo_chats, demo_corpus
+    from megatron_ext.demo.report import write_report
+    from megatron_ext.data.toy import write_jsonl
+
+    t_start = time.time()
+    py = sys.executable
+    s = settings
+    if fresh and out.exists():
+        print(f"[demo] FRESH: removing {out}")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = StepLog()
+    tok_dir, base_hf = out / "tokenizer", out / "base_hf"
+
+    # 0 + a: the "released" model, cached (it is the expensive, unchanging part).
+    stamp = base_hf / "demo_base.json"
+    cached = stamp.is_file() and json.loads(stamp.read_text()) == s.base_key() and (tok_dir / "tokenizer.json").is_file()
+    if cached:
+        print(f"[demo] reusing the cached base model {base_hf} (make demo FRESH=1 retrains it)")
+        steps.cached.add("base")
+        steps.seconds["base (cached)"] = 0.0
+    else:
+        from megatron_ext.demo.base import train_base
+
+        steps.run("tokenizer", build_demo_tokenizer, tok_dir, seed=s.seed)
+        steps.run("base", train_base, base_hf, tok_dir, steps=s.base_steps, batch_size=s.base_batch, lr=s.base_lr,
+                  seed=s.seed)
+        stamp.write_text(json.dumps(s.base_key()))
+
+    # b: HF -> Megatron.
+    base_mg = out / "base_megatron"
+    steps.run("to-megatron", run_tool, [py, "tools/convert.py", "to-megatron", "--hf", base_hf, "--out", base_mg,
+                                        "--force", "--no-progress"])
+
+    # c: data. CPT documents of 20-200 filler sentences (about 250-2100 tokens: needles at every
+    # distance up to the new context), SFT chats up to ~1500 tokens.
+    data = out / "data"
+    data.mkdir(exist_ok=True)
+
+    def make_data() -> None:
+        write_jsonl(data / "cpt.jsonl", demo_corpus(s.cpt_docs, s.seed + 100, 20, 200))
+        write_jsonl(data / "sft.jsonl", demo_chats(s.sft_chats, s.seed + 200, 5, 140))
+        run_tool([py, "tools/prepare_data.py", "cpt", "--input", data / "cpt.jsonl", "--tokenizer", tok_dir,
+                  "--output", data / "cpt", "--separator", "<s>", "--seq-length", "2048", "--force", "--quiet"])
+        run_tool([py, "tools/prepare_data.py", "sft", "--input", data / "sft.jsonl", "--tokenizer", tok_dir,
+                  "--output", data / "sft", "--seq-length", "2048", "--force", "--quiet"])
+        # Held-out long documents for perplexity by position.
+        ppl_dir = data / "ppl"
+        ppl_dir.mkdir(exist_ok=True)
+        for i, d in enumerate(demo_corpus(s.ppl_docs, s.seed + 300, 200, 200)):
+            (ppl_dir / f"doc{i}.txt").write_text(d["text"])
+
+    steps.run("data", make_data)
+
+    # d: YaRN CPT at 8x, CP=2 on two gloo processes.
+    cpt_dir, sft_dir = out / "cpt", out / "sft"
+    for d in (cpt_dir, sft_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    steps.run("cpt", run_tool, torchrun(2) + [
+        "-m", "megatron_ext.train", "--recipe", "recipes/demo/cpt.yaml", f"model.hf_config={base_hf}",
+        f"model.tokenizer={tok_dir}", f"data.prefix={data / 'cpt'}", f"checkpoint.init_from={base_mg}",
+        f"checkpoint.dir={cpt_dir}", f"train.steps={s.cpt_steps}", f"train.global_batch_size={s.cpt_batch}",
+        f"train.warmup_steps={max(0, min(4, s.cpt_steps - 1))}"], log_file=out / "cpt.log")
+
+    # e: short SFT (chat-formatted needle questions), data parallel over two processes.
+    sft_ok = True
+    try:
+        steps.run("sft", run_tool, torchrun(2) + [
+            "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", f"model.hf_config={base_hf}",
+            f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={cpt_dir}",
+            f"checkpoint.dir={sft_dir}", f"train.steps={s.sft_steps}"], log_file=out / "sft.log")
+    except RuntimeError as e:
+        sft_ok = False
+        print(f"[demo] SFT step failed; the report shows the CPT model as final.\n{e}", file=sys.stderr)
+
+    # f: Megatron -> HF.
+    cpt_hf, sft_hf = out / "cpt_hf", out / "sft_hf"
+
+    def export() -> None:
+        run_tool([py, "tools/convert.py", "to-hf", "--megatron", cpt_dir, "--out", cpt_hf,
+                  "--max-position-embeddings", "2048", "--force", "--no-progress"])
+        if sft_ok:
+            run_tool([py, "tools/convert.py", "to-hf", "--megatron", sft_dir, "--out", sft_hf,
+                      "--max-position-embeddings", "2048", "--force", "--no-progress"])
+
+    steps.run("to-hf", export)
+
+    # g: evaluation with the real CLI.
+    yarn_hf = yarn_untrained(base_hf, out / "base_yarn_hf", ROOT / "recipes/demo/cpt.yaml")
+    models = {"base": base_hf, "base + YaRN, no training": yarn_hf, "after YaRN CPT": cpt_hf}
+    if sft_ok:
+        models["after CPT + SFT"] = sft_hf
+    evals = out / "eval"
+    lengths = ",".join(str(n) for n in s.lengths)
+
+    def evaluate() -> None:
+        for i, (label, path) in enumerate(models.items()):
+            run_tool([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
+                      "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
+                      "--title", f"NIAH: {label}", "--no-progress"])
+        final = "after CPT + SFT" if sft_ok else "after YaRN CPT"
+        for tag, label in (("base", "base"), ("final", final)):
+            run_tool([py, "tools/niah.py", "ppl", "--model", models[label], "--out", evals / f"ppl_{tag}",
+                      "--text", *sorted((data / "ppl").glob("*.txt")), "--seq-len", str(max(s.lengths)),
+                      "--label", label, "--device", "cpu", "--no-progress"])
+
+    steps.run("evaluate", evaluate)
+    report = write_report(out, models, steps, settings, total_s=time.time() - t_start)
+    print(f"\n[demo] done in {time.time() - t_start:.0f}s: {report}")
+    print((out / "REPORT.md").read_text().split("## Time per step")[0])
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_ext.demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "demo_out")
+    ap.add_argument("--fresh", action="store_true", default=os.environ.get("FRESH", "") not in ("", "0"),
+                    help="redo everything, the cached base model included (also: FRESH=1)")
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (the test's version)")
+    args = ap.parse_args(argv)
+    settings = DemoSettings.quick() if args.quick else DemoSettings()
+    try:
+        run_demo(args.out, settings, fresh=args.fresh)
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The demo's "released" base model: a tiny Llama-3.1-shaped model trained at 256 tokens.
+
+It plays the part of Meta's Llama-3.1-8B-Instruct (trained at 128K): a Hugging Face checkpoint
+that the pipeline then converts, extends and evaluates with the project's real tools. Meta's
+pretraining is not the project's subject, so this is a plain PyTorch loop over transformers'
+`LlamaForCausalLM` (the outside oracle the converter checks against anyway).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_ext.demo.corpus import demo_corpus
+from megatron_ext.presets import TINY_DEMO
+
+
+def token_stream(tokenizer, seed: int, min_sentences: int, max_sentences: int) -> Iterator[int]:
+    """Endless token ids: `<|begin_of_text|>` + document, document after document (deterministic in `seed`)."""
+    for doc in demo_corpus(1 << 40, seed, min_sentences, max_sentences):
+        yield tokenizer.bos_token_id
+        yield from tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
+
+
+def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, batch_size: int = 16,
+               seq_length: int = 256, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
+    """Train the tiny-demo model from scratch at `seq_length` tokens and save it (+ tokenizer) as an HF folder.
+
+    Documents are 3-22 filler sentences (about 60-260 tokens), so needles and answers fall at every
+    position of the 256-token window. Returns {"steps", "final_loss", "seconds"}. Written to a
+    temporary folder and renamed into place when complete.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg_dict = dict(TINY_DEMO, max_position_embeddings=seq_length, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id)
+    if len(tok) > cfg_dict["vocab_size"]:
+        raise ValueError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens > tiny-demo vocab_size {cfg_dict['vocab_size']}")
+    cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    stream = token_stream(tok, seed + 1, 3, 22)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warmup = max(1, steps // 15)
+    # Linear warmup, cosine decay to 10% (the usual pretraining schedule).
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    from tqdm.auto import tqdm
+
+    t0 = time.time()
+    loss_ema = None
+    bar = tqdm(range(steps), desc="base", unit="step", mininterval=2.0)
+    for _ in bar:
+        batch = torch.tensor([[next(stream) for _ in range(seq_length)] for _ in range(batch_size)])  # [B, S]
+        loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
+    bar.close()
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    info = {"steps": steps, "final_loss": loss_ema, "seconds": round(time.time() - t0, 1)}
+    log(f"[demo] base trained: {steps} steps x {batch_size} x {seq_length} tokens, loss {loss_ema:.3f} "
+        f"({info['seconds']:.0f}s)")
+    return info

@@ -1,0 +1,126 @@
+"""The demo pipeline: base -> to-megatron -> data -> YaRN CPT (CP=2) -> SFT -> to-hf -> NIAH/perplexity.
+
+Every step after the base runs the project's real command-line tools as subprocesses, exactly as a
+user would type them (`tools/convert.py`, `tools/prepare_data.py`, `torchrun -m megatron_ext.train`,
+`tools/niah.py`), with their output streamed so progress shows. Step times go to the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of one demo run (`quick()` gives the reduced version the test runs)."""
+
+    base_steps: int = 300
+    base_batch: int = 8
+    base_lr: float = 3e-3
+    cpt_steps: int = 40
+    cpt_batch: int = 4
+    cpt_docs: int = 400
+    sft_steps: int = 10
+    sft_chats: int = 200
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048)
+    depths: str = "0:100:10"
+    samples: int = 2
+    ppl_docs: int = 8
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "DemoSettings":
+        return cls(base_steps=4, base_batch=2, cpt_steps=2, cpt_batch=2, cpt_docs=40, sft_steps=1, sft_chats=16,
+                   lengths=(256, 2048), depths="0,100", samples=1, ppl_docs=1)
+
+    def base_key(self) -> dict:
+        """What the cached base model depends on."""
+        return {"base_steps": self.base_steps, "base_batch": self.base_batch, "base_lr": self.base_lr,
+                "seed": self.seed, "version": 1}
+
+
+@dataclass
+class StepLog:
+    """Wall time of each pipeline step, in run order."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    cached: set[str] = field(default_factory=set)
+
+    def run(self, name: str, fn, *args, **kwargs):
+        print(f"\n[demo] === {name} ===", flush=True)
+        t0 = time.time()
+        out = fn(*args, **kwargs)
+        self.seconds[name] = round(time.time() - t0, 1)
+        print(f"[demo] {name}: {self.seconds[name]:.1f}s", flush=True)
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tool(cmd: list[str], log_file: Path | None = None) -> None:
+    """Run a CLI with PYTHONPATH at the checkout, streaming its output (and copying it to `log_file`)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false")
+    print("[demo] $ " + " ".join(shlex.quote(str(c)) for c in cmd), flush=True)
+    with subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as proc:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if not line.startswith("warning:") and "Warning" not in line:
+                print("    " + line, end="", flush=True)
+        proc.wait()
+    if log_file is not None:
+        log_file.write_text("".join(lines))
+    if proc.returncode != 0:
+        raise RuntimeError(f"step failed (exit {proc.returncode}): {' '.join(str(c) for c in cmd)}\n"
+                           + "".join(lines[-30:]))
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={_free_port()}", "--master_addr=127.0.0.1"]
+
+
+def yarn_untrained(base_hf: Path, out: Path, recipe_path: Path) -> Path:
+    """A copy of the base HF folder whose config carries the CPT recipe's YaRN RoPE (no training):
+    the "base + YaRN" row of the paper's ablation. Weights are hard-linked, not copied."""
+    from megatron_ext.model import hf_config_from_recipe
+    from megatron_ext.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, [f"model.hf_config={base_hf}"], world_size=2)
+    rope_cfg = hf_config_from_recipe(recipe)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in base_hf.iterdir():
+        if f.name != "config.json":
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+    cfg = json.loads((base_hf / "config.json").read_text())
+    for k in ("rope_scaling", "rope_parameters", "rope_theta"):
+        cfg.pop(k, None)
+    for k in ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings"):
+        if k in rope_cfg:
+            cfg[k] = rope_cfg[k]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
