@@ -86,7 +86,7 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     for d in (cpt_dir, sft_dir):
         shutil.rmtree(d, ignore_errors=True)
     steps.run("cpt", run_tool, torchrun(2) + [
-        "-m", "megatron_ext.train", "--recipe", "recipes/demo/cpt.yaml", f"model.hf_config={base_hf}",
+        "-m", "megatron_ext.train", "--recipe", "recipes/demo/cpt.yaml", "model.preset=null", f"model.hf_config={base_hf}",
         f"model.tokenizer={tok_dir}", f"data.prefix={data / 'cpt'}", f"checkpoint.init_from={base_mg}",
         f"checkpoint.dir={cpt_dir}", f"train.steps={s.cpt_steps}", f"train.global_batch_size={s.cpt_batch}",
         f"train.warmup_steps={max(0, min(4, s.cpt_steps - 1))}"], log_file=out / "cpt.log")
@@ -95,7 +95,7 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     sft_ok = True
     try:
         steps.run("sft", run_tool, torchrun(2) + [
-            "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", f"model.hf_config={base_hf}",
+            "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", "model.preset=null", f"model.hf_config={base_hf}",
             f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={cpt_dir}",
             f"checkpoint.dir={sft_dir}", f"train.steps={s.sft_steps}"], log_file=out / "sft.log")
     except RuntimeError as e:

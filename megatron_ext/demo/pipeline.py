@@ -88,8 +88,7 @@ def run_tool(cmd: list[str], log_file: Path | None = None) -> None:
     if log_file is not None:
         log_file.write_text("".join(lines))
     if proc.returncode != 0:
-        raise RuntimeError(f"step failed (exit {proc.returncode}): {' '.join(str(c) for c in cmd)}\n"
-                           + "".join(lines[-30:]))
+        raise RuntimeError(f"step failed (exit {proc.returncode}, output above): {' '.join(str(c) for c in cmd)}")
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -103,7 +102,7 @@ def yarn_untrained(base_hf: Path, out: Path, recipe_path: Path) -> Path:
     from megatron_ext.model import hf_config_from_recipe
     from megatron_ext.recipe import load_recipe
 
-    recipe = load_recipe(recipe_path, [f"model.hf_config={base_hf}"], world_size=2)
+    recipe = load_recipe(recipe_path, ["model.preset=null", f"model.hf_config={base_hf}"], world_size=2)
     rope_cfg = hf_config_from_recipe(recipe)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
