@@ -107,10 +107,10 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
 
     def export() -> None:
         run_tool([py, "tools/convert.py", "to-hf", "--megatron", cpt_dir, "--out", cpt_hf,
-                  "--max-position-embeddings", "2048", "--force", "--no-progress"])
+                  "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
         if sft_ok:
             run_tool([py, "tools/convert.py", "to-hf", "--megatron", sft_dir, "--out", sft_hf,
-                      "--max-position-embeddings", "2048", "--force", "--no-progress"])
+                      "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
 
     steps.run("to-hf", export)
 
