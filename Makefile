@@ -17,11 +17,13 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# `make demo FRESH=1` also retrains the cached base model (demo_out/base_hf).
+FRESH ?=
 demo: $(VENV)/.installed
-	$(PY) -m megatron_ext.demo
+	$(PY) -m megatron_ext.demo $(if $(filter-out 0,$(FRESH)),--fresh)
 
 test: $(VENV)/.installed
 	bash tests/run.sh $(PY)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo_out

@@ -74,7 +74,7 @@ TINY_DEMO: dict = {
     **TINY,
     "hidden_size": 128,
     "intermediate_size": 384,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 3,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,

@@ -53,7 +53,7 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
 
         steps.run("tokenizer", build_demo_tokenizer, tok_dir, seed=s.seed)
         steps.run("base", train_base, base_hf, tok_dir, steps=s.base_steps, batch_size=s.base_batch, lr=s.base_lr,
-                  seed=s.seed)
+                  seed=s.seed, recall_weight=s.base_recall_weight, kv_every=s.base_kv_every)
         stamp.write_text(json.dumps(s.base_key()))
 
     # b: HF -> Megatron.

@@ -21,15 +21,63 @@ from megatron_ext.demo.corpus import demo_corpus
 from megatron_ext.presets import TINY_DEMO
 
 
-def token_stream(tokenizer, seed: int, min_sentences: int, max_sentences: int) -> Iterator[int]:
-    """Endless token ids: `<|begin_of_text|>` + document, document after document (deterministic in `seed`)."""
-    for doc in demo_corpus(1 << 40, seed, min_sentences, max_sentences):
-        yield tokenizer.bos_token_id
-        yield from tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
+def recall_weights(ids: list[int], digit_ids: set[int], weight: float) -> list[float]:
+    """Per-token loss weights of one document: `weight` on the digits of a number that already
+    appeared earlier in it (the recalled needle value or key code), 1 elsewhere.
+
+    Meta's pretraining is not ours to reproduce; weighting recalls is how the stand-in base learns
+    retrieval in a few hundred CPU steps instead of the millions of steps an LM would take.
+    """
+    out = [1.0] * len(ids)
+    seen: set[tuple[int, ...]] = set()
+    i = 0
+    while i < len(ids):
+        if ids[i] not in digit_ids:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] in digit_ids:
+            j += 1
+        run = tuple(ids[i:j])
+        if run in seen:
+            out[i:j] = [weight] * (j - i)
+        seen.add(run)
+        i = j
+    return out
+
+
+def documents(tokenizer, seed: int, min_sentences: int, max_sentences: int, recall_weight: float = 1.0,
+              kv_every: int = 2, length_power: float = 1.0) -> Iterator[tuple[list[int], list[float]]]:
+    """Endless (token ids, loss weights) of `<|begin_of_text|>` + document (deterministic in `seed`)."""
+    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    for doc in demo_corpus(1 << 40, seed, min_sentences, max_sentences, kv_every=kv_every,
+                           length_power=length_power):
+        ids = [tokenizer.bos_token_id] + tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
+        yield ids, recall_weights(ids, digit_ids, recall_weight)
+
+
+def doc_batch(docs: Iterator[tuple[list[int], list[float]]], batch_size: int, seq_length: int, pad_id: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One document per row (cut to `seq_length`), right-padded to the longest row with weight 0.
+
+    One per row, not packed: with several needles in a row the question would be ambiguous (every
+    document uses the same needle sentence). Returns ids [B, S] and target weights [B, S-1].
+    """
+    rows = [next(docs) for _ in range(batch_size)]
+    rows = [(ids[:seq_length], w[:seq_length]) for ids, w in rows]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
+    weight = torch.zeros(batch_size, width)
+    for b, (r_ids, r_w) in enumerate(rows):
+        ids[b, :len(r_ids)] = torch.tensor(r_ids)
+        weight[b, :len(r_w)] = torch.tensor(r_w)
+    return ids, weight[:, 1:]
 
 
 def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, batch_size: int = 16,
-               seq_length: int = 256, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
+               seq_length: int = 256, lr: float = 3e-3, seed: int = 0, recall_weight: float = 10.0,
+               kv_every: int = 2, min_sentences: int = 0, max_sentences: int = 22, length_power: float = 2.0,
+               log=print) -> dict:
     """Train the tiny-demo model from scratch at `seq_length` tokens and save it (+ tokenizer) as an HF folder.
 
     Documents are 3-22 filler sentences (about 60-260 tokens), so needles and answers fall at every
@@ -46,7 +94,7 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
     cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
-    stream = token_stream(tok, seed + 1, 3, 22)
+    docs = documents(tok, seed + 1, min_sentences, max_sentences, recall_weight, kv_every, length_power)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, steps // 15)
     # Linear warmup, cosine decay to 10% (the usual pretraining schedule).
@@ -58,8 +106,10 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
     loss_ema = None
     bar = tqdm(range(steps), desc="base", unit="step", mininterval=2.0)
     for _ in bar:
-        batch = torch.tensor([[next(stream) for _ in range(seq_length)] for _ in range(batch_size)])  # [B, S]
-        loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
+        batch, weight = doc_batch(docs, batch_size, seq_length, tok.pad_token_id)  # [B, S], [B, S-1]
+        logits = model(input_ids=batch).logits[:, :-1]  # [B, S-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+        loss = (nll * weight.flatten()).sum() / weight.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -53,12 +53,17 @@ def needle_document(rng: random.Random, n_sentences: int, kv_facts: int = 0, ans
 
 
 def demo_corpus(n_docs: int, seed: int, min_sentences: int, max_sentences: int,
-                kv_every: int = 2) -> Iterator[dict]:
-    """`n_docs` documents `{"id", "source", "text"}`; every `kv_every`-th also has 1-3 key-value facts."""
+                kv_every: int = 2, length_power: float = 1.0) -> Iterator[dict]:
+    """`n_docs` documents `{"id", "source", "text"}`; every `kv_every`-th also has 1-3 key-value facts.
+
+    Filler sentences per document: min + (max - min) * u ** `length_power`, u uniform in [0, 1)
+    (power > 1: mostly short documents, i.e. many retrievals per token, some long ones).
+    """
     rng = random.Random(seed)
     for i in range(n_docs):
         kv = rng.randint(1, 3) if kv_every and i % kv_every == 0 else 0
-        text = needle_document(rng, rng.randint(min_sentences, max_sentences), kv_facts=kv)
+        n = min_sentences + int((max_sentences - min_sentences + 1) * rng.random() ** length_power)
+        text = needle_document(rng, n, kv_facts=kv)
         yield {"id": i, "source": "needle-kv" if kv else "needle", "text": text}
 
 

@@ -28,6 +28,8 @@ class DemoSettings:
     base_steps: int = 300
     base_batch: int = 8
     base_lr: float = 3e-3
+    base_recall_weight: float = 10.0
+    base_kv_every: int = 2
     cpt_steps: int = 40
     cpt_batch: int = 4
     cpt_docs: int = 400
@@ -47,6 +49,7 @@ class DemoSettings:
     def base_key(self) -> dict:
         """What the cached base model depends on."""
         return {"base_steps": self.base_steps, "base_batch": self.base_batch, "base_lr": self.base_lr,
+                "base_recall_weight": self.base_recall_weight, "base_kv_every": self.base_kv_every,
                 "seed": self.seed, "version": 1}
 
 
