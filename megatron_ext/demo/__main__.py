@@ -53,7 +53,8 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
 
         steps.run("tokenizer", build_demo_tokenizer, tok_dir, seed=s.seed)
         steps.run("base", train_base, base_hf, tok_dir, steps=s.base_steps, batch_size=s.base_batch, lr=s.base_lr,
-                  seed=s.seed, recall_weight=s.base_recall_weight, kv_every=s.base_kv_every)
+                  seed=s.seed, recall_weight=s.base_recall_weight, kv_every=s.base_kv_every,
+                  length_power=s.base_length_power)
         stamp.write_text(json.dumps(s.base_key()))
 
     # b: HF -> Megatron.
@@ -61,13 +62,13 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     steps.run("to-megatron", run_tool, [py, "tools/convert.py", "to-megatron", "--hf", base_hf, "--out", base_mg,
                                         "--force", "--no-progress"])
 
-    # c: data. CPT documents of 20-200 filler sentences (about 250-2100 tokens: needles at every
-    # distance up to the new context), SFT chats up to ~1500 tokens.
+    # c: data. CPT documents of 100-200 filler sentences (about 1100-2100 tokens, so a 2048-token
+    # sequence holds mostly one needle, at any distance from its question), SFT chats up to ~1500 tokens.
     data = out / "data"
     data.mkdir(exist_ok=True)
 
     def make_data() -> None:
-        write_jsonl(data / "cpt.jsonl", demo_corpus(s.cpt_docs, s.seed + 100, 20, 200))
+        write_jsonl(data / "cpt.jsonl", demo_corpus(s.cpt_docs, s.seed + 100, 100, 200))
         write_jsonl(data / "sft.jsonl", demo_chats(s.sft_chats, s.seed + 200, 5, 140))
         run_tool([py, "tools/prepare_data.py", "cpt", "--input", data / "cpt.jsonl", "--tokenizer", tok_dir,
                   "--output", data / "cpt", "--separator", "<s>", "--seq-length", "2048", "--force", "--quiet"])

@@ -25,11 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 class DemoSettings:
     """Sizes of one demo run (`quick()` gives the reduced version the test runs)."""
 
-    base_steps: int = 300
-    base_batch: int = 8
-    base_lr: float = 3e-3
+    base_steps: int = 600
+    base_batch: int = 16
+    base_lr: float = 5e-3
     base_recall_weight: float = 10.0
-    base_kv_every: int = 2
+    base_kv_every: int = 0
+    base_length_power: float = 2.0
     cpt_steps: int = 40
     cpt_batch: int = 4
     cpt_docs: int = 400
@@ -50,6 +51,7 @@ class DemoSettings:
         """What the cached base model depends on."""
         return {"base_steps": self.base_steps, "base_batch": self.base_batch, "base_lr": self.base_lr,
                 "base_recall_weight": self.base_recall_weight, "base_kv_every": self.base_kv_every,
+                "base_length_power": self.base_length_power,
                 "seed": self.seed, "version": 1}
 
 
