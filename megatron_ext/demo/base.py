@@ -77,7 +77,7 @@ def doc_batch(docs: Iterator[tuple[list[int], list[float]]], batch_size: int, se
 def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, batch_size: int = 16,
                seq_length: int = 256, lr: float = 3e-3, seed: int = 0, recall_weight: float = 10.0,
                kv_every: int = 2, min_sentences: int = 0, max_sentences: int = 22, length_power: float = 2.0,
-               log=print) -> dict:
+               init_from: str | Path | None = None, log=print) -> dict:
     """Train the tiny-demo model from scratch at `seq_length` tokens and save it (+ tokenizer) as an HF folder.
 
     Documents are 3-22 filler sentences (about 60-260 tokens), so needles and answers fall at every
@@ -93,7 +93,8 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
         raise ValueError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens > tiny-demo vocab_size {cfg_dict['vocab_size']}")
     cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    # init_from: continue from an earlier base (HF folder), e.g. to lengthen a run without redoing it.
+    model = LlamaForCausalLM(cfg) if init_from is None else LlamaForCausalLM.from_pretrained(str(init_from))
     docs = documents(tok, seed + 1, min_sentences, max_sentences, recall_weight, kv_every, length_power)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, steps // 15)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from pathlib import Path
@@ -19,6 +20,16 @@ def _niah_rows(evals: Path, models: dict[str, Path]) -> tuple[list[int], list[tu
             per_len.append(sum(vals) / len(vals) if vals else None)
         rows.append((label, per_len, res["accuracy"], evals / f"niah{i}" / "heatmap.png"))
     return lengths, rows
+
+
+def _param_count(hf_dir: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in hf_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n
 
 
 def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: float) -> Path:
@@ -40,9 +51,12 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
         return "n/a" if v is None else f"{100 * v:.0f}%"
 
     rel = lambda p: os.path.relpath(p, out)  # noqa: E731
+    c = json.loads((models["base"] / "config.json").read_text())
+    n_params = _param_count(models["base"])
     lines = ["# `make demo`: YaRN context extension at toy scale", "",
-             "A tiny Llama-3.1-shaped model (4 layers, hidden 128, GQA 4/2 heads, llama3 RoPE over an original "
-             "context of 256) trained at 256 tokens stands in for Llama-3.1-8B-Instruct at 128K. One YaRN CPT stage "
+             f"A tiny Llama-3.1-shaped model ({c['num_hidden_layers']} layers, hidden {c['hidden_size']}, GQA "
+             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, {n_params / 1e6:.2f}M parameters, llama3 "
+             "RoPE over an original context of 256) trained at 256 tokens stands in for Llama-3.1-8B-Instruct at 128K. One YaRN CPT stage "
              "(factor 8, beta_fast 4, beta_slow 1) at 8x its context (2048 tokens, CP=2 on two gloo processes) "
              "extends it as the paper extends 128K to 1M; a short SFT follows. NIAH: exact match of the 7-digit "
              f"needle value, {settings.samples} needle(s) per (length, depth) cell, depths {settings.depths}.", "",
