@@ -78,11 +78,11 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
                seq_length: int = 256, lr: float = 3e-3, seed: int = 0, recall_weight: float = 10.0,
                kv_every: int = 2, min_sentences: int = 0, max_sentences: int = 22, length_power: float = 2.0,
                init_from: str | Path | None = None, log=print) -> dict:
-    """Train the tiny-demo model from scratch at `seq_length` tokens and save it (+ tokenizer) as an HF folder.
+    """Train the tiny-demo model at `seq_length` tokens and save it (+ tokenizer) as an HF folder.
 
-    Documents are 3-22 filler sentences (about 60-260 tokens), so needles and answers fall at every
-    position of the 256-token window. Returns {"steps", "final_loss", "seconds"}. Written to a
-    temporary folder and renamed into place when complete.
+    One document per row (0-22 filler sentences, mostly short: `length_power`), loss weighted
+    `recall_weight` on recalled numbers (see `recall_weights`). Returns {"steps", "final_loss",
+    "seconds"}. Written to a temporary folder and renamed into place when complete.
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
