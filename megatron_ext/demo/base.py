@@ -49,7 +49,9 @@ def recall_weights(ids: list[int], digit_ids: set[int], weight: float) -> list[f
 def documents(tokenizer, seed: int, min_sentences: int, max_sentences: int, recall_weight: float = 1.0,
               kv_every: int = 2, length_power: float = 1.0) -> Iterator[tuple[list[int], list[float]]]:
     """Endless (token ids, loss weights) of `<|begin_of_text|>` + document (deterministic in `seed`)."""
-    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    # Digit tokens, with and without a leading space (the demo tokenizer keeps it on a number's first digit).
+    digit_ids = {i for d in range(10) for t in (str(d), f" {d}")
+                 for i in tokenizer(t, add_special_tokens=False)["input_ids"][-1:]}
     for doc in demo_corpus(1 << 40, seed, min_sentences, max_sentences, kv_every=kv_every,
                            length_power=length_power):
         ids = [tokenizer.bos_token_id] + tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
