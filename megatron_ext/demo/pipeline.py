@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class DemoSettings:
     """Sizes of one demo run (`quick()` gives the reduced version the test runs)."""
 
-    base_steps: int = 600
+    base_steps: int = 1500
     base_batch: int = 16
     base_lr: float = 5e-3
     base_recall_weight: float = 10.0
