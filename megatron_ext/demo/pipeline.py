@@ -31,7 +31,7 @@ class DemoSettings:
     base_recall_weight: float = 10.0
     base_kv_every: int = 0
     base_length_power: float = 2.0
-    cpt_steps: int = 40
+    cpt_steps: int = 60
     cpt_batch: int = 4
     cpt_docs: int = 400
     sft_steps: int = 10
