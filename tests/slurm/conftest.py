@@ -86,13 +86,20 @@ def wait_job(job_id: str, timeout: float = 400) -> tuple[str, str]:
     job is between its runs.
     """
     deadline = time.time() + timeout
+    settled_since = None
     while time.time() < deadline:
         queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
         row = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,ExitCode"],
                              capture_output=True, text=True).stdout.strip().split("|")
         state = row[0].split()[0] if row and row[0] else ""
         if not queued.stdout.strip() and state in FINAL_STATES:
-            return state, row[1]
+            # A requeueing job shows a final state for a moment before it is pending again:
+            # only a state that holds for 5 s is the job's end.
+            settled_since = settled_since or time.time()
+            if time.time() - settled_since >= 5:
+                return state, row[1]
+        else:
+            settled_since = None
         time.sleep(0.5)
     raise TimeoutError(f"job {job_id} not finished after {timeout} s")
 
@@ -111,15 +118,22 @@ class RequeueNow:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        pending_since: dict[str, float] = {}
         while not self._stop.is_set():
             out = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"], capture_output=True,
                                  text=True).stdout
             for line in out.splitlines():
                 job, _, reason = line.partition(" ")
-                if reason.strip() == "BeginTime":
+                if reason.strip() != "BeginTime":
+                    continue
+                # Released within a second of the requeue, slurmd may still hold the revoked
+                # credential of the previous run and kills the new one ("Job credential revoked").
+                first = pending_since.setdefault(job, time.time())
+                if time.time() - first >= 5:
                     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
                                    capture_output=True)
                     self.released.append(job)
+                    pending_since.pop(job)
             self._stop.wait(0.5)
 
     def __enter__(self):
