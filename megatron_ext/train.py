@@ -245,10 +245,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         step += 1
-        if parallel_state.is_pipeline_last_stage():
-            loss, n_tokens = reduce_loss(reports, dp_cp_group)
-        else:
-            loss, n_tokens = float("nan"), 0
+        loss, n_tokens = reduce_loss(reports, dp_cp_group)  # reports are empty off the last PP stage
+        if p.pipeline > 1:  # rank 0 (first stage) writes the metrics: give it the last stage's numbers
+            pair = torch.tensor([loss if parallel_state.is_pipeline_last_stage() else 0.0, n_tokens],
+                                dtype=torch.float64)
+            torch.distributed.broadcast(pair, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                        group=parallel_state.get_pipeline_model_parallel_group())
+            loss, n_tokens = pair[0].item(), int(pair[1].item())
         elapsed = time.time() - step_start
         step_tokens = t.global_batch_size * t.seq_length
         tokens_seen += step_tokens
