@@ -6,9 +6,9 @@ Steps (each printed with its time; all but the base run the project's real CLIs 
   b. to-megatron    tools/convert.py to-megatron
   c. data           synthetic corpus -> tools/prepare_data.py cpt (`<s>` separators) and sft
   d. cpt            torchrun x2 -m megatron_ext.train: YaRN factor 8 at 2048 tokens, CP=2
-  e. sft            torchrun x2 -m megatron_ext.train: short SFT on chat-formatted needle questions
+  e. sft            torchrun x2 -m megatron_ext.train: SFT on chat-formatted needle questions up to 2048 tokens
   f. to-hf          tools/convert.py to-hf (CPT and SFT checkpoints)
-  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT; tools/niah.py ppl on base and final
+  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base and final
 Writes demo_out/REPORT.md with the accuracy table, heatmaps and the perplexity plot.
 """
 
@@ -63,13 +63,14 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
                                         "--force", "--no-progress"])
 
     # c: data. CPT documents of 100-200 filler sentences (about 1100-2100 tokens, so a 2048-token
-    # sequence holds mostly one needle, at any distance from its question), SFT chats up to ~1500 tokens.
+    # sequence holds mostly one needle, at any distance from its question); SFT chats of 20-150
+    # sentences (about 300-2000 tokens), so the answer is learnt at every distance up to 2048.
     data = out / "data"
     data.mkdir(exist_ok=True)
 
     def make_data() -> None:
         write_jsonl(data / "cpt.jsonl", demo_corpus(s.cpt_docs, s.seed + 100, 100, 200))
-        write_jsonl(data / "sft.jsonl", demo_chats(s.sft_chats, s.seed + 200, 5, 140))
+        write_jsonl(data / "sft.jsonl", demo_chats(s.sft_chats, s.seed + 200, 20, 150))
         run_tool([py, "tools/prepare_data.py", "cpt", "--input", data / "cpt.jsonl", "--tokenizer", tok_dir,
                   "--output", data / "cpt", "--separator", "<s>", "--seq-length", "2048", "--force", "--quiet"])
         run_tool([py, "tools/prepare_data.py", "sft", "--input", data / "sft.jsonl", "--tokenizer", tok_dir,
@@ -92,13 +93,14 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
         f"checkpoint.dir={cpt_dir}", f"train.steps={s.cpt_steps}", f"train.global_batch_size={s.cpt_batch}",
         f"train.warmup_steps={max(0, min(4, s.cpt_steps - 1))}"], log_file=out / "cpt.log")
 
-    # e: short SFT (chat-formatted needle questions), data parallel over two processes.
+    # e: SFT (chat-formatted needle questions, loss on the answer only), data parallel over two processes.
     sft_ok = True
     try:
         steps.run("sft", run_tool, torchrun(2) + [
             "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", "model.preset=null", f"model.hf_config={base_hf}",
             f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={cpt_dir}",
-            f"checkpoint.dir={sft_dir}", f"train.steps={s.sft_steps}"], log_file=out / "sft.log")
+            f"checkpoint.dir={sft_dir}", f"train.steps={s.sft_steps}",
+            f"train.warmup_steps={max(0, min(4, s.sft_steps - 1))}"], log_file=out / "sft.log")
     except RuntimeError as e:
         sft_ok = False
         print(f"[demo] SFT step failed; the report shows the CPT model as final.\n{e}", file=sys.stderr)
@@ -125,9 +127,10 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
 
     def evaluate() -> None:
         for i, (label, path) in enumerate(models.items()):
+            chat = ["--chat"] if label == "after CPT + SFT" else []  # the instruct model is asked in its chat format
             run_tool([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
                       "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
-                      "--title", f"NIAH: {label}", "--no-progress"])
+                      "--title", f"NIAH: {label}", "--no-progress", *chat])
         final = "after CPT + SFT" if sft_ok else "after YaRN CPT"
         for tag, label in (("base", "base"), ("final", final)):
             run_tool([py, "tools/niah.py", "ppl", "--model", models[label], "--out", evals / f"ppl_{tag}",

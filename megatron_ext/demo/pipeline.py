@@ -34,8 +34,8 @@ class DemoSettings:
     cpt_steps: int = 60
     cpt_batch: int = 4
     cpt_docs: int = 400
-    sft_steps: int = 10
-    sft_chats: int = 200
+    sft_steps: int = 400
+    sft_chats: int = 600
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)
     depths: str = "0:100:10"
     samples: int = 2

@@ -58,18 +58,29 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
              f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, {n_params / 1e6:.2f}M parameters, llama3 "
              "RoPE over an original context of 256) trained at 256 tokens stands in for Llama-3.1-8B-Instruct at 128K. One YaRN CPT stage "
              "(factor 8, beta_fast 4, beta_slow 1) at 8x its context (2048 tokens, CP=2 on two gloo processes) "
-             "extends it as the paper extends 128K to 1M; a short SFT follows. NIAH: exact match of the 7-digit "
+             "extends it as the paper extends 128K to 1M; an SFT on chat-formatted needle questions follows (evaluated in its chat format, the others as plain text). NIAH: exact match of the 7-digit "
              f"needle value, {settings.samples} needle(s) per (length, depth) cell, depths {settings.depths}.", "",
              "## NIAH accuracy by context length", "",
              "| model | " + " | ".join(f"{n:,}" for n in lengths) + " | mean |",
              "|---|" + "---:|" * (len(lengths) + 1)]
     for label, per_len, acc, _ in rows:
         lines.append(f"| {label} | " + " | ".join(cell(v) for v in per_len) + f" | {cell(acc)} |")
-    base8x = rows[0][1][-1]
-    cpt8x = rows[2][1][-1]
-    goal = (base8x is not None and cpt8x is not None and cpt8x >= 0.8 and base8x <= 0.3)
-    lines += ["", f"At 8x the base context ({lengths[-1]:,} tokens): base {cell(base8x)}, after YaRN CPT {cell(cpt8x)} "
-              f"(goal: >= 80% after CPT, <= 30% base): **{'met' if goal else 'not met'}**.", "",
+    at8x = {label: per_len[-1] for label, per_len, _, _ in rows}  # accuracy at 8x the base context
+    base8x = at8x["base"]
+
+    def goal(label: str) -> bool:
+        v = at8x.get(label)
+        return v is not None and base8x is not None and v >= 0.8 and base8x <= 0.3
+
+    met = {label: goal(label) for label in at8x if label not in ("base", "base + YaRN, no training")}
+    lines += ["", f"At 8x the base context ({lengths[-1]:,} tokens): "
+              + "; ".join(f"{label} {cell(v)}" for label, v in at8x.items()) + ".",
+              "Goal (>= 80% after the extension where the base is <= 30%): "
+              + "; ".join(f"{label}: **{'met' if ok else 'not met'}**" for label, ok in met.items()) + ".", "",
+              "The CPT is the paper's: next-token loss over every token of 2048-token rows. At this toy scale it "
+              "does not by itself rebuild retrieval beyond the base context (README, 'The demo', says what was "
+              "tried); the SFT, whose loss is on the answer only, over needle questions up to 2048 tokens with the "
+              "CPT's YaRN RoPE, does.", "",
               "## Heatmaps", ""]
     for label, _, _, png in rows:
         lines += [f"**{label}**", "", f"![{label}]({rel(png)})", ""]
@@ -87,7 +98,7 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
     tmp.write_text("\n".join(lines))
     os.replace(tmp, report)
     results = {"lengths": lengths, "niah": {label: {"by_length": per_len, "mean": acc} for label, per_len, acc, _ in rows},
-               "goal_met": goal, "seconds": steps.seconds, "total_s": total_s,
+               "goal_met": met, "seconds": steps.seconds, "total_s": total_s,
                "mean_loss": {k: v.mean_loss for k, v in ppl.items()}}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return report
