@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ext.demo.pipeline import ABLATION
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -45,11 +47,14 @@ def test_demo_quick_pipeline(tmp_path):
     report = (out / "REPORT.md").read_text()
     results = json.loads((out / "results.json").read_text())
     assert results["lengths"] == [256, 2048]
-    for label in ("base", "base + YaRN, no training", "after YaRN CPT", "after CPT + SFT"):
+    for label in ("base", "base + YaRN, no training", "after YaRN CPT", "after CPT + SFT", ABLATION):
         assert f"| {label} |" in report
         assert all(v is None or 0.0 <= v <= 1.0 for v in results["niah"][label]["by_length"])
     for png in [*out.glob("eval/niah*/heatmap.png"), out / "perplexity_by_position.png"]:
         assert png.read_bytes()[:8] == PNG
-    assert len(list(out.glob("eval/niah*/heatmap.png"))) == 4
-    for step in ("to-megatron", "data", "cpt", "sft", "to-hf", "evaluate"):
+    assert len(list(out.glob("eval/niah*/heatmap.png"))) == 5
+    # The ablation really ran with the base's llama3 RoPE, not the recipe's YaRN.
+    abl = json.loads((out / "sft_no_yarn_hf" / "config.json").read_text())
+    assert (abl.get("rope_parameters") or abl.get("rope_scaling"))["rope_type"] == "llama3"
+    for step in ("to-megatron", "data", "cpt", "sft", "sft ablation", "to-hf", "evaluate"):
         assert f"| {step} |" in report

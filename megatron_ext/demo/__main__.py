@@ -7,7 +7,8 @@ Steps (each printed with its time; all but the base run the project's real CLIs 
   c. data           synthetic corpus -> tools/prepare_data.py cpt (`<s>` separators) and sft
   d. cpt            torchrun x2 -m megatron_ext.train: YaRN factor 8 at 2048 tokens, CP=2
   e. sft            torchrun x2 -m megatron_ext.train: SFT on chat-formatted needle questions up to 2048 tokens
-  f. to-hf          tools/convert.py to-hf (CPT and SFT checkpoints)
+  e'. sft ablation  the same SFT from the base with the base's RoPE (no YaRN, no CPT)
+  f. to-hf          tools/convert.py to-hf (CPT, SFT and ablation checkpoints)
   g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base and final
 Writes demo_out/REPORT.md with the accuracy table, heatmaps and the perplexity plot.
 """
@@ -22,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_ext.demo.pipeline import ROOT, DemoSettings, StepLog, run_tool, torchrun, yarn_untrained
+from megatron_ext.demo.pipeline import (ABLATION, ROOT, DemoSettings, StepLog, rope_overrides_from_hf, run_tool, torchrun,
+                                        yarn_untrained)
 
 
 def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
@@ -105,8 +107,19 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
         sft_ok = False
         print(f"[demo] SFT step failed; the report shows the CPT model as final.\n{e}", file=sys.stderr)
 
+    # Ablation: the same SFT from the base, with the base's own RoPE (no YaRN, no CPT), to show what
+    # the YaRN extension adds.
+    ablation_dir = out / "sft_no_yarn"
+    shutil.rmtree(ablation_dir, ignore_errors=True)
+    steps.run("sft ablation", run_tool, torchrun(2) + [
+        "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", "model.preset=null", f"model.hf_config={base_hf}",
+        f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={base_mg}",
+        f"checkpoint.dir={ablation_dir}", f"train.steps={s.sft_steps}",
+        f"train.warmup_steps={max(0, min(4, s.sft_steps - 1))}", *rope_overrides_from_hf(base_hf)],
+        log_file=out / "sft_no_yarn.log")
+
     # f: Megatron -> HF.
-    cpt_hf, sft_hf = out / "cpt_hf", out / "sft_hf"
+    cpt_hf, sft_hf, ablation_hf = out / "cpt_hf", out / "sft_hf", out / "sft_no_yarn_hf"
 
     def export() -> None:
         run_tool([py, "tools/convert.py", "to-hf", "--megatron", cpt_dir, "--out", cpt_hf,
@@ -114,6 +127,8 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
         if sft_ok:
             run_tool([py, "tools/convert.py", "to-hf", "--megatron", sft_dir, "--out", sft_hf,
                       "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
+        run_tool([py, "tools/convert.py", "to-hf", "--megatron", ablation_dir, "--out", ablation_hf,
+                  "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
 
     steps.run("to-hf", export)
 
@@ -122,12 +137,13 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     models = {"base": base_hf, "base + YaRN, no training": yarn_hf, "after YaRN CPT": cpt_hf}
     if sft_ok:
         models["after CPT + SFT"] = sft_hf
+    models[ABLATION] = ablation_hf
     evals = out / "eval"
     lengths = ",".join(str(n) for n in s.lengths)
 
     def evaluate() -> None:
         for i, (label, path) in enumerate(models.items()):
-            chat = ["--chat"] if label == "after CPT + SFT" else []  # the instruct model is asked in its chat format
+            chat = ["--chat"] if label in ("after CPT + SFT", ABLATION) else []  # SFT models: their chat format
             run_tool([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
                       "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
                       "--title", f"NIAH: {label}", "--no-progress", *chat])

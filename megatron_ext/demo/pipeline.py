@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ABLATION = "ablation: SFT only, base RoPE (no YaRN)"
 
 
 @dataclass(frozen=True)
@@ -127,4 +128,27 @@ def yarn_untrained(base_hf: Path, out: Path, recipe_path: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+    return out
+
+
+def rope_overrides_from_hf(hf_dir: Path) -> list[str]:
+    """Recipe overrides (`rope.FIELD=VALUE`) that set every rope field to the HF model's own RoPE
+    (fields it does not use: null), e.g. to run a recipe whose rope is YaRN with the base's llama3."""
+    from dataclasses import fields
+
+    from megatron_ext.recipe import RopeConfig
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    out = []
+    for f in fields(RopeConfig):
+        if f.name == "preset":
+            continue
+        value = rope.get(f.name)
+        if value is not None:
+            out.append(f"rope.{f.name}={json.dumps(value)}")
+        elif f.default is None:  # a field of another rope type (e.g. yarn's beta_fast): unset it
+            out.append(f"rope.{f.name}=null")
     return out
