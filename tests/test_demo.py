@@ -53,6 +53,7 @@ def test_demo_quick_pipeline(tmp_path):
     for png in [*out.glob("eval/niah*/heatmap.png"), out / "perplexity_by_position.png"]:
         assert png.read_bytes()[:8] == PNG
     assert len(list(out.glob("eval/niah*/heatmap.png"))) == 5
+    assert set(results["mean_loss"]) == {"base", "after YaRN CPT", "after CPT + SFT"}  # loss-by-position curves
     # The ablation really ran with the base's llama3 RoPE, not the recipe's YaRN.
     abl = json.loads((out / "sft_no_yarn_hf" / "config.json").read_text())
     assert (abl.get("rope_parameters") or abl.get("rope_scaling"))["rope_type"] == "llama3"

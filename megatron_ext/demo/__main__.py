@@ -9,7 +9,7 @@ Steps (each printed with its time; all but the base run the project's real CLIs 
   e. sft            torchrun x2 -m megatron_ext.train: SFT on chat-formatted needle questions up to 2048 tokens
   e'. sft ablation  the same SFT from the base with the base's RoPE (no YaRN, no CPT)
   f. to-hf          tools/convert.py to-hf (CPT, SFT and ablation checkpoints)
-  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base and final
+  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base, CPT and final
 Writes demo_out/REPORT.md with the accuracy table, heatmaps and the perplexity plot.
 """
 
@@ -147,8 +147,9 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
             run_tool([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
                       "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
                       "--title", f"NIAH: {label}", "--no-progress", *chat])
-        final = "after CPT + SFT" if sft_ok else "after YaRN CPT"
-        for tag, label in (("base", "base"), ("final", final)):
+        # Loss by position: the CPT is what extends the language model; the SFT then narrows it to answers.
+        curves = [("base", "base"), ("cpt", "after YaRN CPT")] + ([("final", "after CPT + SFT")] if sft_ok else [])
+        for tag, label in curves:
             run_tool([py, "tools/niah.py", "ppl", "--model", models[label], "--out", evals / f"ppl_{tag}",
                       "--text", *sorted((data / "ppl").glob("*.txt")), "--seq-len", str(max(s.lengths)),
                       "--label", label, "--device", "cpu", "--no-progress"])

@@ -39,11 +39,11 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
     evals = out / "eval"
     lengths, rows = _niah_rows(evals, models)
     ppl = {}
-    for tag in ("base", "final"):
-        d = json.loads((evals / f"ppl_{tag}" / "ppl.json").read_text())
-        ppl[d.get("settings", {}).get("label") or tag] = PerplexityResult.from_dict(d)
-    labels = ["base", list(models)[-1]]
-    ppl = dict(zip(labels, ppl.values()))
+    for tag in ("base", "cpt", "final"):
+        f = evals / f"ppl_{tag}" / "ppl.json"
+        if f.is_file():
+            d = json.loads(f.read_text())
+            ppl[d.get("settings", {}).get("label") or tag] = PerplexityResult.from_dict(d)
     ppl_png = plot_perplexity(ppl, out / "perplexity_by_position.png", title="Loss by token position",
                               mark={"base context (256)": 256})
 

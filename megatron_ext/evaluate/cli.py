@@ -191,6 +191,7 @@ def _run_ppl(args) -> None:
                                         per_octave=args.per_octave, chunk=args.chunk, progress=not args.no_progress)
     label = args.label or (args.model or args.megatron).name
     result.settings["model"] = str(args.model or args.megatron)
+    result.settings["label"] = label
     js = write_json_atomic(args.out / "ppl.json", result.to_dict())
     max_pos = result.settings.get("max_position_embeddings")
     mark = {f"max_position_embeddings={max_pos:,}": max_pos} if max_pos and max(result.doc_tokens) > max_pos else None
