@@ -8,6 +8,8 @@ import os
 import platform
 from pathlib import Path
 
+from megatron_ext.demo.pipeline import ABLATION
+
 
 def _niah_rows(evals: Path, models: dict[str, Path]) -> tuple[list[int], list[tuple[str, list, float, Path]]]:
     rows, lengths = [], []
@@ -58,7 +60,8 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
              f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, {n_params / 1e6:.2f}M parameters, llama3 "
              "RoPE over an original context of 256) trained at 256 tokens stands in for Llama-3.1-8B-Instruct at 128K. One YaRN CPT stage "
              "(factor 8, beta_fast 4, beta_slow 1) at 8x its context (2048 tokens, CP=2 on two gloo processes) "
-             "extends it as the paper extends 128K to 1M; an SFT on chat-formatted needle questions follows (evaluated in its chat format, the others as plain text). NIAH: exact match of the 7-digit "
+             "extends it as the paper extends 128K to 1M; an SFT on chat-formatted needle questions follows "
+             "(SFT models are asked in their chat format, the others as plain text). NIAH: exact match of the 7-digit "
              f"needle value, {settings.samples} needle(s) per (length, depth) cell, depths {settings.depths}.", "",
              "## NIAH accuracy by context length", "",
              "| model | " + " | ".join(f"{n:,}" for n in lengths) + " | mean |",
@@ -72,8 +75,6 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
         v = at8x.get(label)
         return v is not None and base8x is not None and v >= 0.8 and base8x <= 0.3
 
-    from megatron_ext.demo.pipeline import ABLATION
-
     met = {label: goal(label) for label in at8x if label not in ("base", "base + YaRN, no training", ABLATION)}
     lines += ["", f"At 8x the base context ({lengths[-1]:,} tokens): "
               + "; ".join(f"{label} {cell(v)}" for label, v in at8x.items()) + ".",
@@ -83,7 +84,7 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
               "does not by itself rebuild retrieval beyond the base context (README, 'The demo', says what was "
               "tried); the SFT, whose loss is on the answer only, over needle questions up to 2048 tokens with the "
               "CPT's YaRN RoPE, does. "
-              f"The ablation runs the same SFT from the base with the base's own RoPE (no YaRN, no CPT): what it "
+              "The ablation runs the same SFT from the base with the base's own RoPE (no YaRN, no CPT): what it "
               "lacks at 2048 against the final model is what the YaRN extension adds.", "",
               "## Heatmaps", ""]
     for label, _, _, png in rows:
