@@ -22,6 +22,7 @@ with -1 (Megatron-LM's convention for packed batches) and adds max_seqlen int32 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,18 +51,31 @@ class _ManifestTokenizer:
     """What GPTDataset needs of a tokenizer (vocab size for the token dtype, an eod id, an identity
     for its index cache), taken from the manifest so training nodes need no tokenizer files."""
 
-    def __init__(self, manifest: dict) -> None:
+    def __init__(self, manifest: dict, index_fingerprint: str) -> None:
         self.vocab_size = int(manifest["vocab_size"])
         suffix = manifest.get("separator_ids", {}).get("suffix") or [0]
         # Unused (position ids and masks are not reset at documents) but must differ from the
         # never-occurring pad id -1, or GPTDataset warns about a collision.
         self.eod = int(suffix[-1])
+        # Megatron-Core names its index caches by path and settings, not content: without the
+        # fingerprint, data re-prepared under the same PREFIX would reuse the old corpus's indices.
         self.unique_identifiers = {"class": "ManifestTokenizer", "tokenizer_hash": manifest["tokenizer_hash"],
-                                   "vocab_size": self.vocab_size}
+                                   "vocab_size": self.vocab_size, "index_fingerprint": index_fingerprint}
 
     @property
     def pad(self) -> int:
         raise AttributeError("no pad: GPTDataset then uses an id that never occurs")
+
+
+def index_fingerprint(prefixes: Sequence[str]) -> str:
+    """sha256 over the PREFIX.idx files: the document lengths that GPTDataset's cached indices
+    (document, sample and shuffle index) are computed from."""
+    h = hashlib.sha256()
+    for p in prefixes:
+        with open(p + ".idx", "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    return "sha256:" + h.hexdigest()
 
 
 def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weights: Sequence[float] | None = None,
@@ -103,7 +117,7 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
         random_seed=seed, sequence_length=seq_length,
         **({"blend_per_split": [blend, None, None]} if split is None else {"blend": blend, "split": split}),
         path_to_cache=cache,
-        tokenizer=_ManifestTokenizer(manifests[0]),
+        tokenizer=_ManifestTokenizer(manifests[0], index_fingerprint(prefixes)),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit
     )

@@ -186,3 +186,25 @@ def test_max_tokens_and_manifest(tmp_path, tok_dir, corpus):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     assert int(IndexedDataset(str(tmp_path / "full")).sequence_lengths.sum()) == full["tokens"]
+
+
+def test_reprepared_prefix_does_not_reuse_stale_index_cache(tmp_path, tok_dir, hf_tok):
+    """Re-preparing other documents under the same PREFIX (prepare_data --force) must not reuse the
+    GPTDataset index cache built for the old ones: Megatron-Core keys that cache by path and settings,
+    not by content, so a stale index once produced a sample spanning the whole corpus."""
+    prefix, cache, S = str(tmp_path / "cpt"), str(tmp_path / "cache"), 32
+    long_docs = toy.write_jsonl(tmp_path / "long.jsonl", toy.synthetic_corpus(40, seed=3))
+    prepare_cpt([str(long_docs)], str(tok_dir), prefix, progress=False)
+    first = build_cpt_datasets(prefix, S, seed=7, num_samples=(60, None, None), cache_dir=cache)[0]
+    first[0]
+    # Other, shorter documents under the same prefix, with the same sample count and seed.
+    short = [{"id": i, "text": f"note {i}."} for i in range(2000)]
+    prepare_cpt([str(toy.write_jsonl(tmp_path / "short.jsonl", short))], str(tok_dir), prefix, force=True,
+                progress=False)
+    second = build_cpt_datasets(prefix, S, seed=7, num_samples=(60, None, None), cache_dir=cache)[0]
+    assert len(second.document_index) != len(first.document_index)  # rebuilt for the new documents
+    for i in range(len(second)):
+        s = second[i]
+        assert s["tokens"].shape == (S,) and s["labels"].shape == (S,)
+    texts = hf_tok.decode(second[0]["tokens"].tolist())
+    assert "note" in texts
