@@ -396,7 +396,7 @@ def _architecture_source(model: dict) -> dict | None:
     return None
 
 
-def _rope_from_hf(cfg: dict) -> dict:
+def rope_from_hf_config(cfg: dict) -> dict:
     """RoPE section from an HF config in either transformers-4 or -5 form."""
     params = dict(cfg.get("rope_parameters") or {})
     if not params:
@@ -422,7 +422,7 @@ def _fill_rope(raw: dict) -> dict:
         return {}
     source = _architecture_source(model)
     if source is not None:
-        raw["rope"] = _rope_from_hf(source)
+        raw["rope"] = rope_from_hf_config(source)
         return dict(raw["rope"])
     return {}
 

@@ -96,13 +96,16 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
         f"train.warmup_steps={max(0, min(4, s.cpt_steps - 1))}"], log_file=out / "cpt.log")
 
     # e: SFT (chat-formatted needle questions, loss on the answer only), data parallel over two processes.
+    def sft_command(init_from: Path, ckpt_dir: Path, *overrides: str) -> list:
+        return torchrun(2) + [
+            "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", "model.preset=null", f"model.hf_config={base_hf}",
+            f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={init_from}",
+            f"checkpoint.dir={ckpt_dir}", f"train.steps={s.sft_steps}",
+            f"train.warmup_steps={max(0, min(4, s.sft_steps - 1))}", *overrides]
+
     sft_ok = True
     try:
-        steps.run("sft", run_tool, torchrun(2) + [
-            "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", "model.preset=null", f"model.hf_config={base_hf}",
-            f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={cpt_dir}",
-            f"checkpoint.dir={sft_dir}", f"train.steps={s.sft_steps}",
-            f"train.warmup_steps={max(0, min(4, s.sft_steps - 1))}"], log_file=out / "sft.log")
+        steps.run("sft", run_tool, sft_command(cpt_dir, sft_dir), log_file=out / "sft.log")
     except RuntimeError as e:
         sft_ok = False
         print(f"[demo] SFT step failed; the report shows the CPT model as final.\n{e}", file=sys.stderr)
@@ -111,24 +114,16 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     # the YaRN extension adds.
     ablation_dir = out / "sft_no_yarn"
     shutil.rmtree(ablation_dir, ignore_errors=True)
-    steps.run("sft ablation", run_tool, torchrun(2) + [
-        "-m", "megatron_ext.train", "--recipe", "recipes/demo/sft.yaml", "model.preset=null", f"model.hf_config={base_hf}",
-        f"model.tokenizer={tok_dir}", f"data.prefix={data / 'sft'}", f"checkpoint.init_from={base_mg}",
-        f"checkpoint.dir={ablation_dir}", f"train.steps={s.sft_steps}",
-        f"train.warmup_steps={max(0, min(4, s.sft_steps - 1))}", *rope_overrides_from_hf(base_hf)],
-        log_file=out / "sft_no_yarn.log")
+    steps.run("sft ablation", run_tool, sft_command(base_mg, ablation_dir, *rope_overrides_from_hf(base_hf)),
+              log_file=out / "sft_no_yarn.log")
 
     # f: Megatron -> HF.
     cpt_hf, sft_hf, ablation_hf = out / "cpt_hf", out / "sft_hf", out / "sft_no_yarn_hf"
 
     def export() -> None:
-        run_tool([py, "tools/convert.py", "to-hf", "--megatron", cpt_dir, "--out", cpt_hf,
-                  "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
-        if sft_ok:
-            run_tool([py, "tools/convert.py", "to-hf", "--megatron", sft_dir, "--out", sft_hf,
+        for src, dst in [(cpt_dir, cpt_hf)] + ([(sft_dir, sft_hf)] if sft_ok else []) + [(ablation_dir, ablation_hf)]:
+            run_tool([py, "tools/convert.py", "to-hf", "--megatron", src, "--out", dst,
                       "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
-        run_tool([py, "tools/convert.py", "to-hf", "--megatron", ablation_dir, "--out", ablation_hf,
-                  "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
 
     steps.run("to-hf", export)
 

@@ -136,12 +136,12 @@ def rope_overrides_from_hf(hf_dir: Path) -> list[str]:
     (fields it does not use: null), e.g. to run a recipe whose rope is YaRN with the base's llama3."""
     from dataclasses import fields
 
-    from megatron_ext.recipe import RopeConfig
+    from megatron_ext.recipe import RopeConfig, rope_from_hf_config
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope = rope_from_hf_config(cfg)
+    rope.setdefault("rope_theta", 10000.0)
+    rope.setdefault("rope_type", "default")
     out = []
     for f in fields(RopeConfig):
         if f.name == "preset":
