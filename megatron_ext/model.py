@@ -112,6 +112,8 @@ class BuildOptions:
     fp8_recipe: str = "delayed"
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 4096
+    loss_head: str = "chunked"  # chunked | full (see megatron_ext/loss_head.py)
+    loss_chunk_tokens: int = 2048
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "BuildOptions":
@@ -122,6 +124,7 @@ class BuildOptions:
             device=rt.device, attention=rt.attention, precision=recipe.train.precision,
             recompute=recipe.train.recompute, fp8=rt.fp8, fp8_attention=rt.fp8_attention, fp8_recipe=rt.fp8_recipe,
             make_vocab_size_divisible_by=recipe.model.make_vocab_size_divisible_by, seq_length=recipe.train.seq_length,
+            loss_head=recipe.train.loss_head, loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         )
 
     def use_te(self) -> bool:
@@ -223,12 +226,19 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
                 post_process: bool | None = None):
     """A Megatron `GPTModel` for this rank (TP/PP shard) of the HF Llama architecture `hf_cfg`.
 
-    Parallel state must be initialised. RoPE comes from `megatron_ext.rope` and follows `hf_cfg`.
+    Parallel state must be initialised. RoPE comes from `megatron_ext.rope` and follows `hf_cfg`. With
+    `opts.loss_head == 'chunked'` the training loss never materialises all logits (`megatron_ext.loss_head`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_ext.loss_head import chunked_loss_gpt_model_class
     from megatron_ext.rope import attach_rotary_embedding
+
+    if opts.loss_head not in ("chunked", "full"):
+        raise RecipeError(f"train.loss_head = {opts.loss_head!r}: expected 'chunked' or 'full'")
+    if opts.loss_chunk_tokens < 1:
+        raise RecipeError(f"train.loss_chunk_tokens = {opts.loss_chunk_tokens}: must be >= 1, e.g. 2048")
 
     cfg = normalize_hf_config(hf_cfg)
     config = transformer_config(cfg, opts)
@@ -236,7 +246,8 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    model = GPTModel(
+    model_class = chunked_loss_gpt_model_class() if opts.loss_head == "chunked" else GPTModel
+    model = model_class(
         config=config,
         transformer_layer_spec=layer_spec(config, opts),
         vocab_size=padded_vocab_size(cfg["vocab_size"], opts.make_vocab_size_divisible_by, opts.tensor),
@@ -249,6 +260,8 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
         rotary_base=cfg["rope_theta"],
         rotary_percent=cfg.get("partial_rotary_factor", 1.0),
     )
+    if opts.loss_head == "chunked":
+        model.loss_chunk_tokens = opts.loss_chunk_tokens
     attach_rotary_embedding(model, cfg)
     return model
 

@@ -133,6 +133,10 @@ class TrainConfig:
     seed: int = _f(1234, "Random seed (init, data order).")
     precision: Literal["bf16", "fp32"] = _f("bf16", "Parameter/compute dtype; optimizer state is fp32.")
     recompute: Literal["none", "selective", "full"] = _f("none", "Activation recomputation.")
+    loss_head: Literal["chunked", "full"] = _f(
+        "chunked", "chunked: logits formed loss_chunk_tokens at a time and freed (formed again in backward); "
+        "full: Megatron's output layer and cross entropy, which keep 6 B x vocab/TP per token.")
+    loss_chunk_tokens: int = _f(2048, "Tokens per logits chunk of the chunked loss head.")
     distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
     log_interval: int = _f(1, "Print a progress line every this many steps.")
 

@@ -29,7 +29,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             v = getattr(obj, f.name)
             if isinstance(v, int) and not isinstance(v, bool):
                 _require(v >= 1, f"{section}.{f.name} = {v}: must be >= 1")
-    for name in ("seq_length", "global_batch_size", "micro_batch_size", "steps", "log_interval"):
+    for name in ("seq_length", "global_batch_size", "micro_batch_size", "steps", "log_interval", "loss_chunk_tokens"):
         v = getattr(t, name)
         _require(v >= 1, f"train.{name} = {v}: must be >= 1")
     _require(t.lr > 0, f"train.lr = {t.lr}: must be > 0")

@@ -1,6 +1,9 @@
 """Worker: tiny Llama loss at a given TP size on fixed weights (saved or loaded as a dist checkpoint).
 
     torchrun --nproc_per_node=TP tp_loss.py --tp TP {--save DIR | --load DIR} --out FILE [--perturb]
+        [--loss-head chunked|full] [--loss-chunk-tokens N]
+
+Writes the mean loss and the gradient norm of the tensor-parallel weights (all-reduced over TP ranks).
 """
 
 import argparse
@@ -20,13 +23,16 @@ def main() -> None:
     ap.add_argument("--load")
     ap.add_argument("--out", required=True)
     ap.add_argument("--perturb", action="store_true", help="negative control: change one weight after loading")
+    ap.add_argument("--loss-head", default="chunked")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=2048)
     args = ap.parse_args()
 
     from megatron.core import dist_checkpointing
 
     recipe = load_recipe(raw={
         "model": {"preset": "tiny"}, "parallel": {"tensor": args.tp},
-        "train": {"seq_length": 64, "steps": 1, "lr": 1e-3, "precision": "fp32"},
+        "train": {"seq_length": 64, "steps": 1, "lr": 1e-3, "precision": "fp32", "loss_head": args.loss_head,
+                  "loss_chunk_tokens": args.loss_chunk_tokens},
         "runtime": {"device": "cpu"}, "cluster": {"nodes": 1, "gpus_per_node": args.tp},
     })
     init_distributed("cpu", tensor=args.tp, seed=7)
@@ -48,9 +54,13 @@ def main() -> None:
     position_ids = torch.arange(64).expand(2, 64)
     loss = model(tokens, position_ids, None, labels=labels).float().mean()
     loss.backward()
+    # Split weights only: each rank holds all of a replicated weight's gradient (counting it TP times).
+    split_sq = sum(p.grad.double().pow(2).sum() for p in model.parameters()
+                   if getattr(p, "tensor_model_parallel", False))
+    torch.distributed.all_reduce(split_sq)
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"loss": loss.item()}, f)
+            json.dump({"loss": loss.item(), "split_grad_norm": split_sq.sqrt().item()}, f)
     destroy_distributed()
 
 

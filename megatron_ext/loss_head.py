@@ -1,0 +1,168 @@
+"""Chunked loss head: the output projection and vocab-parallel cross entropy, a few thousand tokens at a time.
+
+Megatron's loss head computes the logits of every token (`[s, b, V/TP]`, bf16) and an fp32 copy (6 B x V/TP per
+token at the forward peak), and its cross entropy keeps the fp32 softmax for the backward pass (4 B x V/TP per
+token): 94 GiB and 63 GiB at 128K tokens with Llama-3's 128,256-entry vocabulary at TP=1, more than all the layer
+inputs kept under full recompute (perf.md section 5b; anchors.md pain 16). Here the
+logits of `chunk_tokens` tokens at a time are formed, reduced to a log-sum-exp and the target logit, and freed; the
+backward pass forms them again, chunk by chunk, to get the softmax gradient. What stays alive between forward and
+backward is the hidden state the output layer keeps anyway (under sequence parallelism only the local shard,
+gathered again in backward, as Megatron does) plus 4 B per token; the price is one more logits GEMM
+(2 x h x V/TP FLOPs per token: 2.0% of Llama-3.1-8B's causal training FLOPs at 8K tokens, 0.7% at 128K).
+
+The arithmetic follows Megatron's `vocab_parallel_cross_entropy` (bf16 logits upcast to fp32, max and sum-exp
+all-reduced over the tensor-parallel group, padded vocabulary rows included), so losses agree with it to fp32
+rounding; the weight gradient is summed over chunks in fp32.
+
+`ChunkedLossGPTModel` plugs this into Megatron-Core's `GPTModel` where it turns hidden states into the loss
+(`_postprocess`) whenever labels are given; logits (no labels), inference and multi-token prediction take
+Megatron's own path unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_TOKENS = 2048
+
+
+def _tp_rank_and_size(group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> None:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of each label in this rank's vocabulary slice (clamped) and whether it lies in the slice."""
+    local = labels - vocab_start
+    in_slice = (local >= 0) & (local < vocab_rows)
+    return local.clamp(0, vocab_rows - 1), in_slice
+
+
+def _gather_sequence(hidden: torch.Tensor, group) -> torch.Tensor:
+    """[T/TP, h] shards of the TP ranks -> [T, h] (sequence parallelism splits tokens over TP ranks)."""
+    tp = dist.get_world_size(group)
+    full = torch.empty((hidden.shape[0] * tp, *hidden.shape[1:]), dtype=hidden.dtype, device=hidden.device)
+    dist.all_gather_into_tensor(full, hidden.contiguous(), group=group)
+    return full
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """loss[t] = logsumexp(h[t] @ W.T) - (h[t] @ W.T)[label[t]] with W split over TP ranks by vocabulary rows.
+
+    Like Megatron's ColumnParallelLinear it owns the TP communication of its input: under sequence
+    parallelism the local token shard is all-gathered in forward and again in backward (only the shard is
+    kept), and the input gradient is reduce-scattered; otherwise the input gradient is all-reduced.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group,
+                sequence_parallel: bool, chunk_tokens: int) -> torch.Tensor:
+        # hidden [T, h] ([T/TP, h] under SP), weight [V/TP, h], labels [T] -> loss [T] fp32
+        rank, tp = _tp_rank_and_size(group)
+        sequence_parallel = sequence_parallel and tp > 1
+        full = _gather_sequence(hidden, group) if sequence_parallel else hidden
+        vocab_rows = weight.shape[0]
+        tokens = full.shape[0]
+        loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(loss)
+        for start in range(0, tokens, chunk_tokens):
+            end = min(start + chunk_tokens, tokens)
+            logits = (full[start:end] @ weight.t()).float()  # [c, V/TP]
+            row_max = logits.max(dim=-1).values
+            _all_reduce(row_max, dist.ReduceOp.MAX, group)
+            logits.sub_(row_max.unsqueeze(-1))
+            target, in_slice = _local_targets(labels[start:end], rank * vocab_rows, vocab_rows)
+            target_logit = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) * in_slice  # nonzero on one rank
+            sum_exp = logits.exp_().sum(dim=-1)
+            del logits
+            parts = torch.stack([target_logit, sum_exp], dim=-1)  # [c, 2]: one all-reduce for both
+            _all_reduce(parts, dist.ReduceOp.SUM, group)
+            log_sum = parts[:, 1].log()
+            loss[start:end] = log_sum - parts[:, 0]
+            logsumexp[start:end] = row_max + log_sum
+        ctx.save_for_backward(hidden, weight, labels, logsumexp)
+        ctx.group, ctx.sequence_parallel, ctx.chunk_tokens = group, sequence_parallel, chunk_tokens
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, weight, labels, logsumexp = ctx.saved_tensors
+        group = ctx.group
+        rank, tp = _tp_rank_and_size(group)
+        full = _gather_sequence(hidden, group) if ctx.sequence_parallel else hidden
+        vocab_rows = weight.shape[0]
+        grad_full = torch.empty_like(full)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, full.shape[0], ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, full.shape[0])
+            h = full[start:end]
+            # softmax - one_hot(label), scaled by each token's incoming gradient: [c, V/TP]
+            probs = (h @ weight.t()).float().sub_(logsumexp[start:end].unsqueeze(-1)).exp_()
+            target, in_slice = _local_targets(labels[start:end], rank * vocab_rows, vocab_rows)
+            probs.scatter_add_(-1, target.unsqueeze(-1), -in_slice.to(probs.dtype).unsqueeze(-1))
+            grad_logits = probs.mul_(grad_loss[start:end].unsqueeze(-1)).to(hidden.dtype)
+            del probs
+            grad_full[start:end] = grad_logits @ weight
+            grad_weight += (grad_logits.t() @ h).float()
+        # Each rank's input gradient covers its vocabulary rows only: sum them over the TP ranks.
+        if ctx.sequence_parallel:
+            grad_hidden = torch.empty_like(hidden)
+            dist.reduce_scatter_tensor(grad_hidden, grad_full, group=group)
+        else:
+            grad_hidden = grad_full
+            _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                        group=None, sequence_parallel: bool = False,
+                                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """Per-token cross entropy of `hidden @ weight.T` without materialising all the logits.
+
+    hidden: [s, b, h] (the local sequence shard under sequence parallelism: [s/TP, b, h]);
+    weight: [V/TP, h], this rank's rows of the output layer; labels: [b, s], all tokens on every TP rank.
+    Returns the loss [b, s] in fp32, as `GPTModel.compute_language_model_loss` does.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    b, s = labels.shape
+    labels_sb = labels.transpose(0, 1).reshape(s * b)
+    loss = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels_sb, group,
+                                            sequence_parallel, chunk_tokens)
+    return loss.view(s, b).transpose(0, 1).contiguous()
+
+
+@functools.cache
+def chunked_loss_gpt_model_class():
+    """`GPTModel` whose training loss goes through `vocab_parallel_linear_cross_entropy`.
+
+    A (cached) factory so that importing this module does not import Megatron-Core.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    class ChunkedLossGPTModel(GPTModel):
+        """Megatron `GPTModel`; with labels, the loss head is chunked (`loss_chunk_tokens` tokens at a time)."""
+
+        loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+        def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+            megatron_path = (labels is None or not self.post_process or self.config.mtp_num_layers
+                             or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context") is not None)
+            if megatron_path:
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+            weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                      else self.output_layer.weight)
+            return vocab_parallel_linear_cross_entropy(
+                hidden_states, weight, labels, group=self.pg_collection.tp,
+                sequence_parallel=self.output_layer.sequence_parallel, chunk_tokens=self.loss_chunk_tokens)
+
+    return ChunkedLossGPTModel

@@ -1,0 +1,35 @@
+"""The chunked loss head on TP=2 gloo ranks: against a float64 oracle, and in the model against TP=1."""
+
+import pytest
+
+from tests.conftest import ROOT, read_json
+
+WORKER = ROOT / "tests/distributed/workers/loss_head_tp.py"
+MODEL_WORKER = ROOT / "tests/distributed/workers/tp_loss.py"
+
+
+@pytest.mark.parametrize("flags", [(), ("--sequence-parallel",)], ids=["tp2", "tp2-sp"])
+def test_tp2_chunked_head_matches_float64_oracle(tmp_path, torchrun, flags):
+    torchrun(WORKER, 2, "--out", str(tmp_path / "out.json"), *flags)
+    ranks = read_json(tmp_path / "out.json")["ranks"]
+    assert len(ranks) == 2
+    for errors in ranks:
+        assert max(errors.values()) < 1e-5, errors
+
+
+def test_negative_control_wrong_vocab_slice_is_caught(tmp_path, torchrun):
+    torchrun(WORKER, 2, "--out", str(tmp_path / "out.json"), "--wrong-slice")
+    assert all(max(e.values()) > 0.1 for e in read_json(tmp_path / "out.json")["ranks"])
+
+
+def test_tp2_chunked_model_equals_tp1_megatron_head(tmp_path, torchrun):
+    """Same weights: TP=1 with Megatron's loss head, TP=2 with the chunked head (chunks of 24 of 128 tokens)."""
+    torchrun(MODEL_WORKER, 1, "--tp", "1", "--loss-head", "full", "--save", str(tmp_path / "ckpt"),
+             "--out", str(tmp_path / "full.json"))
+    torchrun(MODEL_WORKER, 2, "--tp", "2", "--loss-chunk-tokens", "24", "--load", str(tmp_path / "ckpt"),
+             "--out", str(tmp_path / "chunked.json"))
+    full, chunked = read_json(tmp_path / "full.json"), read_json(tmp_path / "chunked.json")
+    assert full["split_grad_norm"] > 0
+    assert abs(full["loss"] - chunked["loss"]) < 1e-5, (full, chunked)
+    # Every split weight counts once at TP=1 and once (its two halves) at TP=2.
+    assert abs(full["split_grad_norm"] - chunked["split_grad_norm"]) < 1e-5 * full["split_grad_norm"], (full, chunked)

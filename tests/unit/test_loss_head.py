@@ -1,0 +1,154 @@
+"""Chunked loss head against Megatron's output layer + vocab-parallel cross entropy and a float64 oracle."""
+
+import pytest
+import torch
+
+from megatron_ext.loss_head import vocab_parallel_linear_cross_entropy
+from megatron_ext.model import BuildOptions, build_model
+from megatron_ext.presets import TINY
+from megatron_ext.recipe import RecipeError
+
+
+def _draw(dtype, s=37, b=2, h=16, vocab=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(s, b, h, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, h, generator=gen) * 0.5).to(dtype)
+    labels = torch.randint(0, vocab, (b, s), generator=gen)
+    upstream = torch.rand(b, s, generator=gen)  # d(objective)/d(loss[b, s]), as a loss mask would be
+    return hidden, weight, labels, upstream
+
+
+def _loss_and_grads(fn, hidden, weight, labels, upstream):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, labels)
+    (loss.float() * upstream).sum().backward()
+    return loss.detach().double(), h.grad.double(), w.grad.double()
+
+
+def _megatron(h, w, labels):
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(h @ w.t(), labels.t().contiguous()).t()  # [s, b] -> [b, s]
+
+
+def _oracle(h, w, labels):
+    s, b, _ = h.shape
+    logits = (h.double() @ w.double().t()).reshape(s * b, -1)
+    return torch.nn.functional.cross_entropy(logits, labels.t().reshape(s * b), reduction="none").view(s, b).t()
+
+
+def _chunked(chunk):
+    return lambda h, w, labels: vocab_parallel_linear_cross_entropy(h, w, labels, chunk_tokens=chunk)
+
+
+def _max_err(a, b):
+    return max((x - y).abs().max().item() / y.abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 74, 4096])  # 74 = all tokens, 4096 > all tokens
+def test_fp32_equals_megatron_loss_head(cpu_parallel_state, chunk):
+    args = _draw(torch.float32)
+    ours = _loss_and_grads(_chunked(chunk), *args)
+    theirs = _loss_and_grads(_megatron, *args)
+    assert _max_err(ours, theirs) < 1e-5
+    assert _max_err(ours, _loss_and_grads(_oracle, *args)) < 1e-5
+
+
+def test_bf16_no_less_exact_than_megatron(cpu_parallel_state):
+    """Against float64, the chunked head's bf16 error is of the order of Megatron's own (per-chunk weight
+    gradients are rounded to bf16 once each and summed in fp32)."""
+    args = _draw(torch.bfloat16, s=96, h=32, vocab=500)
+    oracle = _loss_and_grads(_oracle, *(a.double() if a.is_floating_point() else a for a in args))
+    ours = _loss_and_grads(_chunked(10), *args)
+    theirs = _loss_and_grads(_megatron, *args)
+    for name, o, t, ref in zip(("loss", "grad_hidden", "grad_weight"), ours, theirs, oracle):
+        err_ours = (o - ref).abs().max().item()
+        err_theirs = (t - ref).abs().max().item()
+        assert err_ours <= 2 * err_theirs + 1e-6, (name, err_ours, err_theirs)
+
+
+def test_negative_control_shifted_labels_differ(cpu_parallel_state):
+    hidden, weight, labels, upstream = _draw(torch.float32)
+    ours = _loss_and_grads(_chunked(7), hidden, weight, (labels + 1) % weight.shape[0], upstream)
+    assert _max_err(ours, _loss_and_grads(_megatron, hidden, weight, labels, upstream)) > 0.1
+
+
+def test_rejects_zero_chunk(cpu_parallel_state):
+    hidden, weight, labels, _ = _draw(torch.float32)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        vocab_parallel_linear_cross_entropy(hidden, weight, labels, chunk_tokens=0)
+
+
+# ------------------------------------------------------------------------------------------- in the model
+
+WIDE_VOCAB = dict(TINY, vocab_size=4096)  # logits dominate, as with Llama-3's 128K vocabulary
+
+
+def _pair(cfg, seq, chunk=64, **opts):
+    """The same weights in a chunked-head and a Megatron-head model."""
+    torch.manual_seed(5)
+    full = build_model(cfg, BuildOptions(device="cpu", seq_length=seq, loss_head="full", **opts))
+    chunked = build_model(cfg, BuildOptions(device="cpu", seq_length=seq, loss_chunk_tokens=chunk, **opts))
+    chunked.load_state_dict(full.state_dict())
+    return full, chunked
+
+
+def _step(model, tokens):
+    seq = tokens.shape[1]
+    loss = model(tokens, torch.arange(seq).expand_as(tokens), None, labels=torch.roll(tokens, -1, 1))
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_loss_and_grads_equal_megatron_head(cpu_parallel_state, tied):
+    full, chunked = _pair(dict(TINY, tie_word_embeddings=tied), 64, chunk=48)
+    assert type(chunked).__name__ == "ChunkedLossGPTModel" and type(full).__name__ == "GPTModel"
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    loss_f, grads_f = _step(full, tokens)
+    loss_c, grads_c = _step(chunked, tokens)
+    torch.testing.assert_close(loss_c, loss_f, rtol=1e-6, atol=1e-6)
+    assert grads_c.keys() == grads_f.keys()
+    for name in grads_f:
+        torch.testing.assert_close(grads_c[name], grads_f[name], rtol=1e-4, atol=1e-6, msg=name)
+    # Without labels both return the same logits (Megatron's path).
+    with torch.no_grad():
+        pos = torch.arange(64).expand(2, 64)
+        torch.testing.assert_close(chunked(tokens, pos, None), full(tokens, pos, None))
+
+
+def _saved_bytes(model, tokens) -> tuple[int, list[tuple[int, ...]]]:
+    """Bytes autograd keeps from the forward pass (distinct storages) and the shapes of the tensors kept."""
+    seen, shapes = {}, []
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        shapes.append(tuple(t.shape))
+        return t
+
+    seq = tokens.shape[1]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, torch.arange(seq).expand_as(tokens), None, labels=torch.roll(tokens, -1, 1))
+    loss.mean().backward()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in params), shapes
+
+
+def test_chunked_head_keeps_no_logits_for_backward(cpu_parallel_state):
+    seq, vocab = 512, WIDE_VOCAB["vocab_size"]
+    full, chunked = _pair(WIDE_VOCAB, seq, precision="bf16")
+    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(2))
+    full_bytes, full_shapes = _saved_bytes(full, tokens)
+    chunked_bytes, chunked_shapes = _saved_bytes(chunked, tokens)
+    # Negative control: Megatron's cross entropy keeps the fp32 softmax [s, b, V] for backward (4 B x V per
+    # token; the bf16 logits and their fp32 copy, 6 B, coexist only at the forward peak).
+    assert (seq, 1, vocab) in full_shapes
+    assert full_bytes - chunked_bytes >= 0.99 * 4 * seq * vocab, (full_bytes, chunked_bytes)
+    assert not any(shape and shape[-1] == vocab for shape in chunked_shapes)
+
+
+def test_bad_loss_options_are_recipe_errors(cpu_parallel_state):
+    with pytest.raises(RecipeError, match="train.loss_head"):
+        build_model(TINY, BuildOptions(device="cpu", loss_head="fused"))
+    with pytest.raises(RecipeError, match="train.loss_chunk_tokens"):
+        build_model(TINY, BuildOptions(device="cpu", loss_chunk_tokens=0))
