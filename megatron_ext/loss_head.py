@@ -6,8 +6,8 @@ token): 94 GiB and 63 GiB at 128K tokens with Llama-3's 128,256-entry vocabulary
 inputs kept under full recompute (perf.md section 5b; anchors.md pain 16). Here the
 logits of `chunk_tokens` tokens at a time are formed, reduced to a log-sum-exp and the target logit, and freed; the
 backward pass forms them again, chunk by chunk, to get the softmax gradient. What stays alive between forward and
-backward is the hidden state the output layer keeps anyway (under sequence parallelism only the local shard,
-gathered again in backward, as Megatron does) plus 4 B per token; the price is one more logits GEMM
+backward is the hidden state the output layer keeps anyway (under sequence parallelism only the local shard;
+each chunk's rows are gathered from the TP ranks when used, in forward and again in backward) plus 4 B per token; the price is one more logits GEMM
 (2 x h x V/TP FLOPs per token: 2.0% of Llama-3.1-8B's causal training FLOPs at 8K tokens, 0.7% at 128K).
 
 The arithmetic follows Megatron's `vocab_parallel_cross_entropy` (bf16 logits upcast to fp32, max and sum-exp
@@ -48,19 +48,37 @@ def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_rows: int) -> t
 
 
 def _gather_sequence(hidden: torch.Tensor, group) -> torch.Tensor:
-    """[T/TP, h] shards of the TP ranks -> [T, h] (sequence parallelism splits tokens over TP ranks)."""
+    """[n, h] rows of every TP rank -> [TP x n, h], rank-major."""
     tp = dist.get_world_size(group)
     full = torch.empty((hidden.shape[0] * tp, *hidden.shape[1:]), dtype=hidden.dtype, device=hidden.device)
     dist.all_gather_into_tensor(full, hidden.contiguous(), group=group)
     return full
 
 
+def _chunks(local_tokens: int, tp: int, sequence_parallel: bool, chunk_tokens: int, device):
+    """Per chunk: the rows of this rank's input, and where the chunk's tokens sit in the full sequence.
+
+    Under sequence parallelism each rank holds a contiguous 1/TP of the tokens; a chunk takes the same
+    rows from every rank (gathered rank-major), so no rank ever holds more than one chunk of the sequence.
+    """
+    if not sequence_parallel:
+        for start in range(0, local_tokens, chunk_tokens):
+            rows = slice(start, min(start + chunk_tokens, local_tokens))
+            yield rows, rows
+        return
+    step = max(1, chunk_tokens // tp)
+    rank_offsets = torch.arange(tp, device=device).unsqueeze(-1) * local_tokens
+    for start in range(0, local_tokens, step):
+        end = min(start + step, local_tokens)
+        yield slice(start, end), (rank_offsets + torch.arange(start, end, device=device)).reshape(-1)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """loss[t] = logsumexp(h[t] @ W.T) - (h[t] @ W.T)[label[t]] with W split over TP ranks by vocabulary rows.
 
     Like Megatron's ColumnParallelLinear it owns the TP communication of its input: under sequence
-    parallelism the local token shard is all-gathered in forward and again in backward (only the shard is
-    kept), and the input gradient is reduce-scattered; otherwise the input gradient is all-reduced.
+    parallelism each chunk's rows are all-gathered (in forward and again in backward) and their input
+    gradient reduce-scattered; otherwise the input gradient is all-reduced.
     """
 
     @staticmethod
@@ -69,26 +87,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # hidden [T, h] ([T/TP, h] under SP), weight [V/TP, h], labels [T] -> loss [T] fp32
         rank, tp = _tp_rank_and_size(group)
         sequence_parallel = sequence_parallel and tp > 1
-        full = _gather_sequence(hidden, group) if sequence_parallel else hidden
         vocab_rows = weight.shape[0]
-        tokens = full.shape[0]
-        loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        loss = torch.empty(labels.shape[0], dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(loss)
-        for start in range(0, tokens, chunk_tokens):
-            end = min(start + chunk_tokens, tokens)
-            logits = (full[start:end] @ weight.t()).float()  # [c, V/TP]
+        for rows, where in _chunks(hidden.shape[0], tp, sequence_parallel, chunk_tokens, hidden.device):
+            h = _gather_sequence(hidden[rows], group) if sequence_parallel else hidden[rows]
+            logits = (h @ weight.t()).float()  # [c, V/TP]
             row_max = logits.max(dim=-1).values
             _all_reduce(row_max, dist.ReduceOp.MAX, group)
             logits.sub_(row_max.unsqueeze(-1))
-            target, in_slice = _local_targets(labels[start:end], rank * vocab_rows, vocab_rows)
+            target, in_slice = _local_targets(labels[where], rank * vocab_rows, vocab_rows)
             target_logit = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) * in_slice  # nonzero on one rank
             sum_exp = logits.exp_().sum(dim=-1)
             del logits
             parts = torch.stack([target_logit, sum_exp], dim=-1)  # [c, 2]: one all-reduce for both
             _all_reduce(parts, dist.ReduceOp.SUM, group)
             log_sum = parts[:, 1].log()
-            loss[start:end] = log_sum - parts[:, 0]
-            logsumexp[start:end] = row_max + log_sum
+            loss[where] = log_sum - parts[:, 0]
+            logsumexp[where] = row_max + log_sum
         ctx.save_for_backward(hidden, weight, labels, logsumexp)
         ctx.group, ctx.sequence_parallel, ctx.chunk_tokens = group, sequence_parallel, chunk_tokens
         return loss
@@ -96,29 +112,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         hidden, weight, labels, logsumexp = ctx.saved_tensors
-        group = ctx.group
+        group, sequence_parallel = ctx.group, ctx.sequence_parallel
         rank, tp = _tp_rank_and_size(group)
-        full = _gather_sequence(hidden, group) if ctx.sequence_parallel else hidden
         vocab_rows = weight.shape[0]
-        grad_full = torch.empty_like(full)
+        grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, full.shape[0], ctx.chunk_tokens):
-            end = min(start + ctx.chunk_tokens, full.shape[0])
-            h = full[start:end]
+        for rows, where in _chunks(hidden.shape[0], tp, sequence_parallel, ctx.chunk_tokens, hidden.device):
+            h = _gather_sequence(hidden[rows], group) if sequence_parallel else hidden[rows]
             # softmax - one_hot(label), scaled by each token's incoming gradient: [c, V/TP]
-            probs = (h @ weight.t()).float().sub_(logsumexp[start:end].unsqueeze(-1)).exp_()
-            target, in_slice = _local_targets(labels[start:end], rank * vocab_rows, vocab_rows)
+            probs = (h @ weight.t()).float().sub_(logsumexp[where].unsqueeze(-1)).exp_()
+            target, in_slice = _local_targets(labels[where], rank * vocab_rows, vocab_rows)
             probs.scatter_add_(-1, target.unsqueeze(-1), -in_slice.to(probs.dtype).unsqueeze(-1))
-            grad_logits = probs.mul_(grad_loss[start:end].unsqueeze(-1)).to(hidden.dtype)
+            grad_logits = probs.mul_(grad_loss[where].unsqueeze(-1)).to(hidden.dtype)
             del probs
-            grad_full[start:end] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ h).float()
-        # Each rank's input gradient covers its vocabulary rows only: sum them over the TP ranks.
-        if ctx.sequence_parallel:
-            grad_hidden = torch.empty_like(hidden)
-            dist.reduce_scatter_tensor(grad_hidden, grad_full, group=group)
-        else:
-            grad_hidden = grad_full
+            # This rank's input gradient covers its vocabulary rows only: summed over the TP ranks.
+            if sequence_parallel:
+                mine = torch.empty_like(hidden[rows])
+                dist.reduce_scatter_tensor(mine, grad_logits @ weight, group=group)
+                grad_hidden[rows] = mine
+            else:
+                grad_hidden[rows] = grad_logits @ weight
+        if not sequence_parallel:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 

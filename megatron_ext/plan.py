@@ -217,6 +217,25 @@ def logits_bytes_per_token(vocab_rows: int, tensor: int = 1, dtype_bytes: float 
     return (dtype_bytes + (4.0 if dtype_bytes != 4 else 0.0)) * vocab_rows / tensor
 
 
+def loss_head_bytes(s: Shape, tokens: int, vocab_rows: int, tensor: int = 1, sequence_parallel: bool = False,
+                    dtype_bytes: float = 2.0, loss_head: str = "full", chunk_tokens: int = 2048,
+                    fused_ce: bool = False) -> float:
+    """Peak bytes of the loss head for `tokens` tokens on one GPU.
+
+    full: Megatron's output layer + cross entropy, `logits_bytes_per_token` per token (`fused_ce` assumes a
+    fused CE). chunked (`megatron_ext.loss_head`): one chunk's logits and their fp32 copy (plus, under
+    sequence parallelism, the chunk's gathered hidden states and their gradient), the fp32 weight-gradient
+    accumulator (4 B x V/TP x h) and 4 B of log-sum-exp per token.
+    """
+    if loss_head == "full":
+        return tokens * logits_bytes_per_token(vocab_rows, tensor, dtype_bytes, fused_ce)
+    if loss_head != "chunked":
+        raise ValueError(f"loss_head = {loss_head!r}: expected 'full' or 'chunked'")
+    gathered = 2 * s.hidden * dtype_bytes if sequence_parallel and tensor > 1 else 0.0
+    per_chunk_token = logits_bytes_per_token(vocab_rows, tensor, dtype_bytes) + gathered
+    return min(chunk_tokens, tokens) * per_chunk_token + 4.0 * vocab_rows / tensor * s.hidden + 4.0 * tokens
+
+
 def rope_table_bytes(seq_len: int, context: int, head_dim: int) -> float:
     """Megatron's RotaryEmbedding builds fp32 [L, head_dim] for the whole sequence on every rank
     and keeps a CP-local slice (megatron_core.md §1.3: ~2 GiB at 4M)."""
@@ -312,6 +331,8 @@ def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *
          recompute: str | None = None, fused_ce: bool = False) -> Plan:
     """Memory and time of `recipe` on `gpus` x `gpu`; `context`/`recompute` override the recipe's.
 
+    `fused_ce` assumes a fused cross entropy (2 B x V/TP per token) where the recipe's loss head is `full`.
+
     `mfu`: fraction of BF16 peak the kernels sustain on the FLOPs they execute; recomputation adds
     its FLOPs at that rate, so the achieved MFU reported is lower. Raises RecipeError for layouts
     that do not divide the GPUs, the sequence or the global batch.
@@ -337,7 +358,7 @@ def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *
         **states,
         activations=activation_bytes(s, tokens, s.layers // pp, t.recompute, tp, sp, dtype, kernels_of(recipe),
                                      in_flight=min(pp, microbatches)),
-        logits=tokens * logits_bytes_per_token(rows, tp, dtype, fused_ce),
+        logits=loss_head_bytes(s, tokens, rows, tp, sp, dtype, t.loss_head, t.loss_chunk_tokens, fused_ce),
         rope=rope_table_bytes(t.seq_length, cp, s.head_dim),
         cp_buffers=cp_buffer_bytes(s, tokens, tp, cp, dtype),
         overhead=OVERHEAD_BYTES if recipe.runtime.device == "cuda" else 0.0,
@@ -356,6 +377,8 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
     d_attn = s.heads * s.head_dim
     attn_fwd_tok = 2 * s.layers * d_attn * (t.seq_length + 1)  # forward attention core, per token
     extra = {"none": 0.0, "selective": attn_fwd_tok, "full": f_tok / 3}[t.recompute]
+    if t.loss_head == "chunked":
+        extra += 2 * s.hidden * s.vocab  # its backward forms the logits again (megatron_ext/loss_head.py)
     tokens_step = t.global_batch_size * t.seq_length
     microbatches = t.global_batch_size // (dp * t.micro_batch_size)
     bubble = 1 + (pp - 1) / microbatches  # 1F1B pipeline bubble

@@ -21,6 +21,13 @@ from megatron_ext.plan import (  # noqa: E402
 from megatron_ext.recipe import RecipeError, load_recipe  # noqa: E402
 
 
+def loss_head_label(p: Plan) -> str:
+    t = p.recipe.train
+    if t.loss_head == "chunked":
+        return f"loss head (chunked, {t.loss_chunk_tokens} tok)"
+    return "logits (fused CE, assumed)" if p.fused_ce else "logits + loss (fp32)"
+
+
 def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
     """Printable table for one plan, and the recommended plan (None when nothing fits)."""
     r, m, t = p.recipe, p.memory, p.timing
@@ -35,7 +42,7 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
         f"  {'gradients (fp32 main grads)':<34}{gb(m.grads)}",
         f"  {'optimizer (sharded over DP x CP)':<34}{gb(m.optimizer)}",
         f"  {'activations':<34}{gb(m.activations)}   ({r.train.seq_length // p.context:,} tokens/GPU)",
-        f"  {'logits + loss (fp32)' if not p.fused_ce else 'logits (fused CE)':<34}{gb(m.logits)}",
+        f"  {loss_head_label(p):<34}{gb(m.logits)}",
         f"  {'RoPE tables':<34}{gb(m.rope)}",
         f"  {'CP ring buffers':<34}{gb(m.cp_buffers)}",
         f"  {'CUDA/NCCL/allocator overhead':<34}{gb(m.overhead)}",
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, help="number of GPUs (default: cluster.nodes x cluster.gpus_per_node)")
     parser.add_argument("--mfu", type=float, default=0.35,
                         help="fraction of BF16 peak the kernels sustain (default 0.35, perf.md §5a)")
-    parser.add_argument("--fused-ce", action="store_true", help="assume a fused/chunked cross-entropy (2 B x V/TP)")
+    parser.add_argument("--fused-ce", action="store_true", help="with train.loss_head=full: assume a fused cross-entropy (2 B x V/TP per token)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted recipe override, e.g. --set parallel.context=8 (repeatable)")
     args = parser.parse_args(argv)

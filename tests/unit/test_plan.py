@@ -144,14 +144,18 @@ def test_min_context_matches_perf_md_6():
     assert P.hand_need_bytes(LLAMA31_8B, 1 << 20, 1, "full", fused_ce=True) / 1e9 == pytest.approx(130.6, abs=0.1)
 
 
+FULL_HEAD = ["train.loss_head=full"]  # Megatron's loss head: what perf.md's tables assume
+
+
 def test_paper_recipes_fit_with_their_layouts_on_256_h100():
     for stage, cp in (("cpt_1m", 4), ("cpt_2m", 16), ("cpt_4m", 16)):
-        p = P.plan(load_recipe(R / f"{stage}.yaml"), H100)
+        p = P.plan(load_recipe(R / f"{stage}.yaml", FULL_HEAD), H100)
         assert (p.context, p.data, p.tensor, p.gpus) == (cp, 256 // (8 * cp), 8, 256)
         assert p.fits and p.memory.total / 1e9 < 62, stage
     # negative controls: the same recipes without recompute, or 4M at CP 8, do not fit 80 GB
-    assert not P.plan(load_recipe(R / "cpt_1m.yaml"), H100, recompute="none").fits
-    assert not P.plan(load_recipe(R / "cpt_4m.yaml", ["parallel.context=8"], world_size=128), H100, 128).fits
+    assert not P.plan(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100, recompute="none").fits
+    assert not P.plan(load_recipe(R / "cpt_4m.yaml", FULL_HEAD + ["parallel.context=8"], world_size=128),
+                      H100, 128).fits
 
 
 def test_min_context_for_the_recipes_on_256_gpus():
@@ -159,9 +163,25 @@ def test_min_context_for_the_recipes_on_256_gpus():
     expect = {("h100-80gb", "full"): (4, 8, 16), ("h200-141gb", "full"): (2, 4, 8),
               ("h100-80gb", "none"): (16, 32, None), ("h200-141gb", "none"): (8, 16, 32)}
     for (gpu, recompute), cps in expect.items():
+        got = tuple(P.min_context(load_recipe(R / f"cpt_{m}.yaml", FULL_HEAD), P.GPUS[gpu], recompute=recompute)
+                    for m in ("1m", "2m", "4m"))
+        assert got == cps, (gpu, recompute)
+
+
+def test_chunked_loss_head_halves_the_context_parallel_size():
+    """The recipes' default loss head keeps no logits: with full recompute the smallest CP halves (TP 8,
+    256 GPUs); without recompute the layer activations dominate and it does not move."""
+    expect = {("h100-80gb", "full"): (2, 4, 8), ("h200-141gb", "full"): (1, 2, 4),
+              ("h100-80gb", "none"): (16, 32, None), ("h200-141gb", "none"): (8, 16, 32)}
+    for (gpu, recompute), cps in expect.items():
         got = tuple(P.min_context(load_recipe(R / f"cpt_{m}.yaml"), P.GPUS[gpu], recompute=recompute)
                     for m in ("1m", "2m", "4m"))
         assert got == cps, (gpu, recompute)
+    # 4M at CP 16 (256K tokens/GPU, TP 8 + SP, 2048-token chunks): 2048 x 6 B x 16032 rows + 2048 x 16 KB
+    # gathered + 4 B x 16032 x 4096 accumulator + 4 B x 256K log-sum-exp
+    m = P.plan(load_recipe(R / "cpt_4m.yaml"), H100).memory
+    assert m.logits == 2048 * (6 * 16032 + 2 * 4096 * 2) + 4 * 16032 * 4096 + 4 * 262144
+    assert P.plan(load_recipe(R / "cpt_4m.yaml", FULL_HEAD), H100).memory.logits == 262144 * 6 * 16032
 
 
 def test_wall_clock_against_the_paper():
@@ -173,9 +193,13 @@ def test_wall_clock_against_the_paper():
         assert 1 / 1.5 < p.timing.hours / hours < 1.5, (stage, p.timing.hours)
         # the model is compute-bound at these lengths: communication is < 2% of a step
         assert (p.timing.tp_comm_s + p.timing.cp_comm_s + p.timing.dp_comm_s) < 0.02 * p.timing.step_s
-    p = P.plan(load_recipe(R / "cpt_1m.yaml"), H100, mfu=0.35)
-    assert p.timing.compute_s == pytest.approx(8 * (1 << 20) * P.train_flops_per_token(LLAMA31_8B, 1 << 20)
-                                               * 4 / 3 / 256 / (0.35 * 989.4e12), rel=1e-12)
+    p = P.plan(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100, mfu=0.35)
+    f_tok = P.train_flops_per_token(LLAMA31_8B, 1 << 20)
+    assert p.timing.compute_s == pytest.approx(8 * (1 << 20) * f_tok * 4 / 3 / 256 / (0.35 * 989.4e12), rel=1e-12)
+    # the chunked head forms the logits once more in backward: + 2 x h x V FLOPs per token
+    chunked = P.plan(load_recipe(R / "cpt_1m.yaml"), H100, mfu=0.35)
+    assert chunked.timing.compute_s == pytest.approx(8 * (1 << 20) * (f_tok * 4 / 3 + 2 * 4096 * 128256)
+                                                     / 256 / (0.35 * 989.4e12), rel=1e-12)
 
 
 def test_ring_communication_shows_below_16k_tokens_per_rank():
@@ -195,11 +219,12 @@ def test_ring_communication_shows_below_16k_tokens_per_rank():
 
 
 def test_recommendation_prefers_no_recompute_when_gpus_allow():
-    best = P.recommend(load_recipe(R / "cpt_1m.yaml"), H100)
+    best = P.recommend(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100)
     assert (best.context, best.recompute) == (16, "none")
-    best4 = P.recommend(load_recipe(R / "cpt_4m.yaml"), H100)
+    best4 = P.recommend(load_recipe(R / "cpt_4m.yaml", FULL_HEAD), H100)
     assert (best4.context, best4.recompute) == (16, "full")  # the paper's layout
-    assert P.recommend(load_recipe(R / "cpt_4m.yaml", ["train.seq_length=16777216"]), H100) is None
+    assert P.recommend(load_recipe(R / "cpt_4m.yaml", FULL_HEAD + ["train.seq_length=16777216"]), H100) is None
+    assert P.recommend(load_recipe(R / "cpt_4m.yaml", ["train.seq_length=16777216"]), H100).context == 32
 
 
 def test_gpu_names_agree_with_the_recipe_schema():
@@ -224,7 +249,7 @@ def _tool(*args):
 def test_tool_prints_table_and_paper_ratio(stage, ratio):
     proc = _tool(str(R / f"{stage}.yaml"), "--gpu", "h100")
     assert proc.returncode == 0, proc.stderr
-    for text in ("weights", "optimizer", "activations", "logits", "FITS", "tokens/s/GPU", "smallest CP that fits",
+    for text in ("weights", "optimizer", "activations", "loss head (chunked, 2048 tok)", "FITS", "tokens/s/GPU", "smallest CP that fits",
                  f"predicted / paper = {ratio}", "recommendation: parallel.context="):
         assert text in proc.stdout, text
 
@@ -232,9 +257,11 @@ def test_tool_prints_table_and_paper_ratio(stage, ratio):
 @pytest.mark.parametrize("args, message", [
     (["--gpu", "a100"], "unknown GPU; known: h100-80gb, h200-141gb, b200-180gb"),
     (["--gpus", "100"], "= 128 does not divide the world size = 100"),
-    (["--gpus", "128", "--set", "parallel.context=8"],
+    (["--gpus", "128", "--set", "parallel.context=8", "--set", "train.loss_head=full"],
      "more than the 80 GB of h100-80gb; use --set parallel.context=16 --set train.recompute=full"),
-    (["--set", "train.seq_length=16777216"], "no context-parallel size or recompute mode fits 256 GPUs"),
+    (["--gpus", "64", "--set", "parallel.context=4"],
+     "more than the 80 GB of h100-80gb; use --set parallel.context=8 --set train.recompute=full"),
+    (["--set", "train.seq_length=33554432"], "no context-parallel size or recompute mode fits 256 GPUs"),
     (["--set", "train.sequence=1"], "train.sequence: unknown key"),
     (["--mfu", "0"], "--mfu = 0.0: must be in (0, 1]"),
 ])
@@ -246,5 +273,5 @@ def test_tool_bad_input_one_line(args, message):
 
 
 def test_tool_cannot_fit_at_any_cp_says_so():
-    proc = _tool(str(R / "cpt_4m.yaml"), "--set", "train.seq_length=16777216")
+    proc = _tool(str(R / "cpt_4m.yaml"), "--set", "train.seq_length=33554432")
     assert proc.returncode == 1 and "no CP/recompute fits 256 x h100-80gb" in proc.stdout

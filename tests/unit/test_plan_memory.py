@@ -67,34 +67,40 @@ def _measure(recipe):
     return static, sum(saved.values()), _peak_allocated_during(step)
 
 
-@pytest.mark.parametrize("seq", [512, 2048])
-def test_tiny_memory_prediction_within_25_percent(cpu_parallel_state, seq):
+@pytest.mark.parametrize("seq, loss_head, vocab", [(512, "full", 512), (2048, "full", 512), (2048, "chunked", 512),
+                                                   (2048, "full", 8192), (2048, "chunked", 8192)])
+def test_tiny_memory_prediction_within_25_percent(cpu_parallel_state, seq, loss_head, vocab):
     recipe = load_recipe("recipes/tiny/base.yaml", [f"train.seq_length={seq}", "train.recompute=none",
-                                                    "cluster.gpus_per_node=1", "train.global_batch_size=1"])
+                                                    "cluster.gpus_per_node=1", "train.global_batch_size=1",
+                                                    f"train.loss_head={loss_head}", "train.loss_chunk_tokens=256",
+                                                    f"model.vocab_size={vocab}"])
     static, saved, peak = _measure(recipe)
     m = P.plan(recipe, P.GPUS["h100-80gb"], 1).memory
     assert P.kernels_of(recipe) == "local" and m.overhead == 0 and m.cp_buffers == 0
     # states: fp32 weights + grads + Adam m, v = 16 B/param, exactly
     assert m.weights + m.grads + m.optimizer == static
-    # activations saved for backward (no logits): the per-layer itemisation of the local path
-    predicted_saved = m.activations + seq * 4 * recipe.model.vocab_size
+    # activations saved for backward: the per-layer itemisation of the local path, plus what the loss head
+    # keeps: Megatron's fp32 softmax (4 B x V per token) or the chunked head's log-sum-exp (4 B per token)
+    head_saved = seq * 4 * (recipe.model.vocab_size if loss_head == "full" else 1)
+    predicted_saved = m.activations + head_saved
     assert abs(predicted_saved / saved - 1) < TOLERANCE, (predicted_saved, saved)
     # peak of the step: states + dynamic peak
     dynamic = m.activations + m.logits + m.rope
-    print(f"seq {seq}: total predicted {m.total / 1e6:.2f} MB measured {(static + peak) / 1e6:.2f} MB; "
+    print(f"seq {seq} {loss_head} V {vocab}: total predicted {m.total / 1e6:.2f} MB measured {(static + peak) / 1e6:.2f} MB; "
           f"dynamic predicted {dynamic / 1e6:.2f} MB measured {peak / 1e6:.2f} MB")
     assert abs(dynamic / peak - 1) < TOLERANCE, (dynamic, peak)
     assert abs(m.total / (static + peak) - 1) < TOLERANCE
     # negative control: the GPU (TE) itemisation would miss the local path's extra tensors by > 25% ...
     te = P.activation_bytes(P.Shape.from_recipe(recipe), seq, 2, "none", 1, True, 4.0, "te")
-    assert abs(te / (saved - seq * 4 * recipe.model.vocab_size) - 1) > TOLERANCE
+    assert abs(te / (saved - head_saved) - 1) > TOLERANCE
 
 
 def test_tiny_full_recompute_prediction_is_an_upper_bound(cpu_parallel_state):
     """Full recompute keeps only layer inputs; the planner's backward working set (two layers' worth,
     perf.md §6) is conservative: measured 17.8 MB vs predicted 31.9 MB dynamic peak at 2048 tokens."""
     recipe = load_recipe("recipes/tiny/base.yaml", ["train.seq_length=2048", "train.recompute=full",
-                                                    "cluster.gpus_per_node=1", "train.global_batch_size=1"])
+                                                    "cluster.gpus_per_node=1", "train.global_batch_size=1",
+                                                    "train.loss_head=full"])
     static, saved, peak = _measure(recipe)
     m = P.plan(recipe, P.GPUS["h100-80gb"], 1).memory
     none = P.plan(recipe, P.GPUS["h100-80gb"], 1, recompute="none").memory

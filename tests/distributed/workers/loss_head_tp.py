@@ -46,7 +46,7 @@ def main() -> None:
     my_h = (hidden[rank * seq:(rank + 1) * seq] if args.sequence_parallel else hidden).float().requires_grad_()
     my_w = weight[first:first + rows].float().requires_grad_()
     loss = vocab_parallel_linear_cross_entropy(my_h, my_w, labels, group=group,
-                                               sequence_parallel=args.sequence_parallel, chunk_tokens=7)
+                                               sequence_parallel=args.sequence_parallel, chunk_tokens=10)
     (loss.double() * upstream).sum().backward()
 
     want_h = full_h.grad[rank * seq:(rank + 1) * seq] if args.sequence_parallel else full_h.grad
