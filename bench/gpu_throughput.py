@@ -124,6 +124,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
         fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
         min_timed_s=args.min_timed_s if args.min_timed_s is not None else (0.0 if dry else 3.0),
+        loss_head=args.loss_head,
     )
 
 
@@ -392,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths to profile one extra step of (default 32K,128K; 'none' to skip)")
     p.add_argument("--fallback-layers", type=int, default=None,
                    help="lengths where ours runs out of memory are run again with this many layers (default 2; 0: off)")
+    p.add_argument("--loss-head", default="chunked", choices=("chunked", "full"),
+                   help="our loss head: chunked (megatron_ext.loss_head, default) or Megatron's (full)")
     p.add_argument("--label", default=None, help="free text kept in the JSON, e.g. the commit that ran")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")

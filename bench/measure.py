@@ -92,7 +92,7 @@ def profile_step(stack, batch: dict, device: str, path: Path) -> dict:
         ("self_cpu_time_total", "cpu_time_total")
     path.parent.mkdir(parents=True, exist_ok=True)
     # Self time names the kernels; inclusive time of the ops (CPU-side events, their kernels included)
-    # names the layers: the loss (_VocabParallelCrossEntropy), attention, recompute (CheckpointFunction).
+    # names the layers: the loss (_ChunkedLinearCrossEntropy, or _VocabParallelCrossEntropy), attention, recompute (CheckpointFunction).
     path.write_text(f"== by self time ({self_key})\n"
                     + events.table(sort_by=self_key, row_limit=30, max_name_column_width=90)
                     + f"\n== by inclusive time ({total_key})\n"

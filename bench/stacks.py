@@ -28,6 +28,7 @@ class Settings:
     out: Path
     fallback_layers: int = 0
     min_timed_s: float = 0.0
+    loss_head: str = "chunked"  # ours: megatron_ext.loss_head (chunked) or Megatron's output layer + CE (full)
 
 
 def make_recipe(s: Settings, recompute: str):
@@ -41,7 +42,7 @@ def make_recipe(s: Settings, recompute: str):
         model["num_hidden_layers"] = s.layers
     raw = {"name": "gpu_throughput", "model": model,
            "train": {"seq_length": max(s.lengths), "steps": 1000, "lr": 1e-5, "precision": "bf16",
-                     "recompute": recompute},
+                     "recompute": recompute, "loss_head": s.loss_head},
            "cluster": {"nodes": 1, "gpus_per_node": 1}, "runtime": {"device": s.device, "attention": "sdpa"}}
     return load_recipe(raw=raw, world_size=1)
 
@@ -64,8 +65,7 @@ class Ours:
 
         self.torch = torch
         recipe = make_recipe(s, recompute)
-        opts = BuildOptions(device=s.device, attention="sdpa", precision="bf16", recompute=recompute,
-                            seq_length=max(s.lengths))
+        opts = dataclasses.replace(BuildOptions.from_recipe(recipe), attention="sdpa", precision="bf16")
         self.model = build_model(hf_config_from_recipe(recipe), opts)
         self.ddp = wrap_ddp(recipe, self.model)
         self.model.config.finalize_model_grads_func = finalize_model_grads
@@ -77,7 +77,8 @@ class Ours:
                      "inner_optimizer": type(inner).__name__ if inner is not None else None,
                      "inner_defaults": {k: v for k, v in (inner.defaults if inner is not None else {}).items()
                                         if k in ("foreach", "fused", "capturable")},
-                     "transformer_impl": self.model.config.transformer_impl}
+                     "transformer_impl": self.model.config.transformer_impl,
+                     "loss_head": opts.loss_head, "loss_chunk_tokens": opts.loss_chunk_tokens}
 
     def batch(self, length: int, vocab: int, device: str, gen) -> dict:
         torch = self.torch

@@ -125,7 +125,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs.scatter_add_(-1, target.unsqueeze(-1), -in_slice.to(probs.dtype).unsqueeze(-1))
             grad_logits = probs.mul_(grad_loss[where].unsqueeze(-1)).to(hidden.dtype)
             del probs
-            grad_weight += (grad_logits.t() @ h).float()
+            if grad_weight.dtype == h.dtype:  # fp32: accumulate in place, no [V/TP, h] temporary
+                grad_weight.addmm_(grad_logits.t(), h)
+            else:
+                grad_weight += (grad_logits.t() @ h).float()
             # This rank's input gradient covers its vocabulary rows only: summed over the TP ranks.
             if sequence_parallel:
                 mine = torch.empty_like(hidden[rows])
@@ -133,6 +136,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[rows] = mine
             else:
                 grad_hidden[rows] = grad_logits @ weight
+            del grad_logits  # before the next chunk's logits exist: one chunk alive at a time
         if not sequence_parallel:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None

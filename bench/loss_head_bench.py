@@ -1,0 +1,151 @@
+"""Time and peak memory of the chunked loss head against Megatron's (output-layer GEMM + vocab-parallel CE).
+
+    python bench/loss_head_bench.py [--tokens 4096] [--hidden 512] [--vocab 32768] [--chunks 512,2048]
+                                    [--dtype fp32|bf16] [--device cpu|cuda] [--iters 3]
+
+One forward + backward of the loss head alone (hidden states [T, 1, h] and the output weight [V, h] in,
+per-token loss out, upstream gradient ones) on one process, TP=1. The baseline (`full`) is measured in the same
+run: Megatron's path as `GPTModel` runs it (`hidden @ W.T`, then `vocab_parallel_cross_entropy`). Reported:
+median seconds of `--iters` timed steps after one warm-up, peak bytes allocated during a step above its
+start (CUDA: `max_memory_allocated`; CPU: the profiler's allocator events), both as ratios to the baseline,
+and the largest difference of loss and of gradients to the baseline's, relative to the baseline's largest value. Writes a JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _cpu_peak_bytes(fn) -> int:
+    """Highest allocation level above the start while `fn` runs (torch profiler allocator events)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    level = peak = 0
+    for _, size in sorted(events):
+        level += size
+        peak = max(peak, level)
+    return peak
+
+
+def measure(head, hidden, weight, labels, iters: int, device: str) -> dict:
+    """Median step seconds, peak bytes of one step, and the loss and gradients of the last step."""
+    import torch
+
+    def step():
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        loss = head(h, w, labels)
+        loss.backward(torch.ones_like(loss))
+        return loss.detach(), h.grad, w.grad
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        out = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        step()
+        peak = torch.cuda.max_memory_allocated() - start
+    else:
+        peak = _cpu_peak_bytes(step)
+    return {"step_s": statistics.median(times), "step_s_all": times, "peak_bytes": peak, "out": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/loss_head_bench.py", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--chunks", default="512,2048", help="comma list of chunk sizes (tokens)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    try:
+        chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+    except ValueError:
+        chunks = []
+    if not chunks or min(chunks) < 1 or min(args.tokens, args.hidden, args.vocab, args.iters) < 1:
+        print(f"error: --chunks {args.chunks!r}, --tokens, --hidden, --vocab and --iters must be positive integers",
+              file=sys.stderr)
+        return 1
+
+    import torch
+
+    os.environ.setdefault("MASTER_PORT", "29517")
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    from megatron_ext.loss_head import vocab_parallel_linear_cross_entropy
+    from megatron_ext.runtime import destroy_distributed, init_distributed
+
+    init_distributed(args.device, seed=0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(args.device, dtype)  # [s, b, h]
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) / args.hidden ** 0.5).to(args.device, dtype)
+    labels = torch.randint(0, args.vocab, (1, args.tokens), generator=gen).to(args.device)  # [b, s]
+
+    def full(h, w, lab):  # Megatron's path: [s, b, V] logits, then the CE ([s, b] in, [s, b] out)
+        return vocab_parallel_cross_entropy(h @ w.t(), lab.t().contiguous()).t()
+
+    rows = {"full": measure(full, hidden, weight, labels, args.iters, args.device)}
+    for c in chunks:
+        head = lambda h, w, lab, c=c: vocab_parallel_linear_cross_entropy(h, w, lab, chunk_tokens=c)  # noqa: E731
+        rows[f"chunked/{c}"] = measure(head, hidden, weight, labels, args.iters, args.device)
+    destroy_distributed()
+
+    base = rows["full"]
+    result = {"bench": "loss_head", "date": time.strftime("%Y%m%d-%H%M%S", time.gmtime()),
+              "device": args.device, "dtype": args.dtype, "torch": torch.__version__,
+              "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "iters": args.iters,
+              "logits_bytes": args.tokens * args.vocab * (2 if dtype == torch.bfloat16 else 4), "rows": {}}
+    print(f"loss head, {args.tokens} tokens x h {args.hidden} x V {args.vocab}, {args.dtype}, {args.device}")
+    print(f"{'head':<14}{'step_s':>9}{'time/full':>11}{'peak_MB':>10}{'mem/full':>10}{'loss_diff':>12}{'grad_diff':>12}")
+    for name, r in rows.items():
+        diff_loss, diff_grad = (max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                    for a, b in zip(r["out"][i:j], base["out"][i:j])) for i, j in ((0, 1), (1, 3)))
+        row = {"step_s": r["step_s"], "step_s_all": r["step_s_all"], "peak_bytes": r["peak_bytes"],
+               "time_ratio": r["step_s"] / base["step_s"], "memory_ratio": r["peak_bytes"] / base["peak_bytes"],
+               "max_rel_loss_diff": diff_loss, "max_rel_grad_diff": diff_grad}
+        result["rows"][name] = row
+        print(f"{name:<14}{row['step_s']:9.3f}{row['time_ratio']:10.2f}x{r['peak_bytes'] / 1e6:10.1f}"
+              f"{row['memory_ratio']:9.2f}x{diff_loss:12.2e}{diff_grad:12.2e}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"loss_head-{result['date']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    print(f"JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
