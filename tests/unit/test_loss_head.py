@@ -152,3 +152,27 @@ def test_bad_loss_options_are_recipe_errors(cpu_parallel_state):
         build_model(TINY, BuildOptions(device="cpu", loss_head="fused"))
     with pytest.raises(RecipeError, match="train.loss_chunk_tokens"):
         build_model(TINY, BuildOptions(device="cpu", loss_chunk_tokens=0))
+
+
+def test_loss_head_bench_runs_at_toy_size(tmp_path):
+    """bench/loss_head_bench.py stays runnable: CPU, toy shapes; ratios are to the baseline of the same run."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/loss_head_bench.py"), "--tokens", "96", "--hidden", "16",
+                           "--vocab", "256", "--chunks", "16,1000", "--iters", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("loss_head-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert set(rows) == {"full", "chunked/16", "chunked/1000"} and rows["full"]["time_ratio"] == 1.0
+    for row in rows.values():
+        assert row["peak_bytes"] > 0 and row["max_rel_loss_diff"] < 1e-5 and row["max_rel_grad_diff"] < 1e-5
+    # 16-token chunks hold 1/6 of the logits at a time; the full head holds all 96 tokens' logits
+    assert rows["chunked/16"]["memory_ratio"] < 0.7
+    bad = subprocess.run([sys.executable, str(ROOT / "bench/loss_head_bench.py"), "--chunks", "0"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 1 and "--chunks '0'" in bad.stderr and "Traceback" not in bad.stderr
