@@ -262,6 +262,13 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
     )
     if opts.loss_head == "chunked":
         model.loss_chunk_tokens = opts.loss_chunk_tokens
+    if config.params_dtype != torch.float32:
+        # The local spec's norms are torch modules created in fp32 (Megatron-LM's Float16Module casts them with
+        # every other parameter); with bf16 activations torch's fused RMSNorm then falls back to an unfused
+        # path. TE's norms already follow params_dtype. The optimizer keeps fp32 main weights either way.
+        for module in model.modules():
+            if isinstance(module, torch.nn.RMSNorm):
+                module.to(config.params_dtype)
     attach_rotary_embedding(model, cfg)
     return model
 

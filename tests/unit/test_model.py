@@ -68,3 +68,13 @@ def test_padding_is_tp_portable_but_divides_tp():
         assert rows % tp == 0 and rows % 128 == 0 and rows >= 128256
         if 128 % tp == 0:
             assert rows == 128256  # the same checkpoint rows at every power-of-two TP
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_every_parameter_in_the_precision(cpu_parallel_state, precision, dtype):
+    """The local spec's torch RMSNorms included (created in fp32 by Megatron; cast as Megatron-LM's Float16Module does),
+    so bf16 activations meet bf16 weights and torch's fused RMSNorm applies."""
+    model = build_model(TINY, BuildOptions(device="cpu", precision=precision, seq_length=64))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 2 * TINY["num_hidden_layers"] + 1
+    assert {p.dtype for p in model.parameters()} == {dtype}
