@@ -10,7 +10,7 @@ Megatron DDP and distributed optimizer through `megatron_ext.train` (`wrap_ddp`,
 transformers `LlamaForCausalLM` (SDPA attention, bf16 weights, torch AdamW, grad clip 1.0, HF
 gradient checkpointing where ours uses full recompute). Each length: warm-up steps, then timed steps
 (CUDA events around each whole step: forward, backward, optimizer), median. FLOPs: the causal count
-of `megatron_ext.plan.train_flops_per_token`. MFU against 989.4 TFLOP/s (bf16 dense datasheet) and
+of `megatron_ext.cost_model.train_flops_per_token`. MFU against 989.4 TFLOP/s (bf16 dense datasheet) and
 against a bf16 matmul measured in the same run. Out of memory is recorded, not fatal; a time guard
 skips what would not finish inside `--budget-s` and records why. JSON is rewritten after every row.
 """
@@ -182,7 +182,8 @@ class Run:
     def planned_memory(self, length: int, recompute: str) -> dict | None:
         """The planner's memory of our stack at this length (megatron_ext.plan), to compare with the peak."""
         try:
-            from megatron_ext.plan import GPUS, plan
+            from megatron_ext.cost_model import GPUS
+            from megatron_ext.plan import plan
 
             r = make_recipe(self.s, recompute)
             r = dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length))
@@ -335,7 +336,7 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
     import torch
 
     from megatron_ext.model import hf_config_from_recipe
-    from megatron_ext.plan import GPUS, shape_from_hf_config, train_flops_per_token
+    from megatron_ext.cost_model import GPUS, shape_from_hf_config, train_flops_per_token
     from megatron_ext.runtime import destroy_distributed, init_distributed
 
     if s.device == "cuda" and not torch.cuda.is_available():
@@ -349,7 +350,7 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
     doc = {"schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "label": label,
            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
            "installed_wheels": installed, "model": hf_cfg, "peak_tflops": peak,
-           "flops": "causal, megatron_ext.plan.train_flops_per_token (perf.md 5a); recompute not counted",
+           "flops": "causal, megatron_ext.cost_model.train_flops_per_token (perf.md 5a); recompute not counted",
            "matmul": None, "stacks": {}, "results": []}
     init_distributed(s.device, seed=1234)
     try:

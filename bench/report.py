@@ -1,7 +1,7 @@
 """Pure helpers of the GPU throughput benchmark: metrics, step-time prediction, table, kernel buckets.
 
 No torch, no Megatron: everything here is arithmetic over numbers the benchmark measured, so it is
-tested exactly (tests/unit/test_bench_report.py). FLOPs come from `megatron_ext.plan` (perf.md
+tested exactly (tests/unit/test_bench_report.py). FLOPs come from `megatron_ext.cost_model` (perf.md
 section 5a, causal count); this module only divides.
 """
 

@@ -87,8 +87,8 @@ def hf_config_from_recipe(recipe: Recipe) -> dict:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Rows of the embedding table (`megatron_ext.plan.padded_vocab`: a multiple of divisible_by and TP)."""
-    from megatron_ext.plan import padded_vocab
+    """Rows of the embedding table (`megatron_ext.cost_model.padded_vocab`: a multiple of divisible_by and TP)."""
+    from megatron_ext.cost_model import padded_vocab
 
     return padded_vocab(vocab_size, divisible_by, tensor_parallel)
 

@@ -174,7 +174,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         CheckpointError, latest_iteration, load_checkpoint, read_metadata, save_checkpoint,
     )
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
-    from megatron_ext.plan import shape_from_hf_config, train_flops_per_token
+    from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
     from megatron_ext.training_data import TrainBatches
 
     t, p = recipe.train, recipe.parallel

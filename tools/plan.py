@@ -15,9 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ext.plan import (  # noqa: E402
-    GB, GPUS, PAPER_HOURS, RECOMPUTE_MODES, Plan, kernels_of, min_context, plan, recommend, resolve_gpu,
-)
+from megatron_ext.cost_model import GB, GPUS, RECOMPUTE_MODES, resolve_gpu  # noqa: E402
+from megatron_ext.plan import PAPER_HOURS, Plan, kernels_of, min_context, plan, recommend  # noqa: E402
 from megatron_ext.recipe import RecipeError, load_recipe  # noqa: E402
 
 

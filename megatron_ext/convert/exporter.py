@@ -6,8 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from megatron_ext.convert import mapping
 from megatron_ext.convert.hf_io import (
     DTYPES,

@@ -25,7 +25,7 @@ def kv_cache_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 
     `config` is an HF config (object or `config.json` dict). Llama-3.1-8B in bf16: 131072 (128 KiB).
     """
-    from megatron_ext.plan import kv_cache_bytes_per_token as planned  # the planner's formula, one copy
+    from megatron_ext.cost_model import kv_cache_bytes_per_token as planned  # the planner's formula, one copy
 
     return int(planned(_config_dict(config), dtype_bytes))
 

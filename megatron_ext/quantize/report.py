@@ -1,11 +1,11 @@
 """Serving memory of an FP8 export: weights and KV cache at long contexts (pure arithmetic).
 
-The KV-cache formula is the planner's (`megatron_ext.plan.kv_cache_bytes_per_token`), shared.
+The KV-cache formula is the planner's (`megatron_ext.cost_model.kv_cache_bytes_per_token`), shared.
 """
 
 from __future__ import annotations
 
-from megatron_ext.plan import kv_cache_bytes_per_token, layer_matmul_params, shape_from_hf_config, total_params
+from megatron_ext.cost_model import kv_cache_bytes_per_token, layer_matmul_params, shape_from_hf_config, total_params
 
 GIB = 1 << 30
 SERVING_LENGTHS = (1 << 20, 1 << 21, 1 << 22)  # 1M, 2M, 4M tokens

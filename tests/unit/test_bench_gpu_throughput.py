@@ -15,7 +15,7 @@ import torch
 from bench import gpu_throughput as gt
 from bench.measure import Clock
 from bench.stacks import Settings
-from megatron_ext.plan import shape_from_hf_config, train_flops_per_token
+from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
 from megatron_ext.presets import TINY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 from bench.report import (
     bucket_kernels, format_table, median, parse_lengths, predict_step_s, ratios, throughput, write_json_atomic,
 )
-from megatron_ext.plan import matmul_params, shape_from_hf_config, train_flops_per_token
+from megatron_ext.cost_model import matmul_params, shape_from_hf_config, train_flops_per_token
 from megatron_ext.presets import LLAMA31_8B
 
 

@@ -137,5 +137,5 @@ def test_chat_template_options(tmp_path, tok_dir):
                    "{{ m['content'] }}<|eot_id|>{% endfor %}"
                    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
     c = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "c"), 1024, chat_template=str(tpl), progress=False)
-    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes() and b["tokens"] == a["tokens"]
     assert c["tokens"] < a["tokens"] and c["trained_tokens"] == a["trained_tokens"]  # same assistant spans

@@ -7,113 +7,114 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext import cost_model as C
 from megatron_ext import plan as P
 from megatron_ext.recipe import ClusterConfig, RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 R = ROOT / "recipes"
-LLAMA31_8B = P.Shape(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256)
-LLAMA3_70B = P.Shape(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256)
-LLAMA2_7B = P.Shape(layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, head_dim=128, vocab=32000)
-H100, H200 = P.GPUS["h100-80gb"], P.GPUS["h200-141gb"]
+LLAMA31_8B = C.Shape(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256)
+LLAMA3_70B = C.Shape(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256)
+LLAMA2_7B = C.Shape(layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, head_dim=128, vocab=32000)
+H100, H200 = C.GPUS["h100-80gb"], C.GPUS["h200-141gb"]
 
 
 def test_shape_from_recipe_and_parameter_counts():
-    assert P.Shape.from_recipe(load_recipe(R / "cpt_1m.yaml")) == LLAMA31_8B
+    assert C.Shape.from_recipe(load_recipe(R / "cpt_1m.yaml")) == LLAMA31_8B
     # perf.md header: 8.030 B total, 7.505 B matmul parameters (hand: 32 x 218,103,808 + 4096 x 128256)
-    assert P.matmul_params(LLAMA31_8B) == 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336) + 4096 * 128256
-    assert P.matmul_params(LLAMA31_8B) == 7_504_658_432
-    assert P.total_params(LLAMA31_8B) == 8_030_261_248
+    assert C.matmul_params(LLAMA31_8B) == 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336) + 4096 * 128256
+    assert C.matmul_params(LLAMA31_8B) == 7_504_658_432
+    assert C.total_params(LLAMA31_8B) == 8_030_261_248
 
 
 def test_padded_vocab_matches_the_model_builder():
     from megatron_ext.model import padded_vocab_size
 
     for v, d, t in ((128256, 128, 8), (128256, 128, 1), (512, 128, 2), (1000, 1, 3)):
-        assert P.padded_vocab(v, d, t) == padded_vocab_size(v, d, t)
-    assert P.padded_vocab(128256, 128, 8) == 128256  # TP-portable (lcm rule)
+        assert C.padded_vocab(v, d, t) == padded_vocab_size(v, d, t)
+    assert C.padded_vocab(128256, 128, 8) == 128256  # TP-portable (lcm rule)
 
 
 def test_flops_per_token_causal_exact():
     # perf.md §5a: 6 N_matmul + 6 layers d_attn (L+1)
     six_n = 6 * 7_504_658_432
     for seq in (8192, 131072, 1 << 20, 1 << 21, 1 << 22):
-        assert P.train_flops_per_token(LLAMA31_8B, seq) == six_n + 6 * 32 * 4096 * (seq + 1)
+        assert C.train_flops_per_token(LLAMA31_8B, seq) == six_n + 6 * 32 * 4096 * (seq + 1)
     # the table of §5a, GFLOP/token to its printed precision
     for seq, gflop in ((8192, 51.5), (131072, 148.1), (1 << 20, 869.7), (1 << 21, 1694), (1 << 22, 3344)):
-        assert round(P.train_flops_per_token(LLAMA31_8B, seq) / 1e9, 1 if gflop < 1000 else 0) == gflop
-    assert round(P.train_flops_per_token(LLAMA31_8B, 8192, causal=False) / 1e9, 1) == 57.9
+        assert round(C.train_flops_per_token(LLAMA31_8B, seq) / 1e9, 1 if gflop < 1000 else 0) == gflop
+    assert round(C.train_flops_per_token(LLAMA31_8B, 8192, causal=False) / 1e9, 1) == 57.9
     # negative control: the non-causal count at 1M is ~1.95x the causal one (perf.md §5a)
-    ratio = P.train_flops_per_token(LLAMA31_8B, 1 << 20, causal=False) / P.train_flops_per_token(LLAMA31_8B, 1 << 20)
+    ratio = C.train_flops_per_token(LLAMA31_8B, 1 << 20, causal=False) / C.train_flops_per_token(LLAMA31_8B, 1 << 20)
     assert round(ratio, 2) == 1.95
 
 
 def test_flops_reproduce_published_throughput_tables():
     # perf.md §0/§1a: TFLOP/s / tok/s of NVIDIA's tables = our formula, causal (Megatron-Bridge) and
     # non-causal (NeMo 24.07); tolerance 0.2% (the tables round to whole TFLOP/s and tok/s).
-    assert 744e12 / 14451 == pytest.approx(P.train_flops_per_token(LLAMA31_8B, 8192), rel=2e-3)
-    assert 697e12 / 12036 == pytest.approx(P.train_flops_per_token(LLAMA31_8B, 8192, causal=False), rel=2e-3)
-    assert round(P.train_flops_per_token(LLAMA3_70B, 8192) / 1e9, 1) == pytest.approx(449.2, abs=0.1)
-    assert round(P.train_flops_per_token(LLAMA3_70B, 8192, causal=False) / 1e9, 1) == pytest.approx(481.4, abs=0.1)
+    assert 744e12 / 14451 == pytest.approx(C.train_flops_per_token(LLAMA31_8B, 8192), rel=2e-3)
+    assert 697e12 / 12036 == pytest.approx(C.train_flops_per_token(LLAMA31_8B, 8192, causal=False), rel=2e-3)
+    assert round(C.train_flops_per_token(LLAMA3_70B, 8192) / 1e9, 1) == pytest.approx(449.2, abs=0.1)
+    assert round(C.train_flops_per_token(LLAMA3_70B, 8192, causal=False) / 1e9, 1) == pytest.approx(481.4, abs=0.1)
     # perf.md §1b: NeMo Llama2-7B at 1M on H100, 536 non-causal TFLOP/s -> ~317 tok/s/GPU -> ~274 causal TFLOP/s
-    tok_s = 536e12 / P.train_flops_per_token(LLAMA2_7B, 1 << 20, causal=False)
+    tok_s = 536e12 / C.train_flops_per_token(LLAMA2_7B, 1 << 20, causal=False)
     assert round(tok_s) == 317
-    assert round(tok_s * P.train_flops_per_token(LLAMA2_7B, 1 << 20) / 1e12) == 274
+    assert round(tok_s * C.train_flops_per_token(LLAMA2_7B, 1 << 20) / 1e12) == 274
 
 
 def test_throughput_at_35_percent_mfu():
     # perf.md §5a: tok/s/GPU = MFU x 989.4e12 / F: 6,728 (8K), 2,338 (128K), 398 (1M), 204 (2M), 104 (4M)
     for seq, tok in ((8192, 6728), (131072, 2338), (1 << 20, 398), (1 << 21, 204), (1 << 22, 104)):
-        assert round(0.35 * H100.bf16_tflops * 1e12 / P.train_flops_per_token(LLAMA31_8B, seq)) == tok
+        assert round(0.35 * H100.bf16_tflops * 1e12 / C.train_flops_per_token(LLAMA31_8B, seq)) == tok
 
 
 def test_paper_wall_clock_implies_perf_md_utilisation():
     # perf.md §2: tokens / (hours x 256 GPUs) and the causal TFLOP/s/GPU that implies: 189 / 306 / 351
     for seq, tokens, hours, tflops in ((1 << 20, 1e9, 5, 189), (1 << 21, 1e9, 6, 306), (1 << 22, 1.26e9, 13, 351)):
         tok_s = tokens / (hours * 3600 * 256)  # perf.md rounds tok/s first (105 at 4M): 1 TFLOP/s slack
-        assert tok_s * P.train_flops_per_token(LLAMA31_8B, seq) / 1e12 == pytest.approx(tflops, abs=1)
+        assert tok_s * C.train_flops_per_token(LLAMA31_8B, seq) / 1e12 == pytest.approx(tflops, abs=1)
 
 
 def test_kv_cache_bytes():
     from megatron_ext.presets import LLAMA31_8B as HF
 
-    assert P.shape_from_hf_config(HF) == LLAMA31_8B
-    assert P.kv_cache_bytes_per_token(HF, 1) == 65536
+    assert C.shape_from_hf_config(HF) == LLAMA31_8B
+    assert C.kv_cache_bytes_per_token(HF, 1) == 65536
     # paper.md §7: 2 x 8 KV heads x 128 x 2 B x 32 layers = 128 KiB/token; 128 GiB at 1M, 512 GiB at 4M
-    assert P.kv_cache_bytes_per_token(LLAMA31_8B) == 128 * 1024
-    assert P.kv_cache_bytes_per_token(LLAMA31_8B, dtype_bytes=1) == 64 * 1024  # FP8
-    assert P.kv_cache_bytes_per_token(LLAMA31_8B) * (1 << 20) == 128 * 2**30
-    assert P.kv_cache_bytes_per_token(LLAMA31_8B) * (1 << 22) == 512 * 2**30
-    assert P.kv_cache_bytes_per_token(LLAMA2_7B) == 2 * 32 * 32 * 128 * 2  # MHA: 4x Llama-3.1's
+    assert C.kv_cache_bytes_per_token(LLAMA31_8B) == 128 * 1024
+    assert C.kv_cache_bytes_per_token(LLAMA31_8B, dtype_bytes=1) == 64 * 1024  # FP8
+    assert C.kv_cache_bytes_per_token(LLAMA31_8B) * (1 << 20) == 128 * 2**30
+    assert C.kv_cache_bytes_per_token(LLAMA31_8B) * (1 << 22) == 512 * 2**30
+    assert C.kv_cache_bytes_per_token(LLAMA2_7B) == 2 * 32 * 32 * 128 * 2  # MHA: 4x Llama-3.1's
 
 
 def test_activation_bytes_exact():
     # perf.md §5b: 139,264 B/token/layer = 34 h before TP; TP 8: 17.4 KB, 557 KB/token for 32 layers
-    assert P.activation_bytes_per_token_layer(LLAMA31_8B, 1) == 139_264 == 34 * 4096
-    assert P.activation_bytes_per_token_layer(LLAMA31_8B, 8) == 17_408
-    assert P.activation_bytes(LLAMA31_8B, 1, 32, "none", 8) == 557_056
-    assert P.activation_bytes(LLAMA31_8B, 1, 32, "selective", 8) == 557_056  # fused attention: no gain
+    assert C.activation_bytes_per_token_layer(LLAMA31_8B, 1) == 139_264 == 34 * 4096
+    assert C.activation_bytes_per_token_layer(LLAMA31_8B, 8) == 17_408
+    assert C.activation_bytes(LLAMA31_8B, 1, 32, "none", 8) == 557_056
+    assert C.activation_bytes(LLAMA31_8B, 1, 32, "selective", 8) == 557_056  # fused attention: no gain
     # full recompute: 2h/t = 1 KB/token/layer (33 KB) + one layer's working set twice (~35 KB)
-    assert P.activation_bytes(LLAMA31_8B, 1, 32, "full", 8) == 32 * 1024 + 2 * 17_408
+    assert C.activation_bytes(LLAMA31_8B, 1, 32, "full", 8) == 32 * 1024 + 2 * 17_408
     # without sequence parallelism the 4h norm terms are not divided by TP
-    assert P.activation_bytes_per_token_layer(LLAMA31_8B, 8, sequence_parallel=False) == 17_408 + 2 * 4 * 4096 * 7 / 8
+    assert C.activation_bytes_per_token_layer(LLAMA31_8B, 8, sequence_parallel=False) == 17_408 + 2 * 4 * 4096 * 7 / 8
     with pytest.raises(ValueError, match="recompute"):
-        P.activation_bytes(LLAMA31_8B, 1, 32, "some", 8)
+        C.activation_bytes(LLAMA31_8B, 1, 32, "some", 8)
 
 
 def test_logits_and_states_exact():
     # perf.md §5b: 6 B V/t = 96 KB/token at t = 8 (fp32 CE), 2 B V/t fused
-    assert P.logits_bytes_per_token(128256, 8) == 96_192
-    assert P.logits_bytes_per_token(128256, 8, fused_ce=True) == 32_064
-    assert P.logits_bytes_per_token(512, 1, dtype_bytes=4.0) == 2048  # fp32 logits: the CE works in place
+    assert C.logits_bytes_per_token(128256, 8) == 96_192
+    assert C.logits_bytes_per_token(128256, 8, fused_ce=True) == 32_064
+    assert C.logits_bytes_per_token(512, 1, dtype_bytes=4.0) == 2048  # fp32 logits: the CE works in place
     # perf.md §5b: (6 + 12/(DP*CP)) B/param x 1.00 B params/GPU: 18.1 GB unsharded -> 6.8 GB at DP*CP = 16
-    params = P.params_per_gpu(LLAMA31_8B, 8, 1, 128256)
+    params = C.params_per_gpu(LLAMA31_8B, 8, 1, 128256)
     assert params == 32 * (218_103_808 / 8 + 2 * 4096) + 2 * 128256 * 4096 / 8 + 4096 == 1_004_015_616
-    assert sum(P.model_state_bytes(params, 1).values()) / 1e9 == pytest.approx(18.1, abs=0.05)
-    assert sum(P.model_state_bytes(params, 16).values()) / 1e9 == pytest.approx(6.8, abs=0.05)
-    unsharded = P.model_state_bytes(params, 16, distributed_optimizer=False)
+    assert sum(C.model_state_bytes(params, 1).values()) / 1e9 == pytest.approx(18.1, abs=0.05)
+    assert sum(C.model_state_bytes(params, 16).values()) / 1e9 == pytest.approx(6.8, abs=0.05)
+    unsharded = C.model_state_bytes(params, 16, distributed_optimizer=False)
     assert sum(unsharded.values()) / 1e9 == pytest.approx(18.1, abs=0.05)
-    assert sum(P.model_state_bytes(100, 1, precision="fp32").values()) == 1600  # 4 + 4 + 8 B/param
+    assert sum(C.model_state_bytes(100, 1, precision="fp32").values()) == 1600  # 4 + 4 + 8 B/param
 
 
 # perf.md §6 table: (L in M, CP) -> GB for no recompute / full / full + fused CE (printed as whole GB)
@@ -127,7 +128,7 @@ def test_memory_table_of_perf_md_6(key):
     """Within 0.6 GB of every entry (the table rounds to whole GB and '1.00 B params/GPU')."""
     millions, cp = key
     for expected, (recompute, fused) in zip(PERF_MD_6[key], (("none", False), ("full", False), ("full", True))):
-        got = P.hand_need_bytes(LLAMA31_8B, millions << 20, cp, recompute, fused_ce=fused) / 1e9
+        got = C.hand_need_bytes(LLAMA31_8B, millions << 20, cp, recompute, fused_ce=fused) / 1e9
         assert got == pytest.approx(expected, abs=0.6), (key, recompute, fused, got)
 
 
@@ -139,9 +140,9 @@ def test_min_context_matches_perf_md_6():
              ("h100-80gb", "full", True): (2, 4, 8), ("h200-141gb", "none", False): (8, 16, 32),
              ("h200-141gb", "full", False): (2, 4, 8), ("h200-141gb", "full", True): (1, 2, 4)}  # perf.md: (2*, 2, 4)
     for (gpu, recompute, fused), expected in table.items():
-        got = tuple(P.min_context_hand(LLAMA31_8B, m << 20, P.GPUS[gpu], recompute, fused_ce=fused) for m in (1, 2, 4))
+        got = tuple(C.min_context_hand(LLAMA31_8B, m << 20, C.GPUS[gpu], recompute, fused_ce=fused) for m in (1, 2, 4))
         assert got == expected, (gpu, recompute, fused)
-    assert P.hand_need_bytes(LLAMA31_8B, 1 << 20, 1, "full", fused_ce=True) / 1e9 == pytest.approx(130.6, abs=0.1)
+    assert C.hand_need_bytes(LLAMA31_8B, 1 << 20, 1, "full", fused_ce=True) / 1e9 == pytest.approx(130.6, abs=0.1)
 
 
 FULL_HEAD = ["train.loss_head=full"]  # Megatron's loss head: what perf.md's tables assume
@@ -163,7 +164,7 @@ def test_min_context_for_the_recipes_on_256_gpus():
     expect = {("h100-80gb", "full"): (4, 8, 16), ("h200-141gb", "full"): (2, 4, 8),
               ("h100-80gb", "none"): (16, 32, None), ("h200-141gb", "none"): (8, 16, 32)}
     for (gpu, recompute), cps in expect.items():
-        got = tuple(P.min_context(load_recipe(R / f"cpt_{m}.yaml", FULL_HEAD), P.GPUS[gpu], recompute=recompute)
+        got = tuple(P.min_context(load_recipe(R / f"cpt_{m}.yaml", FULL_HEAD), C.GPUS[gpu], recompute=recompute)
                     for m in ("1m", "2m", "4m"))
         assert got == cps, (gpu, recompute)
 
@@ -174,7 +175,7 @@ def test_chunked_loss_head_halves_the_context_parallel_size():
     expect = {("h100-80gb", "full"): (2, 4, 8), ("h200-141gb", "full"): (1, 2, 4),
               ("h100-80gb", "none"): (16, 32, None), ("h200-141gb", "none"): (8, 16, 32)}
     for (gpu, recompute), cps in expect.items():
-        got = tuple(P.min_context(load_recipe(R / f"cpt_{m}.yaml"), P.GPUS[gpu], recompute=recompute)
+        got = tuple(P.min_context(load_recipe(R / f"cpt_{m}.yaml"), C.GPUS[gpu], recompute=recompute)
                     for m in ("1m", "2m", "4m"))
         assert got == cps, (gpu, recompute)
     # 4M at CP 16 (256K tokens/GPU, TP 8 + SP, 2048-token chunks): 2048 x 6 B x 16032 rows + 2048 x 16 KB
@@ -194,7 +195,7 @@ def test_wall_clock_against_the_paper():
         # the model is compute-bound at these lengths: communication is < 2% of a step
         assert (p.timing.tp_comm_s + p.timing.cp_comm_s + p.timing.dp_comm_s) < 0.02 * p.timing.step_s
     p = P.plan(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100, mfu=0.35)
-    f_tok = P.train_flops_per_token(LLAMA31_8B, 1 << 20)
+    f_tok = C.train_flops_per_token(LLAMA31_8B, 1 << 20)
     assert p.timing.compute_s == pytest.approx(8 * (1 << 20) * f_tok * 4 / 3 / 256 / (0.35 * 989.4e12), rel=1e-12)
     # the chunked head forms the logits once more in backward: + 2 x h x V FLOPs per token
     chunked = P.plan(load_recipe(R / "cpt_1m.yaml"), H100, mfu=0.35)
@@ -230,12 +231,12 @@ def test_recommendation_prefers_no_recompute_when_gpus_allow():
 def test_gpu_names_agree_with_the_recipe_schema():
     hint = typing.get_type_hints(ClusterConfig)["gpu"]
     literal = [a for a in typing.get_args(hint) if a is not type(None)][0]
-    assert set(typing.get_args(literal)) == set(P.GPUS)
-    assert P.resolve_gpu("H200") is P.GPUS["h200-141gb"]
+    assert set(typing.get_args(literal)) == set(C.GPUS)
+    assert C.resolve_gpu("H200") is C.GPUS["h200-141gb"]
     with pytest.raises(RecipeError, match=r"--gpu 'a100': unknown GPU; known: h100-80gb, h200-141gb, b200-180gb"):
-        P.resolve_gpu("a100")
+        C.resolve_gpu("a100")
     with pytest.raises(RecipeError, match=r"no GPU given: set cluster\.gpu in the recipe or pass --gpu"):
-        P.resolve_gpu(None)
+        C.resolve_gpu(None)
     with pytest.raises(RecipeError, match="mfu"):
         P.plan(load_recipe(R / "cpt_1m.yaml"), H100, mfu=1.5)
 

@@ -3,7 +3,7 @@
 A Megatron-Core GPTModel (local spec, torch SDPA, fp32) trains one step with AdamW; the step is
 profiled with torch's allocator events. Static memory (weights, grads, Adam states) is counted from
 the live tensors; the dynamic peak is the highest allocation level reached during the step above
-its start. Predicted: `megatron_ext.plan.plan(...)` for the same recipe.
+its start. Predicted: `megatron_ext.plan.plan(...)` (over `megatron_ext.cost_model`) for the same recipe.
 """
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from megatron_ext import cost_model as C
 from megatron_ext import plan as P
 from megatron_ext.model import build_model_from_recipe
 from megatron_ext.recipe import load_recipe
@@ -75,7 +76,7 @@ def test_tiny_memory_prediction_within_25_percent(cpu_parallel_state, seq, loss_
                                                     f"train.loss_head={loss_head}", "train.loss_chunk_tokens=256",
                                                     f"model.vocab_size={vocab}"])
     static, saved, peak = _measure(recipe)
-    m = P.plan(recipe, P.GPUS["h100-80gb"], 1).memory
+    m = P.plan(recipe, C.GPUS["h100-80gb"], 1).memory
     assert P.kernels_of(recipe) == "local" and m.overhead == 0 and m.cp_buffers == 0
     # states: fp32 weights + grads + Adam m, v = 16 B/param, exactly
     assert m.weights + m.grads + m.optimizer == static
@@ -91,7 +92,7 @@ def test_tiny_memory_prediction_within_25_percent(cpu_parallel_state, seq, loss_
     assert abs(dynamic / peak - 1) < TOLERANCE, (dynamic, peak)
     assert abs(m.total / (static + peak) - 1) < TOLERANCE
     # negative control: the GPU (TE) itemisation would miss the local path's extra tensors by > 25% ...
-    te = P.activation_bytes(P.Shape.from_recipe(recipe), seq, 2, "none", 1, True, 4.0, "te")
+    te = C.activation_bytes(C.Shape.from_recipe(recipe), seq, 2, "none", 1, True, 4.0, "te")
     assert abs(te / (saved - head_saved) - 1) > TOLERANCE
 
 
@@ -102,8 +103,8 @@ def test_tiny_full_recompute_prediction_is_an_upper_bound(cpu_parallel_state):
                                                     "cluster.gpus_per_node=1", "train.global_batch_size=1",
                                                     "train.loss_head=full"])
     static, saved, peak = _measure(recipe)
-    m = P.plan(recipe, P.GPUS["h100-80gb"], 1).memory
-    none = P.plan(recipe, P.GPUS["h100-80gb"], 1, recompute="none").memory
+    m = P.plan(recipe, C.GPUS["h100-80gb"], 1).memory
+    none = P.plan(recipe, C.GPUS["h100-80gb"], 1, recompute="none").memory
     # only layer inputs and the head's tensors are saved: far below the no-recompute activations
     assert saved - 2048 * 4 * recipe.model.vocab_size < 0.2 * none.activations
     assert peak < m.activations + m.logits + m.rope < 1.9 * peak

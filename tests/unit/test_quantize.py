@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("modelopt.torch.quantization")
 
-from megatron_ext.plan import kv_cache_bytes_per_token  # noqa: E402
+from megatron_ext.cost_model import kv_cache_bytes_per_token  # noqa: E402
 from megatron_ext.presets import TINY  # noqa: E402
 from megatron_ext.quantize import (  # noqa: E402
     QuantizeError, load_windows, quantize, quantized_layers, quantizers_disabled, run_check, tensor_quantizers,
