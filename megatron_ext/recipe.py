@@ -12,21 +12,16 @@ Command line: `python -m megatron_ext.recipe check FILE... [--world-size N] [--s
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 
 from megatron_ext.presets import PRESETS, ROPE_PRESETS
-
-
-class RecipeError(ValueError):
-    """A user mistake in a recipe or override: the message names the field, the value and the fix."""
+from megatron_ext.recipe_schema import RecipeError, bad_value, build, unknown_key
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -203,100 +198,7 @@ class Recipe:
 
 # ---------------------------------------------------------------------------- parsing
 
-_REQUIRED = {"train.seq_length", "train.steps", "train.lr"}
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
-    if get_origin(tp) is tuple:
-        return f"a list of {_type_name(get_args(tp)[0])}"
-    return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
-
-
-def _bad(path: str, value: Any, expected: str) -> RecipeError:
-    return RecipeError(f"{path} = {value!r}: expected {expected}")
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise _bad(path, value, f"a mapping with keys {[f.name for f in fields(tp)]}")
-        return _build(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, path)
-            except RecipeError:
-                pass
-        raise _bad(path, value, _type_name(tp))
-    if origin is Literal:
-        if value in get_args(tp):
-            return value
-        raise _bad(path, value, _type_name(tp))
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise _bad(path, value, _type_name(tp))
-        return tuple(_coerce(v, get_args(tp)[0], f"{path}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _bad(path, value, "true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _bad(path, value, "an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `3e-5` as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise _bad(path, value, "a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _bad(path, value, "a string")
-    raise TypeError(f"unsupported recipe field type {tp!r} at {path}")
-
-
-def _unknown_key(path: str, key: str, valid: list[str]) -> RecipeError:
-    near = difflib.get_close_matches(key, valid, n=1)
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
-    where = f"{path}.{key}" if path else key
-    return RecipeError(f"{where}: unknown key{hint}; valid keys here: {', '.join(valid)}")
-
-
-def _build(cls: type, raw: dict, path: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    valid = [f.name for f in fields(cls)]
-    for key in raw:
-        if key not in valid:
-            raise _unknown_key(path, str(key), valid)
-    kwargs = {}
-    for f in fields(cls):
-        sub = f"{path}.{f.name}" if path else f.name
-        if f.name in raw:
-            kwargs[f.name] = _coerce(raw[f.name], hints[f.name], sub)
-        elif dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], {}, sub)
-        elif sub in _REQUIRED:
-            raise RecipeError(f"{sub}: missing required field ({_type_name(hints[f.name])}: {f.metadata['doc']})")
-    return cls(**kwargs)
+_REQUIRED = frozenset({"train.seq_length", "train.steps", "train.lr"})
 
 
 def _read_yaml(path: Path) -> dict:
@@ -333,7 +235,7 @@ def _resolve_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if parent is None:
         return raw
     if not isinstance(parent, str):
-        raise _bad(f"{path.name}: extends", parent, "a path to another recipe, relative to this file")
+        raise bad_value(f"{path.name}: extends", parent, "a path to another recipe, relative to this file")
     return _merge(_resolve_extends(path.parent / parent, seen + (path,)), raw)
 
 
@@ -357,7 +259,7 @@ def _apply_override(raw: dict, keys: list[str], value: Any) -> None:
     for depth, key in enumerate(keys):
         valid = [f.name for f in fields(cls)]
         if key not in valid:
-            raise _unknown_key(".".join(keys[:depth]), key, valid)
+            raise unknown_key(".".join(keys[:depth]), key, valid)
         hint = typing.get_type_hints(cls)[key]
         if depth == len(keys) - 1:
             node[key] = value
@@ -366,7 +268,7 @@ def _apply_override(raw: dict, keys: list[str], value: Any) -> None:
             raise RecipeError(f"{'.'.join(keys)}: {'.'.join(keys[:depth + 1])} is a value, not a section")
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise _bad(".".join(keys[: depth + 1]), node, "a mapping")
+            raise bad_value(".".join(keys[: depth + 1]), node, "a mapping")
         cls = hint
 
 
@@ -391,11 +293,11 @@ def _architecture_source(model: dict) -> dict | None:
         raise RecipeError("model.preset and model.hf_config are both set; keep one")
     if preset is not None:
         if preset not in PRESETS:
-            raise _bad("model.preset", preset, f"one of {sorted(PRESETS)}")
+            raise bad_value("model.preset", preset, f"one of {sorted(PRESETS)}")
         return PRESETS[preset]
     if hf is not None:
         if not isinstance(hf, str):
-            raise _bad("model.hf_config", hf, "a path")
+            raise bad_value("model.hf_config", hf, "a path")
         return _hf_config_file(hf)
     return None
 
@@ -438,7 +340,7 @@ def _fill_rope_preset(raw: dict, inherited: dict) -> None:
         return
     name = rope["preset"]
     if name not in ROPE_PRESETS:
-        raise _bad("rope.preset", name, f"one of {sorted(ROPE_PRESETS)}")
+        raise bad_value("rope.preset", name, f"one of {sorted(ROPE_PRESETS)}")
     explicit = {k: v for k, v in rope.items() if k != "preset" and (k not in inherited or inherited[k] != v)}
     raw["rope"] = {**ROPE_PRESETS[name], **explicit, "preset": name}
 
@@ -446,7 +348,7 @@ def _fill_rope_preset(raw: dict, inherited: dict) -> None:
 def _fill_model(raw: dict) -> None:
     model = raw.get("model") or {}
     if not isinstance(model, dict):
-        raise _bad("model", model, "a mapping (e.g. {preset: llama3.1-8b})")
+        raise bad_value("model", model, "a mapping (e.g. {preset: llama3.1-8b})")
     model = dict(model)
     source = _architecture_source(model)
     if source is not None:
@@ -478,7 +380,7 @@ def load_recipe(
         _apply_override(raw, *parse_override(text))
     _fill_rope_preset(raw, inherited_rope)
     _fill_model(raw)
-    recipe = _build(Recipe, raw, "")
+    recipe = build(Recipe, raw, "", _REQUIRED)
     from megatron_ext.recipe_rules import validate  # the rules import this module's types
 
     validate(recipe, world_size=world_size)

@@ -6,7 +6,8 @@ import dataclasses
 import typing
 from dataclasses import fields
 
-from megatron_ext.recipe import Recipe, RecipeError, _type_name, load_recipe
+from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+from megatron_ext.recipe_schema import type_name
 
 
 def field_docs(cls: type = Recipe, prefix: str = "") -> dict[str, str]:
@@ -18,7 +19,7 @@ def field_docs(cls: type = Recipe, prefix: str = "") -> dict[str, str]:
         if dataclasses.is_dataclass(hints[f.name]):
             out.update(field_docs(hints[f.name], path + "."))
         else:
-            out[path] = f"{f.metadata['doc']} [{_type_name(hints[f.name])}]"
+            out[path] = f"{f.metadata['doc']} [{type_name(hints[f.name])}]"
     return out
 
 
