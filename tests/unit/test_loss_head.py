@@ -176,3 +176,15 @@ def test_loss_head_bench_runs_at_toy_size(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "bench/loss_head_bench.py"), "--chunks", "0"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 1 and "--chunks '0'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_megatron_postprocess_signature_we_override():
+    """`ChunkedLossGPTModel._postprocess` relies on these parameters of Megatron-Core 0.16's GPTModel; an
+    upgrade that renames them must fail here, not silently fall back to another loss path."""
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    params = list(inspect.signature(GPTModel._postprocess).parameters)
+    assert params[:5] == ["self", "hidden_states", "input_ids", "position_ids", "labels"]
+    assert {"mtp_in_postprocess", "inference_context", "loss_mask"} <= set(params)
