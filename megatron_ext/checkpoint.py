@@ -17,7 +17,6 @@ import datetime
 import importlib.metadata
 import json
 import os
-import pickle
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,13 +24,10 @@ from typing import Any
 
 import torch
 
-METADATA_FILE = "megatron_ext.json"
+from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_fits, read_dcp_index
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron_ext/1"
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be read or does not fit the model (one clear message)."""
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -253,98 +249,6 @@ def read_metadata(path: str | Path) -> dict:
         raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint metadata is corrupt") from None
 
 
-def _architecture_mismatch(meta: dict, config) -> str | None:
-    """First architecture field where the checkpoint's HF config and the model's TransformerConfig differ."""
-    from megatron_ext.model import normalize_hf_config
-
-    hf = meta.get("hf_config")
-    if not hf:
-        return None
-    hf = normalize_hf_config(hf)
-    pairs = [("hidden_size", "hidden_size"), ("intermediate_size", "ffn_hidden_size"),
-             ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_attention_heads"),
-             ("num_key_value_heads", "num_query_groups"), ("head_dim", "kv_channels")]
-    for hf_name, mc_name in pairs:
-        if hf.get(hf_name) != getattr(config, mc_name, None):
-            return f"{hf_name}: checkpoint {hf.get(hf_name)}, model {getattr(config, mc_name, None)}"
-    return None
-
-
-_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """Unpickles a torch_dist `.metadata` file, allowing only the classes such files contain.
-
-    torch.distributed.checkpoint stores its index as a pickle and reads it with plain `pickle.load`,
-    which would run code from a crafted file. Checkpoints come from elsewhere, so we allow-list.
-    """
-
-    _MODULES = ("torch.distributed.checkpoint.",)
-    _TORCH = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last",
-              "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
-    _OTHER = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-              ("builtins", "slice"), ("torch", "device"),
-              ("torch.serialization", "_get_layout")}  # looks a layout up by name in torch
-
-    def find_class(self, module: str, name: str):
-        if module.startswith(self._MODULES) or (module == "torch" and name in self._TORCH) \
-                or (module, name) in self._OTHER:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-def read_dcp_index(path: str | Path):
-    """The torch.distributed.checkpoint index (`.metadata`) of a checkpoint directory, read with an allow-list.
-
-    Raises CheckpointError for a missing, corrupt or crafted file. `load_checkpoint` reads the index
-    this way first, so the plain `pickle.load` that torch then does runs only on a vetted file.
-    """
-    file = Path(path) / ".metadata"
-    try:
-        with open(file, "rb") as f:
-            return _IndexUnpickler(f).load()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{file}: not a readable torch_dist checkpoint index ({type(e).__name__}: {e})") \
-            from None
-
-
-def _check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
-    """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    try:
-        stored = dist_checkpointing.load_tensors_metadata(str(path))
-    except Exception as e:  # CheckpointingException, OSError, torch errors on corrupt files
-        raise CheckpointError(f"{path}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from None
-    problems = []
-    vocab_rows = False
-    for sh in nested_values(model_state):
-        if not isinstance(sh, ShardedTensor):
-            continue
-        if sh.key not in stored:
-            problems.append(f"missing {sh.key}")
-        elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
-            problems.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
-                            f"model {tuple(sh.global_shape)}")
-            if sh.key in _VOCAB_KEYS and tuple(stored[sh.key].global_shape)[1:] == tuple(sh.global_shape)[1:]:
-                vocab_rows = True
-    if problems:
-        meta_file = path / METADATA_FILE
-        arch = _architecture_mismatch(json.loads(meta_file.read_text()), model_chunks[0].config) \
-            if meta_file.is_file() else None
-        why = f" (architecture differs, {arch})" if arch else ""
-        if not arch and vocab_rows:
-            why = (" (padded vocabulary rows differ: padding is vocab_size rounded up to "
-                   "a multiple of both make_vocab_size_divisible_by and TP, so this TP or divisor pads differently; use the "
-                   "make_vocab_size_divisible_by and a TP that give the checkpoint's row count)")
-        shown = "; ".join(sorted(set(problems))[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
-        raise CheckpointError(f"checkpoint {path} does not fit the model{why}: {shown}; "
-                              "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")
-
-
 def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, scheduler=None,
                     iteration: int | None = None, weights_only: bool = False) -> tuple[int, dict | None]:
     """Load `root`'s checkpoint (latest, or `iteration`) into unwrapped model chunks (+ optimizer, scheduler).
@@ -363,7 +267,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     load_optim = optimizer is not None and not weights_only
     md = _sharding_metadata(optimizer if load_optim else None, saved_md)
     state: dict[str, Any] = _model_state(model_chunks, md)
-    _check_fits(path, state, model_chunks)
+    check_fits(path, state, model_chunks)
     if load_optim:
         common = dist_checkpointing.load_common_state_dict(str(path))
         if "optimizer" not in common and not _has_prefix(path, "optimizer."):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_ext.checkpoint import read_dcp_index
+from megatron_ext.checkpoint_index import read_dcp_index
 
 
 class _SafeReader(dcp.FileSystemReader):
