@@ -130,7 +130,7 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = _f("none", "Activation recomputation.")
     loss_head: Literal["chunked", "full"] = _f(
         "chunked", "chunked: logits formed loss_chunk_tokens at a time and freed (formed again in backward); "
-        "full: Megatron's output layer and cross entropy, which keep 6 B x vocab/TP per token.")
+        "full: Megatron's output layer and cross entropy (6 B x vocab/TP per token at the forward peak).")
     loss_chunk_tokens: int = _f(2048, "Tokens per logits chunk of the chunked loss head.")
     distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
     log_interval: int = _f(1, "Print a progress line every this many steps.")
