@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+import pytest
 import torch
 
 from tests.conftest import ROOT
@@ -9,13 +11,22 @@ from tests.conftest import ROOT
 RECIPE = ROOT / "recipes/tiny/sft.yaml"
 
 
-def test_sft_two_ranks(tmp_path, torchrun, sft_data):
+def run_sft(torchrun, out, data, *overrides):
+    torchrun("megatron_ext.train", 2, "--recipe", str(RECIPE), f"checkpoint.dir={out}", f"data.prefix={data}",
+             "checkpoint.init_from=null", "train.steps=3", "train.global_batch_size=4", "train.lr=3e-3", *overrides,
+             module=True)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, torchrun, sft_data):
+    return run_sft(torchrun, tmp_path_factory.mktemp("dp2"), sft_data)
+
+
+def test_sft_two_ranks(dp2, sft_data):
     from megatron_ext.data import SFTPackedDataset
 
-    torchrun("megatron_ext.train", 2, "--recipe", str(RECIPE), f"checkpoint.dir={tmp_path}",
-             f"data.prefix={sft_data}", "checkpoint.init_from=null", "train.steps=3", "train.global_batch_size=4",
-             "train.lr=3e-3", module=True)
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = dp2
     assert [m["step"] for m in metrics] == [1, 2, 3]
     # The loss is averaged over exactly the assistant tokens of the 4 packs of each step, over both ranks.
     packs = SFTPackedDataset(sft_data, 256, seed=1234)
@@ -24,3 +35,13 @@ def test_sft_two_ranks(tmp_path, torchrun, sft_data):
         assert m["loss_tokens"] == expected
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+@pytest.mark.parametrize("overrides", [["train.loss_head=full"], ["parallel.tensor=2", "train.loss_chunk_tokens=100"]],
+                         ids=["megatron-head", "tp2-chunks"])
+def test_sft_losses_equal_with_megatron_head_and_at_tp2(tmp_path, torchrun, sft_data, dp2, overrides):
+    """Packed (THD) samples through the chunked head: the same per-step losses as Megatron's head, and as TP=2
+    (each pack whole on both ranks, 100-token chunks) instead of DP=2."""
+    metrics = run_sft(torchrun, tmp_path, sft_data, *overrides)
+    assert [m["loss_tokens"] for m in metrics] == [m["loss_tokens"] for m in dp2]
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in dp2], atol=1e-5, rtol=0)
