@@ -10,6 +10,7 @@ Exits 1 with the reason when the recipe does not fit or the input is wrong.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -101,11 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not planned.fits:
         need = f"needs {planned.memory.total / GB:.1f} GB per GPU, more than the {gpu.memory_gb:g} GB of {gpu.name}"
+        chunked = ""
+        if recipe.train.loss_head == "full":
+            alt = plan(dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, loss_head="chunked")),
+                       gpu, args.gpus, args.mfu)
+            if alt.fits:
+                chunked = f"; or --set train.loss_head=chunked (fits in {alt.memory.total / GB:.1f} GB at this layout)"
         if best is None:
             sys.exit(f"error: {path}: {need}, and no context-parallel size or recompute mode fits "
-                     f"{planned.gpus} GPUs; add GPUs, use a larger GPU or shorten train.seq_length")
+                     f"{planned.gpus} GPUs; add GPUs, use a larger GPU or shorten train.seq_length{chunked}")
         sys.exit(f"error: {path}: {need}; use --set parallel.context={best.context} "
-                 f"--set train.recompute={best.recompute} (fits in {best.memory.total / GB:.1f} GB)")
+                 f"--set train.recompute={best.recompute} (fits in {best.memory.total / GB:.1f} GB){chunked}")
     return 0
 
 

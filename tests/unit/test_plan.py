@@ -259,7 +259,8 @@ def test_tool_prints_table_and_paper_ratio(stage, ratio):
     (["--gpu", "a100"], "unknown GPU; known: h100-80gb, h200-141gb, b200-180gb"),
     (["--gpus", "100"], "= 128 does not divide the world size = 100"),
     (["--gpus", "128", "--set", "parallel.context=8", "--set", "train.loss_head=full"],
-     "more than the 80 GB of h100-80gb; use --set parallel.context=16 --set train.recompute=full"),
+     "more than the 80 GB of h100-80gb; use --set parallel.context=16 --set train.recompute=full (fits in 61.1 GB); "
+     "or --set train.loss_head=chunked (fits in 55.3 GB at this layout)"),
     (["--gpus", "64", "--set", "parallel.context=4"],
      "more than the 80 GB of h100-80gb; use --set parallel.context=8 --set train.recompute=full"),
     (["--set", "train.seq_length=33554432"], "no context-parallel size or recompute mode fits 256 GPUs"),
