@@ -25,29 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _cpu_peak_bytes(fn) -> int:
-    """Highest allocation level above the start while `fn` runs (torch profiler allocator events)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].alloc_size))
-        stack.extend(node.children)
-    level = peak = 0
-    for _, size in sorted(events):
-        level += size
-        peak = max(peak, level)
-    return peak
-
-
 def measure(head, hidden, weight, labels, iters: int, device: str) -> dict:
     """Median step seconds, peak bytes of one step, and the loss and gradients of the last step."""
     import torch
+
+    from bench.measure import cpu_peak_allocated_bytes
 
     def step():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -73,7 +55,7 @@ def measure(head, hidden, weight, labels, iters: int, device: str) -> dict:
         step()
         peak = torch.cuda.max_memory_allocated() - start
     else:
-        peak = _cpu_peak_bytes(step)
+        peak = cpu_peak_allocated_bytes(step)
     return {"step_s": statistics.median(times), "step_s_all": times, "peak_bytes": peak, "out": out}
 
 

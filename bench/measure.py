@@ -1,4 +1,4 @@
-"""Timing, memory and profiling primitives of the GPU throughput benchmark (METHOD.md: warm-up, events, medians)."""
+"""Timing, memory and profiling primitives of the benchmarks (METHOD.md: warm-up, events, medians)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,26 @@ class Clock:
 
     def remaining(self) -> float:
         return self.budget_s - self.elapsed()
+
+
+def cpu_peak_allocated_bytes(fn) -> int:
+    """Highest CPU allocation level above the starting level while `fn` runs (torch profiler allocator events)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    level = peak = 0
+    for _, size in sorted(events):
+        level += size
+        peak = max(peak, level)
+    return peak
 
 
 def timed(fn, cuda: bool) -> tuple[float, object]:

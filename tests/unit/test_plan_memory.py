@@ -8,32 +8,14 @@ its start. Predicted: `megatron_ext.plan.plan(...)` (over `megatron_ext.cost_mod
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
+from bench.measure import cpu_peak_allocated_bytes
 from megatron_ext import cost_model as C
 from megatron_ext import plan as P
 from megatron_ext.model import build_model_from_recipe
 from megatron_ext.recipe import load_recipe
 
 TOLERANCE = 0.25  # the issue's bound on |predicted / measured - 1|
-
-
-def _peak_allocated_during(fn) -> int:
-    """Highest CPU allocation level above the starting level while `fn` runs (allocator events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].alloc_size))
-        stack.extend(node.children)
-    level = peak = 0
-    for _, size in sorted(events):
-        level += size
-        peak = max(peak, level)
-    return peak
 
 
 def _measure(recipe):
@@ -65,7 +47,7 @@ def _measure(recipe):
     static = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # weights + grads
     static += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                   if torch.is_tensor(t) and t.dim() > 0)
-    return static, sum(saved.values()), _peak_allocated_during(step)
+    return static, sum(saved.values()), cpu_peak_allocated_bytes(step)
 
 
 @pytest.mark.parametrize("seq, loss_head, vocab", [(512, "full", 512), (2048, "full", 512), (2048, "chunked", 512),
