@@ -1,0 +1,76 @@
+"""Zigzag CP attention per chunk (lower-right causal bias) against plain causal attention of the whole sequence."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.attention import zigzag_causal_attention
+from megatron_ext.context_parallel import cp_positions
+
+
+def _sdpa(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _inputs(seq, heads=4, groups=2, d=8):
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(2, heads, seq, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, groups, seq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_ranks_together_equal_causal_attention_of_the_whole_sequence(cp_size):
+    seq = 8 * cp_size * 3
+    q, k, v = (t.requires_grad_() for t in _inputs(seq))
+    full = _sdpa(q, k, v)  # oracle: CP = 1, is_causal
+    grads_full = torch.autograd.grad(full.square().sum(), (q, k, v))
+    out = torch.zeros_like(full)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(cp_size):
+        pos = cp_positions(seq, cp_size, rank)
+        ours = zigzag_causal_attention(_sdpa, q[:, :, pos], k, v, cp_size, rank)
+        out[:, :, pos] = ours.detach()
+        # the loss of the whole sequence is the sum over ranks, and so are its gradients
+        for acc, g in zip(grads, torch.autograd.grad(ours.square().sum(), (q, k, v))):
+            acc += g
+    torch.testing.assert_close(out, full.detach(), rtol=0, atol=1e-12)
+    for ours, ref in zip(grads, grads_full):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-11)
+
+
+def test_upper_left_alignment_would_be_wrong():
+    """Negative control: the same per-chunk split with SDPA's default (upper-left) causal mask differs."""
+    cp_size, seq = 2, 32
+    q, k, v = _inputs(seq)
+    pos = cp_positions(seq, cp_size, 1)
+    upper_left = zigzag_causal_attention(lambda q_, k_, v_, mask: _sdpa(q_, k_, v_, torch.ones(
+        q_.shape[2], k_.shape[2], dtype=torch.bool).tril()), q[:, :, pos], k, v, cp_size, 1)
+    ours = zigzag_causal_attention(_sdpa, q[:, :, pos], k, v, cp_size, 1)
+    ref = _sdpa(q, k, v)[:, :, pos]
+    torch.testing.assert_close(ours, ref)
+    assert (upper_left - ref).abs().max() > 0.1
+
+
+def test_cp_attention_bench_runs_at_toy_size(tmp_path):
+    """bench/cp_attention_bench.py stays runnable on CPU at toy shapes; both paths give the same numbers."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/cp_attention_bench.py"), "--seq", "256", "--cp", "2",
+                           "--rank", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("cp_attention-cpu-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert set(rows) == {"dense_mask", "per_chunk"} and rows["dense_mask"]["time_ratio"] == 1.0
+    for row in rows.values():
+        assert row["status"] == "ok" and row["peak_bytes"] > 0
+        assert row["max_abs_out_diff"] < 1e-5 and row["max_abs_grad_diff"] < 1e-5
+    bad = subprocess.run([sys.executable, str(ROOT / "bench/cp_attention_bench.py"), "--seq", "100", "--cp", "4"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 1 and "--seq 100" in bad.stderr and "Traceback" not in bad.stderr
