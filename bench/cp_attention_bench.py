@@ -18,8 +18,6 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def measure(attend, q, k, v, iters: int, device: str) -> dict:
-    """Median step seconds, peak bytes of one step, and the output and gradients of the last step."""
+    """Median step seconds, peak bytes of one step, and the output and gradients of the last step; or out of memory."""
     import torch
 
-    from bench.measure import cpu_peak_allocated_bytes
+    from bench.measure import step_time_and_peak
 
     def step():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
@@ -40,31 +38,12 @@ def measure(attend, q, k, v, iters: int, device: str) -> dict:
         out.backward(torch.ones_like(out))
         return out.detach(), qq.grad, kk.grad, vv.grad
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     try:
-        step()  # warm-up
-        times = []
-        for _ in range(iters):
-            sync()
-            t0 = time.perf_counter()
-            out = step()
-            sync()
-            times.append(time.perf_counter() - t0)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            step()
-            peak = torch.cuda.max_memory_allocated() - start
-        else:
-            peak = cpu_peak_allocated_bytes(step)
+        return {"status": "ok", **step_time_and_peak(step, iters, device)}
     except torch.OutOfMemoryError as err:
         if device == "cuda":
             torch.cuda.empty_cache()
         return {"status": "oom", "error": str(err).splitlines()[0]}
-    return {"status": "ok", "step_s": statistics.median(times), "step_s_all": times, "peak_bytes": peak, "out": out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     import torch
+
+    from bench.report import write_json_atomic
     import torch.nn.functional as F
 
     from megatron_ext.attention import zigzag_causal_attention
@@ -140,12 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             line += f"{'':>12}{r['peak_bytes'] / 1e6:10.1f}"
         print(line)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cp_attention-{args.device}-{result['date']}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    path = Path(args.out) / f"cp_attention-{args.device}-{result['date']}.json"
+    write_json_atomic(path, result)
     print(f"JSON: {path}")
     return 0
 

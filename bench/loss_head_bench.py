@@ -14,9 +14,7 @@ and the largest difference of loss and of gradients to the baseline's, relative 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ def measure(head, hidden, weight, labels, iters: int, device: str) -> dict:
     """Median step seconds, peak bytes of one step, and the loss and gradients of the last step."""
     import torch
 
-    from bench.measure import cpu_peak_allocated_bytes
+    from bench.measure import step_time_and_peak
 
     def step():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -37,26 +35,7 @@ def measure(head, hidden, weight, labels, iters: int, device: str) -> dict:
         loss.backward(torch.ones_like(loss))
         return loss.detach(), h.grad, w.grad
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    step()  # warm-up
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        out = step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        step()
-        peak = torch.cuda.max_memory_allocated() - start
-    else:
-        peak = cpu_peak_allocated_bytes(step)
-    return {"step_s": statistics.median(times), "step_s_all": times, "peak_bytes": peak, "out": out}
+    return step_time_and_peak(step, iters, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     import torch
+
+    from bench.report import write_json_atomic
 
     os.environ.setdefault("MASTER_PORT", "29517")
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -119,12 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"][name] = row
         print(f"{name:<14}{row['step_s']:9.3f}{row['time_ratio']:10.2f}x{r['peak_bytes'] / 1e6:10.1f}"
               f"{row['memory_ratio']:9.2f}x{diff_loss:12.2e}{diff_grad:12.2e}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"loss_head-{result['date']}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    path = Path(args.out) / f"loss_head-{result['date']}.json"
+    write_json_atomic(path, result)
     print(f"JSON: {path}")
     return 0
 

@@ -42,6 +42,37 @@ def cpu_peak_allocated_bytes(fn) -> int:
     return peak
 
 
+def step_time_and_peak(step, iters: int, device: str) -> dict:
+    """`step()` once to warm up, `iters` timed calls (median seconds; the device is synchronized around
+    each), then one more call for its peak bytes allocated above its start (CUDA: `max_memory_allocated`;
+    CPU: the profiler's allocator events). Returns `step_s`, `step_s_all`, `peak_bytes` and `out`, the
+    output of the last timed call."""
+    import statistics
+
+    import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        out = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        step()
+        peak = torch.cuda.max_memory_allocated() - start
+    else:
+        peak = cpu_peak_allocated_bytes(step)
+    return {"step_s": statistics.median(times), "step_s_all": times, "peak_bytes": peak, "out": out}
+
+
 def timed(fn, cuda: bool) -> tuple[float, object]:
     """Seconds of `fn()` on the device: CUDA events around it and a wait on the end event; on CPU a host clock."""
     import torch
