@@ -143,6 +143,7 @@ class Run:
         self.main_layers = self.layers()
         self.results: list[dict] = doc["results"]
         self.json_path = s.out / "gpu_throughput.json"
+        (s.out / "profiles.txt").unlink(missing_ok=True)  # profiles are appended to it; start empty
 
     def layers(self) -> int:
         return self.s.layers if self.s.layers is not None else self.doc["model"]["num_hidden_layers"]
@@ -241,8 +242,8 @@ class Run:
                 if self.clock.remaining() > 2 * row["step_s"] + 10:
                     try:
                         batch = stack.batch(L, self.doc["model"]["vocab_size"], s.device, gen)
-                        path = s.out / f"profile_{name}_{L}_{self.layers()}L.txt"
-                        row["profile"] = profile_step(stack, batch, s.device, path)
+                        row["profile"] = profile_step(stack, batch, s.device, s.out / "profiles.txt",
+                                                      f"{name} {L} {self.layers()}L")
                     except Exception as e:  # noqa: BLE001
                         row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 else:

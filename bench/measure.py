@@ -127,8 +127,9 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
 
 
-def profile_step(stack, batch: dict, device: str, path: Path) -> dict:
-    """One step under torch.profiler: top kernels to `path`, device time per kernel bucket to the JSON."""
+def profile_step(stack, batch: dict, device: str, path: Path, title: str) -> dict:
+    """One step under torch.profiler: top kernels appended to `path` under `title` (one file for all profiles
+    of a run: the device tool returns 8 files at most), device time per kernel bucket to the JSON."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -144,10 +145,11 @@ def profile_step(stack, batch: dict, device: str, path: Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Self time names the kernels; inclusive time of the ops (CPU-side events, their kernels included)
     # names the layers: the loss (_ChunkedLinearCrossEntropy, or _VocabParallelCrossEntropy), attention, recompute (CheckpointFunction).
-    path.write_text(f"== by self time ({self_key})\n"
-                    + events.table(sort_by=self_key, row_limit=30, max_name_column_width=90)
-                    + f"\n== by inclusive time ({total_key})\n"
-                    + events.table(sort_by=total_key, row_limit=40, max_name_column_width=90))
+    with path.open("a") as f:
+        f.write(f"#### {title}\n== by self time ({self_key})\n"
+                + events.table(sort_by=self_key, row_limit=30, max_name_column_width=90)
+                + f"\n== by inclusive time ({total_key})\n"
+                + events.table(sort_by=total_key, row_limit=40, max_name_column_width=90) + "\n\n")
     ops = sorted(((e.key, getattr(e, total_key)) for e in events
                   if not str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, total_key) > 0),
                  key=lambda kv: -kv[1])[:25]
@@ -158,6 +160,6 @@ def profile_step(stack, batch: dict, device: str, path: Path) -> dict:
         kernels = [(e.key, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
     buckets = bucket_kernels(kernels)
     total = sum(buckets.values()) or 1.0
-    return {"file": path.name, "unit": "device us" if cuda else "cpu us (self time of ops)",
+    return {"file": path.name, "section": f"#### {title}", "unit": "device us" if cuda else "cpu us (self time of ops)",
             "total_us": total, "share": {k: v / total for k, v in buckets.items()},
             "top_ops_inclusive_us": [[name, us] for name, us in ops]}
