@@ -110,14 +110,18 @@ def total_params(s: Shape, vocab_rows: int | None = None) -> int:
     return s.layers * layer_matmul_params(s) + norms + v * s.hidden * (1 if s.tied else 2)
 
 
-def train_flops_per_token(s: Shape, seq_len: int, causal: bool = True) -> float:
-    """Model training FLOPs per token (3x forward): 6 N_matmul + attention core (perf.md §5a).
+def attention_core_train_flops_per_token(d_attn: int, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs (3x forward) of one layer's attention core (QK^T and PV) per token, d_attn = heads x head_dim.
 
-    Causal: QK^T and PV over the average context (L+1)/2 -> 6 layers d_attn (L+1); non-causal
-    (old NeMo/Megatron convention): 12 layers d_attn L.
+    Causal: over the average context (L+1)/2 -> 6 d_attn (L+1); non-causal (old NeMo/Megatron
+    convention): 12 d_attn L (perf.md §5a).
     """
-    d_attn = s.heads * s.head_dim
-    attention = 6 * s.layers * d_attn * (seq_len + 1) if causal else 12 * s.layers * d_attn * seq_len
+    return 6.0 * d_attn * (seq_len + 1) if causal else 12.0 * d_attn * seq_len
+
+
+def train_flops_per_token(s: Shape, seq_len: int, causal: bool = True) -> float:
+    """Model training FLOPs per token (3x forward): 6 N_matmul + attention core (perf.md §5a)."""
+    attention = s.layers * attention_core_train_flops_per_token(s.heads * s.head_dim, seq_len, causal)
     return 6.0 * matmul_params(s) + attention
 
 
