@@ -1,5 +1,6 @@
 """What a checkpoint directory holds, read without trusting it: the torch_dist index (allow-listed
-unpickling) and whether a model's tensors fit the stored ones, with one error that says why not.
+unpickling), whether a model's tensors fit the stored ones, with one error that says why not, and
+whether a run's layout can take the stored optimizer state.
 """
 
 from __future__ import annotations
@@ -105,3 +106,29 @@ def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
         shown = "; ".join(sorted(set(problems))[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
         raise CheckpointError(f"checkpoint {path} does not fit the model{why}: {shown}; "
                               "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")
+
+
+def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_optimizer: bool) -> str | None:
+    """Why a run with parallel `layout` cannot load the optimizer state of a checkpoint whose run metadata is
+    `saved` (`read_metadata`), or None when it can.
+
+    The distributed optimizer keeps flat fp32 buffers, one per bucket of a TP x PP rank's parameters, cut
+    into DP x CP slices; saved `dp_reshardable` (megatron_ext.checkpoint), they load at any DP x CP but not
+    at another TP or PP, whose buckets hold other parameters. The plain optimizer's state follows each
+    parameter's own sharding, so any layout loads it.
+    """
+    if saved.get("has_optimizer") is False:
+        return "the checkpoint holds no optimizer state"
+    saved_layout = saved.get("parallel")
+    saved_distributed = ((saved.get("recipe") or {}).get("train") or {}).get("distributed_optimizer")
+    if not saved_layout or saved_distributed is None:
+        return "the checkpoint does not record its parallel layout and optimizer"
+    if saved_distributed != distributed_optimizer:
+        return f"train.distributed_optimizer was {saved_distributed}, now {distributed_optimizer}"
+    if distributed_optimizer:
+        changed = [f"parallel.{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tensor", "pipeline")
+                   if saved_layout.get(k) != layout[k]]
+        if changed:
+            return ("the distributed optimizer's state is cut along TP x PP buckets and cannot follow "
+                    + ", ".join(changed) + " (DP and CP may change)")
+    return None

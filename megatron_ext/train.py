@@ -173,6 +173,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.checkpoint import (
         CheckpointError, latest_iteration, load_checkpoint, read_metadata, save_checkpoint,
     )
+    from megatron_ext.checkpoint_index import optimizer_state_mismatch
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
     from megatron_ext.training_data import TrainBatches
@@ -195,17 +196,16 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     if latest_iteration(root) is not None:
         saved = read_metadata(root)
         layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": dp_size}
-        saved_optimizer = (saved.get("recipe") or {}).get("train", {}).get("distributed_optimizer")
-        if saved.get("parallel") == layout and saved_optimizer == t.distributed_optimizer:
+        why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer)
+        if why_not is None:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
-            log(f"[train] resumed from {root} at step {start}")
+            changed = saved["parallel"] != layout
+            log(f"[train] resumed from {root} at step {start}"
+                + (f" (parallel layout {saved['parallel']} -> {layout})" if changed else ""))
         else:
-            # The distributed optimizer's state is sharded by the DP x CP bucket layout; another
-            # layout can load the (global) weights but not that state.
             start, _ = load_checkpoint(root, [model], weights_only=True)
             scheduler.step(increment=start)
-            log(f"[train] resumed weights from {root} at step {start}; parallel layout changed "
-                f"({saved.get('parallel')} -> {layout}): fresh optimizer state")
+            log(f"[train] resumed weights from {root} at step {start} with a fresh optimizer state: {why_not}")
         # The recipe's schedule wins over the one saved in the optimizer's param groups.
         for group in optimizer.param_groups:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr

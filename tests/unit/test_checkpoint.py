@@ -196,3 +196,28 @@ def test_crafted_index_is_refused_before_torch_unpickles_it(tmp_path, cpu_parall
     with pytest.raises(CheckpointError, match="refusing to load posix.system"):
         load_checkpoint(root, [model], weights_only=True)
     assert not (tmp_path / "pwned").exists()
+
+
+def _saved(tensor=1, pipeline=1, context=1, data=2, distributed=True, has_optimizer=True):
+    return {"has_optimizer": has_optimizer, "recipe": {"train": {"distributed_optimizer": distributed}},
+            "parallel": {"tensor": tensor, "pipeline": pipeline, "context": context, "data": data}}
+
+
+@pytest.mark.parametrize("saved, layout, distributed, why", [
+    # the distributed optimizer's DP x CP slices reshard; its TP x PP buckets do not
+    (_saved(), dict(tensor=1, pipeline=1, context=1, data=2), True, None),
+    (_saved(), dict(tensor=1, pipeline=1, context=2, data=4), True, None),
+    (_saved(), dict(tensor=2, pipeline=1, context=1, data=1), True, "parallel.tensor 1 -> 2"),
+    (_saved(pipeline=2), dict(tensor=1, pipeline=1, context=1, data=2), True, "parallel.pipeline 2 -> 1"),
+    # the plain optimizer follows each parameter's sharding: any layout
+    (_saved(distributed=False), dict(tensor=2, pipeline=2, context=1, data=1), False, None),
+    (_saved(distributed=False), dict(tensor=1, pipeline=1, context=1, data=2), True,
+     "train.distributed_optimizer was False, now True"),
+    (_saved(has_optimizer=False), dict(tensor=1, pipeline=1, context=1, data=2), True, "no optimizer state"),
+    ({"hf_config": {}}, dict(tensor=1, pipeline=1, context=1, data=2), True, "does not record"),
+])
+def test_optimizer_state_mismatch(saved, layout, distributed, why):
+    from megatron_ext.checkpoint_index import optimizer_state_mismatch
+
+    got = optimizer_state_mismatch(saved, layout, distributed)
+    assert got is None if why is None else why in got
