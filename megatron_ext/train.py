@@ -176,7 +176,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.checkpoint_index import optimizer_state_mismatch
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
-    from megatron_ext.training_data import TrainBatches
+    from megatron_ext.training_data import TrainBatches, resume_position
 
     t, p = recipe.train, recipe.parallel
     root = Path(recipe.checkpoint.dir)
@@ -191,7 +191,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     model.config.no_sync_func = ddp_model.no_sync
     optimizer, scheduler = build_optimizer(recipe, [ddp_model])
 
-    start = 0
+    start = consumed_samples = tokens_seen = 0
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer}
     if latest_iteration(root) is not None:
         saved = read_metadata(root)
@@ -211,6 +211,11 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr
         scheduler.step(increment=0)
         metadata["tokenizer"] = metadata["tokenizer"] or saved.get("tokenizer")
+        consumed_samples, tokens_seen, data_changed = resume_position(saved, start, recipe)
+        if data_changed:
+            log(f"[train] warning: {'; '.join(data_changed)} since the checkpoint: the run goes on at sample "
+                f"{consumed_samples} of another sample order (for a new stage, use a new checkpoint.dir with "
+                "checkpoint.init_from)")
     elif recipe.checkpoint.init_from:
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
         if metadata["tokenizer"] is None:
@@ -221,14 +226,14 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         log(f"[train] initialised weights from {recipe.checkpoint.init_from} (fresh optimizer)")
 
     data = TrainBatches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
-                        cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context)
+                        cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
+                        first_step=start, consumed_samples=consumed_samples)
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = stop or StopFlag()
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     forward_backward = get_forward_backward_func()
-    tokens_seen = start * t.global_batch_size * t.seq_length
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
 
@@ -270,8 +275,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         stopping = stop.agreed()
         interval = recipe.checkpoint.interval
         if stopping or step == t.steps or (interval and step % interval == 0):
-            save_checkpoint(root, step, [model], optimizer=optimizer, scheduler=scheduler, metadata=metadata,
-                            keep_last=recipe.checkpoint.keep_last)
+            position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen}
+            save_checkpoint(root, step, [model], optimizer=optimizer, scheduler=scheduler,
+                            metadata={**metadata, **position}, keep_last=recipe.checkpoint.keep_last)
             log(f"[train] saved {root}/iter_{step:07d}")
         if stopping and step < t.steps:
             log(f"[train] received signal {stop.signal}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")

@@ -4,8 +4,11 @@ CPT samples come from Megatron-Core's `GPTDataset` (`megatron_ext.data.build_cpt
 samples are packed conversations (`megatron_ext.data.SFTPackedDataset`) run as THD sequences.
 
 Sample `i` of the run is read by exactly one DP rank: step s, microbatch m, DP rank d and row b
-read sample `s * G + (m * DP + d) * B + b` (G global batch, B micro batch). The order depends only
-on the step, so a resumed run reads exactly what an uninterrupted run would have read.
+read sample `C + (s - s0) * G + (m * DP + d) * B + b` (G global batch, B micro batch, C the samples
+consumed before step s0, where this process started: 0 and 0 for a new run, the checkpoint's count
+for a resumed one). The order does not depend on DP or CP, so a resumed run reads exactly what an
+uninterrupted run would have read, on any layout; after a change of G it goes on where the last
+step before it stopped.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from megatron_ext.recipe import Recipe
 class TrainBatches:
     """Deterministic per-step microbatch iterators for one (DP rank, CP rank)."""
 
-    def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int):
+    def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int,
+                 first_step: int = 0, consumed_samples: int = 0):
         t = recipe.train
         self.global_batch, self.micro_batch = t.global_batch_size, t.micro_batch_size
+        self.first_step, self.consumed_samples = first_step, consumed_samples
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
         self.stage = t.stage
         prefix = recipe.data.prefix
@@ -38,7 +43,7 @@ class TrainBatches:
                 raise DataError(f"data.prefix = {prefix!r}: {manifest['tokens']} tokens, fewer than one global "
                                 f"batch ({t.global_batch_size} x {t.seq_length} = {needed}); prepare more data")
             self.dataset = build_cpt_datasets(prefix, t.seq_length, seed=t.seed, split=recipe.data.split,
-                                              num_samples=(t.steps * t.global_batch_size, None, None))[0]
+                                              num_samples=(self.samples_before(t.steps), None, None))[0]
         else:
             self.dataset = SFTPackedDataset(prefix, t.seq_length, seed=t.seed)
             if len(self.dataset) < t.global_batch_size:
@@ -46,9 +51,13 @@ class TrainBatches:
                                 f"{t.seq_length} tokens, fewer than train.global_batch_size = {t.global_batch_size}; "
                                 "prepare more SFT data or lower the global batch")
 
+    def samples_before(self, step: int) -> int:
+        """Samples of the run read before 0-based step `step` (`step` >= the first step of this process)."""
+        return self.consumed_samples + (step - self.first_step) * self.global_batch
+
     def sample_ids(self, step: int, microbatch: int) -> list[int]:
         """Dataset indices of this rank's rows in microbatch `microbatch` of 0-based step `step`."""
-        first = step * self.global_batch + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch
+        first = self.samples_before(step) + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch
         # SFT packs are few: later steps go round them again (epochs), in the same order.
         return [i % len(self.dataset) for i in range(first, first + self.micro_batch)]
 
@@ -67,3 +76,30 @@ class TrainBatches:
 
     def iterator(self, step: int, num_microbatches: int) -> Iterator[dict[str, torch.Tensor]]:
         return (self.microbatch(step, m) for m in range(num_microbatches))
+
+
+_DATA_IDENTITY = (("data", "prefix"), ("data", "split"), ("train", "stage"), ("train", "seq_length"), ("train", "seed"))
+
+
+def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, list[str]]:
+    """Where a run resumed at `step` from a checkpoint with run metadata `saved` goes on in its data:
+    (samples consumed, tokens seen, the data settings that changed since, as 'field: old -> new').
+
+    Checkpoints record both counts; older ones are counted at their recipe's global batch. A changed
+    data setting gives another sample order, in which the run goes on at the same sample count.
+    """
+    old = saved.get("recipe") or {}
+    old_train = old.get("train") or {}
+    consumed = saved.get("consumed_samples")
+    if consumed is None:
+        consumed = step * old_train.get("global_batch_size", recipe.train.global_batch_size)
+    tokens = saved.get("tokens")
+    if tokens is None:
+        tokens = consumed * old_train.get("seq_length", recipe.train.seq_length)
+    changed = []
+    for section, key in _DATA_IDENTITY:
+        saved_section = old.get(section) or {}
+        now = getattr(getattr(recipe, section), key)
+        if key in saved_section and saved_section[key] != now:
+            changed.append(f"{section}.{key}: {saved_section[key]!r} -> {now!r}")
+    return int(consumed), int(tokens), changed

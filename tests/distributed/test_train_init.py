@@ -1,4 +1,4 @@
-"""Starting points: a converted HF model (step-1 loss = transformers' loss), and resuming at another layout."""
+"""Starting points: a converted HF model (step-1 loss = transformers' loss), and resuming with another global batch."""
 
 import json
 import subprocess
@@ -48,10 +48,18 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
     assert abs(ours - theirs.item()) <= 1e-4, (ours, theirs.item())
 
 
-def test_resume_at_another_cp_loads_weights_with_fresh_optimizer(tmp_path, torchrun, token_data):
+def test_resume_with_another_global_batch_goes_on_where_it_stopped(tmp_path, torchrun, token_data):
+    """Two steps of 4 samples, then two of 2: the run reads samples 8..11 next (not 4..7, which step x batch
+    would give) and its checkpoint counts 12 samples; the same run resumed at CP 2 reads the same."""
+    from megatron_ext.checkpoint import read_metadata
+
     args = ["--recipe", str(RECIPE), f"data.prefix={token_data}", f"checkpoint.dir={tmp_path}",
-            "train.seq_length=256", "train.global_batch_size=2"]
-    torchrun("megatron_ext.train", 1, *args, "parallel.context=1", "train.steps=2", module=True)
-    out = torchrun("megatron_ext.train", 2, *args, "parallel.context=2", "train.steps=4", module=True)
-    assert "parallel layout changed" in out and "fresh optimizer state" in out
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+            "train.seq_length=256", "parallel.context=1"]
+    torchrun("megatron_ext.train", 1, *args, "train.global_batch_size=4", "train.steps=2", module=True)
+    assert read_metadata(tmp_path)["consumed_samples"] == 8
+    out = torchrun("megatron_ext.train", 2, *args, "train.global_batch_size=2", "train.steps=4",
+                   "parallel.context=2", module=True)
+    assert "resumed from" in out and "warning" not in out
+    assert [(m["step"], m["tokens"]) for m in metrics(tmp_path)] == [(1, 1024), (2, 2048), (3, 2560), (4, 3072)]
+    meta = read_metadata(tmp_path)
+    assert (meta["consumed_samples"], meta["tokens"]) == (12, 12 * 256)

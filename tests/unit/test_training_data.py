@@ -1,0 +1,68 @@
+"""Which samples each rank reads at each step, and where a resumed run goes on in its data."""
+
+import pytest
+
+from megatron_ext.recipe import load_recipe
+from megatron_ext.training_data import TrainBatches, resume_position
+from tests.conftest import ROOT
+
+RECIPE = ROOT / "recipes/tiny/cpt.yaml"
+
+
+def _recipe(token_data, *overrides):
+    return load_recipe(RECIPE, [f"data.prefix={token_data}", "checkpoint.dir=/tmp/unused", "train.seq_length=256",
+                                "train.steps=8", "parallel.context=1", *overrides])
+
+
+def _ids(batches, step, dp_size, microbatches):
+    return [i for m in range(microbatches) for d in range(dp_size)
+            for i in TrainBatches.sample_ids(_rank(batches, d), step, m)]
+
+
+def _rank(batches, d):
+    import copy
+
+    other = copy.copy(batches)
+    other.dp_rank = d
+    return other
+
+
+def test_every_sample_read_once_in_order_on_any_layout(token_data):
+    recipe = _recipe(token_data, "train.global_batch_size=4")
+    one = TrainBatches(recipe, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
+    two = TrainBatches(recipe, dp_rank=0, dp_size=2, cp_rank=0, cp_size=1)
+    for step in range(3):
+        assert _ids(one, step, 1, 4) == list(range(4 * step, 4 * step + 4))
+        assert sorted(_ids(two, step, 2, 2)) == list(range(4 * step, 4 * step + 4))
+
+
+def test_after_a_batch_change_the_run_goes_on_where_it_stopped(token_data):
+    """Resumed at step 2 after 8 samples, with a global batch of 2: samples 8, 9, then 10, 11."""
+    resumed = TrainBatches(_recipe(token_data, "train.global_batch_size=2"), dp_rank=0, dp_size=1, cp_rank=0,
+                           cp_size=1, first_step=2, consumed_samples=8)
+    assert _ids(resumed, 2, 1, 2) == [8, 9] and _ids(resumed, 3, 1, 2) == [10, 11]
+    assert resumed.samples_before(4) == 12
+    plain = TrainBatches(_recipe(token_data, "train.global_batch_size=2"), dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
+    assert _ids(plain, 2, 1, 2) == [4, 5]  # control: step x batch would read samples already seen
+
+
+@pytest.mark.parametrize("saved, expect", [
+    # counts recorded by the checkpoint
+    ({"consumed_samples": 12, "tokens": 3072, "recipe": {"train": {"global_batch_size": 4}}}, (12, 3072, [])),
+    # an older checkpoint: counted at its own global batch and sequence length
+    ({"recipe": {"train": {"global_batch_size": 4, "seq_length": 512}}}, (12, 12 * 512,
+                                                                          ["train.seq_length: 512 -> 256"])),
+    ({}, (6, 6 * 256, [])),  # nothing recorded: the current recipe's numbers
+])
+def test_resume_position(token_data, saved, expect):
+    recipe = _recipe(token_data, "train.global_batch_size=2")
+    assert resume_position(saved, 3, recipe) == expect
+
+
+def test_resume_position_names_changed_data_settings(token_data):
+    recipe = _recipe(token_data, "train.global_batch_size=2", "train.seed=7")
+    saved = {"consumed_samples": 8, "tokens": 2048,
+             "recipe": {**recipe.to_dict(), "data": {**recipe.to_dict()["data"], "prefix": "/old/cpt"}}}
+    saved["recipe"]["train"] = {**saved["recipe"]["train"], "seed": 1}
+    _, _, changed = resume_position(saved, 4, recipe)
+    assert changed == [f"data.prefix: '/old/cpt' -> {token_data!r}", "train.seed: 1 -> 7"]
