@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_fits, read_dcp_index
+from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron_ext/1"
@@ -174,6 +174,20 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
             **metadata,
         }
         (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=_json_default) + "\n")
+    # Every rank has written its shards; rank 0 checks that they are all there before anything is
+    # renamed, and all ranks raise together if not (the previous checkpoint and pointer stay).
+    problem = [None]
+    if _rank() == 0:
+        try:
+            check_complete(tmp)
+        except CheckpointError as e:
+            problem = [str(e)]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(f"save of iteration {iteration} failed: {problem[0]}")
+
+    if _rank() == 0:
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -259,7 +273,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     from megatron.core import dist_checkpointing
 
     iteration, path = resolve_iteration_dir(root, iteration)
-    read_dcp_index(path)  # vet the pickled index before torch unpickles it
+    check_complete(path)  # vets the pickled index before torch unpickles it, then the files it names
     try:
         saved_md = dist_checkpointing.load_content_metadata(str(path))
     except Exception as e:

@@ -72,6 +72,28 @@ def read_dcp_index(path: str | Path):
             from None
 
 
+def check_complete(path: str | Path) -> None:
+    """Raise one CheckpointError when a file that the torch_dist index of `path` refers to is missing or
+    shorter than the index says: a save that did not finish on some node, or a partial copy."""
+    path = Path(path)
+    index = read_dcp_index(path)
+    needed: dict[str, int] = {"common.pt": 1, "metadata.json": 1}  # Megatron's own files beside the index
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} has {file.stat().st_size} bytes, the index needs {size}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{path}: incomplete checkpoint: {'; '.join(problems[:3])}{more}. A save that did not "
+                              "finish or a partial copy: copy it again, or point latest_checkpointed_iteration.txt "
+                              "at an earlier iter_* folder")
+
+
 def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
     """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint."""
     from megatron.core import dist_checkpointing

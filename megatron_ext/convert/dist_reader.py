@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_ext.checkpoint_index import read_dcp_index
+from megatron_ext.checkpoint_index import check_complete, read_dcp_index
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -61,6 +61,7 @@ class TorchDistReader:
         self.path = Path(path)
         self._reader = _SafeReader(str(self.path))
         try:
+            check_complete(self.path)
             meta = self._reader.read_metadata()
         except CheckpointError as e:
             raise ConvertError(str(e)) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +222,39 @@ def test_optimizer_state_mismatch(saved, layout, distributed, why):
 
     got = optimizer_state_mismatch(saved, layout, distributed)
     assert got is None if why is None else why in got
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "__0_1.distcp").write_bytes((d / "__0_1.distcp").read_bytes()[:100]), "__0_1.distcp has 100 bytes"),
+    (lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+    (lambda d: (d / "common.pt").unlink(), "common.pt is missing"),
+])
+def test_incomplete_checkpoint_is_named_at_load(tmp_path, cpu_parallel_state, damage, message):
+    """A truncated or missing shard (a partial copy) is one clear error, not an EOFError from inside torch."""
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+    load_checkpoint(root, [model], weights_only=True)  # complete: loads
+    damage(root / "iter_0000001")
+    with pytest.raises(CheckpointError, match=f"iter_0000001: incomplete checkpoint: {message}"):
+        load_checkpoint(root, [model], weights_only=True)
+
+
+def test_save_with_a_lost_shard_keeps_the_previous_checkpoint(tmp_path, cpu_parallel_state, monkeypatch):
+    """A shard that never reached the filesystem (a node's write lost): the save fails before the rename."""
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+    real_save = dist_checkpointing.save
+
+    def save_then_lose_a_shard(state, directory, **kwargs):
+        out = real_save(state, directory, **kwargs)
+        sorted(Path(directory).glob("*.distcp"))[-1].unlink()
+        return out
+
+    monkeypatch.setattr(dist_checkpointing, "save", save_then_lose_a_shard)
+    with pytest.raises(CheckpointError, match="save of iteration 2 failed: .*incomplete checkpoint: __0_1.distcp is missing"):
+        save_checkpoint(root, 2, [model], metadata={"hf_config": TINY})
+    assert latest_iteration(root) == 1 and not (root / "iter_0000002").exists()

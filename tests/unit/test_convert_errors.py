@@ -163,3 +163,14 @@ def test_crafted_checkpoint_index_is_not_unpickled(tmp_path, mcore, cpu_parallel
     fails(["to-hf", "--megatron", str(d), "--out", str(tmp_path / "o")], "refusing to load posix.system")
     assert not (tmp_path / "pwned").exists()
     no_leftovers(tmp_path, "o")
+
+
+def test_partially_copied_checkpoint_is_named(tmp_path, mcore, cpu_parallel_state):
+    """A shard cut short (an interrupted copy from the cluster) is named before any tensor is read."""
+    d = tmp_path / "m"
+    shutil.copytree(mcore, d)
+    shard = sorted((d / "iter_0000000").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:10])
+    fails(["to-hf", "--megatron", str(d), "--out", str(tmp_path / "o")], "incomplete checkpoint",
+          f"{shard.name} has 10 bytes")
+    no_leftovers(tmp_path, "o")
