@@ -92,6 +92,12 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _require(not (r.fp8 is not None and r.attention == "sdpa"),
              "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
     _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")
+    if p.sequence_parallel:
+        local = t.seq_length // p.context
+        _require(local % p.tensor == 0,
+                 f"train.seq_length = {t.seq_length}: with parallel.sequence_parallel each rank's {local} tokens "
+                 f"(seq_length / context) are split over parallel.tensor = {p.tensor} ranks and must divide evenly; "
+                 f"e.g. train.seq_length = {-(-t.seq_length // (p.tensor * 2 * p.context)) * p.tensor * 2 * p.context}")
     if t.stage == "sft":
         _require(t.micro_batch_size == 1,
                  f"train.micro_batch_size = {t.micro_batch_size}: SFT runs one packed sequence per microbatch "

@@ -87,6 +87,11 @@ def test_missing_architecture():
     (["rope.rope_type=yarn"], 2, None),  # yarn with the inherited factor is fine
     (["rope={rope_type: yarn}"], 2, r"rope\.factor: missing; rope_type 'yarn' needs a scaling factor"),
     (["train.min_lr=1"], 2, r"train\.min_lr = 1\.0: must be between 0 and train\.lr"),
+    (["runtime.device=cuda", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=1",
+      "train.seq_length=257"], 2, r"train\.seq_length = 257: with parallel\.sequence_parallel each rank's 257 tokens "
+     r".* parallel\.tensor = 2 .* e\.g\. train\.seq_length = 260"),
+    (["runtime.device=cuda", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=1",
+      "train.seq_length=258"], 2, None),
 ])
 def test_cross_field_rules(override, world, message):
     if message is None:
