@@ -193,7 +193,12 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
 
     start = consumed_samples = tokens_seen = 0
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer}
-    if latest_iteration(root) is not None:
+    done = latest_iteration(root)
+    if done is not None and done >= t.steps:  # a finished run started again (a requeue, a rerun)
+        log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
+            "(raise train.steps to go on)")
+        return 0
+    if done is not None:
         saved = read_metadata(root)
         layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": dp_size}
         why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer)

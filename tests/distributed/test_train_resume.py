@@ -96,3 +96,16 @@ def test_sigusr1_saves_and_exits_for_requeue(tmp_path, token_data):
     step = latest(out)
     assert step is not None and step >= 2 and (out / f"iter_{step:07d}").is_dir()
     assert "received signal" in stdout
+
+
+def test_finished_run_started_again_trains_nothing(tmp_path, token_data, straight):
+    """A requeue or rerun of a finished run exits 0 at once, saying so, and leaves its checkpoint alone."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    before = (run / "metrics.jsonl").read_text()
+    out = subprocess.run(train_cmd(run, token_data, "train.steps=6"), env=env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "is at step 6 and train.steps = 6: nothing to train" in out.stdout
+    assert (run / "metrics.jsonl").read_text() == before and latest(run) == 6
