@@ -186,20 +186,25 @@ def activation_bytes_per_token_layer(s: Shape, tensor: int = 1, sequence_paralle
 
 def activation_bytes(s: Shape, tokens: int, layers: int, recompute: str, tensor: int = 1,
                      sequence_parallel: bool = True, dtype_bytes: float = 2.0, kernels: str = "te",
-                     in_flight: int = 1) -> float:
+                     in_flight: int = 1, recompute_layers: int | None = None) -> float:
     """Activation memory of `layers` layers for `tokens` tokens per micro-batch, `in_flight` micro-batches.
 
     none / selective: every layer's saved tensors (selective recompute of core attention saves
     nothing more once attention is fused, perf.md §5b). full (uniform, 1 layer per checkpoint):
     each layer keeps its input (h / TP with SP) and backward holds one layer's activations twice
     (recomputed tensors and their gradients): perf.md §5b/§6 "1 KB/token/layer + ~35 KB/token".
+    full with `recompute_layers` = N (block): the first N layers keep their inputs, the other
+    layers all their saved tensors; the backward's transient is then the larger of those other
+    layers and the two layers' worth of a recomputed one (N = `layers` is full, N = 0 none).
     """
     per_layer = activation_bytes_per_token_layer(s, tensor, sequence_parallel, dtype_bytes, kernels)
     if recompute in ("none", "selective"):
         return tokens * layers * per_layer * in_flight
     if recompute == "full":
         layer_input = dtype_bytes * s.hidden / (tensor if sequence_parallel else 1)
-        return tokens * (layers * layer_input * in_flight + 2 * per_layer)
+        n = layers if recompute_layers is None else min(recompute_layers, layers)
+        kept = (layers - n) * in_flight
+        return tokens * (n * layer_input * in_flight + max(kept, 2) * per_layer)
     raise ValueError(f"recompute = {recompute!r}: expected one of {RECOMPUTE_MODES}")
 
 

@@ -107,6 +107,7 @@ class BuildOptions:
     attention: str = "auto"  # auto | te | sdpa
     precision: str = "fp32"  # fp32 | bf16
     recompute: str = "none"  # none | selective | full
+    recompute_layers: int | None = None  # full only: the first N layers of each stage (block); None: all
     fp8: str | None = None
     fp8_attention: bool = False
     fp8_recipe: str = "delayed"
@@ -122,7 +123,7 @@ class BuildOptions:
             tensor=p.tensor, pipeline=p.pipeline, context=p.context, cp_comm_type=p.cp_comm_type,
             hierarchical_context_sizes=p.hierarchical_context_sizes, sequence_parallel=p.sequence_parallel,
             device=rt.device, attention=rt.attention, precision=recipe.train.precision,
-            recompute=recipe.train.recompute, fp8=rt.fp8, fp8_attention=rt.fp8_attention, fp8_recipe=rt.fp8_recipe,
+            recompute=recipe.train.recompute, recompute_layers=recipe.train.recompute_layers, fp8=rt.fp8, fp8_attention=rt.fp8_attention, fp8_recipe=rt.fp8_recipe,
             make_vocab_size_divisible_by=recipe.model.make_vocab_size_divisible_by, seq_length=recipe.train.seq_length,
             loss_head=recipe.train.loss_head, loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         )
@@ -159,6 +160,8 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
     recompute = {}
     if opts.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if opts.recompute_layers is not None:  # the first N layers of each stage; the rest keep activations
+            recompute.update(recompute_method="block", recompute_num_layers=opts.recompute_layers)
     elif opts.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     fused = use_te  # fusions need TE/Apex kernels

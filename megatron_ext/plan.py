@@ -73,9 +73,22 @@ class Plan:
     context: int
     data: int
     recompute: str
+    recompute_layers: int | None  # full only: the first N layers of each stage; None: all
     fused_ce: bool
     memory: Memory
     timing: Timing
+
+    @property
+    def recompute_label(self) -> str:
+        if self.recompute == "full" and self.recompute_layers is not None:
+            return f"full ({self.recompute_layers} of {self.recipe.model.num_hidden_layers // self.pipeline} layers)"
+        return self.recompute
+
+    @property
+    def recompute_overrides(self) -> str:
+        """The recipe overrides that select this plan's recompute."""
+        return f"train.recompute={self.recompute}" + (
+            f" train.recompute_layers={self.recompute_layers}" if self.recompute_layers is not None else "")
 
     @property
     def capacity(self) -> float:
@@ -97,8 +110,9 @@ def kernels_of(recipe: Recipe) -> str:
 
 
 def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *, context: int | None = None,
-         recompute: str | None = None, fused_ce: bool = False) -> Plan:
-    """Memory and time of `recipe` on `gpus` x `gpu`; `context`/`recompute` override the recipe's.
+         recompute: str | None = None, recompute_layers: int | None = None, fused_ce: bool = False) -> Plan:
+    """Memory and time of `recipe` on `gpus` x `gpu`; `context`/`recompute` override the recipe's
+    (`recompute` with `recompute_layers`, the first N layers of each stage for `full`).
 
     `fused_ce` assumes a fused cross entropy (2 B x V/TP per token) where the recipe's loss head is `full`.
 
@@ -111,7 +125,8 @@ def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *
     gpus = gpus or recipe.cluster.nodes * recipe.cluster.gpus_per_node
     changed = dataclasses.replace(
         recipe, parallel=dataclasses.replace(recipe.parallel, context=context or recipe.parallel.context),
-        train=dataclasses.replace(recipe.train, recompute=recompute or recipe.train.recompute))
+        train=recipe.train if recompute is None else dataclasses.replace(
+            recipe.train, recompute=recompute, recompute_layers=recompute_layers))
     validate(changed, world_size=gpus)
     recipe = changed
     s, p, t = Shape.from_recipe(recipe), recipe.parallel, recipe.train
@@ -126,13 +141,13 @@ def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *
     mem = Memory(
         **states,
         activations=activation_bytes(s, tokens, s.layers // pp, t.recompute, tp, sp, dtype, kernels_of(recipe),
-                                     in_flight=min(pp, microbatches)),
+                                     in_flight=min(pp, microbatches), recompute_layers=t.recompute_layers),
         logits=loss_head_bytes(s, tokens, rows, tp, sp, dtype, t.loss_head, t.loss_chunk_tokens, fused_ce),
         rope=rope_table_bytes(t.seq_length, cp, s.head_dim),
         cp_buffers=cp_buffer_bytes(s, tokens, tp, cp, dtype),
         overhead=OVERHEAD_BYTES if recipe.runtime.device == "cuda" else 0.0,
     )
-    return Plan(recipe, gpu, gpus, tp, pp, cp, dp, t.recompute, fused_ce, mem,
+    return Plan(recipe, gpu, gpus, tp, pp, cp, dp, t.recompute, t.recompute_layers, fused_ce, mem,
                 step_timing(recipe, s, gpu, gpus, dp, mfu))
 
 
@@ -145,7 +160,10 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
     f_tok = train_flops_per_token(s, t.seq_length)
     d_attn = s.heads * s.head_dim
     attn_fwd_tok = 2 * s.layers * d_attn * (t.seq_length + 1)  # forward attention core, per token
-    extra = {"none": 0.0, "selective": attn_fwd_tok, "full": f_tok / 3}[t.recompute]
+    # the share of layers whose forward runs again (full: all, or the first recompute_layers of a stage)
+    recomputed = 0.0 if t.recompute != "full" else (
+        1.0 if t.recompute_layers is None else t.recompute_layers / (s.layers // pp))
+    extra = {"none": 0.0, "selective": attn_fwd_tok, "full": recomputed * f_tok / 3}[t.recompute]
     if t.loss_head == "chunked":
         extra += 2 * s.hidden * s.vocab  # its backward forms the logits again (megatron_ext/loss_head.py)
     tokens_step = t.global_batch_size * t.seq_length
@@ -156,7 +174,7 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
     # TP with SP: per layer 4 collectives forward (all-gather before QKV and FC1, reduce-scatter after
     # O and FC2), 6 backward (their transposes + re-gathering the inputs for the weight gradients),
     # +4 when the forward is recomputed; each moves (tp-1)/tp of [tokens, hidden]; not overlapped.
-    collectives = 14 if t.recompute == "full" else 10
+    collectives = 10 + 4 * recomputed
     tp_bytes = collectives * s.layers / pp * (tp - 1) / tp * tokens_mb * s.hidden * dtype
     tp_comm = microbatches * tp_bytes / _link(tp, recipe.cluster.gpus_per_node, gpu) if tp > 1 else 0.0
     # CP p2p ring: cp-1 steps per layer, each sends the local K/V (backward: K/V and dK/dV) while
@@ -168,7 +186,7 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
         attn_layer = tokens_mb * attn_fwd_tok / s.layers / tp / rate  # forward attention of one layer
         fwd = max(0.0, kv / link - attn_layer / cp)
         bwd = max(0.0, 2 * kv / link - 2 * attn_layer / cp)
-        passes = 2 if t.recompute == "full" else 1
+        passes = 1 + recomputed
         cp_comm = microbatches * s.layers / pp * (cp - 1) * (passes * fwd + bwd)
     # DP x CP: distributed optimizer reduce-scatters grads and all-gathers params once per step (train.py
     # sets overlap_grad_reduce=False, so not overlapped).
@@ -215,15 +233,27 @@ def min_context(recipe: Recipe, gpu: GPU, gpus: int | None = None, recompute: st
 
 def recommend(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35,
               fused_ce: bool = False) -> Plan | None:
-    """Fastest (CP, recompute) that fits and keeps the recipe's global batch; None if none does."""
+    """Fastest (CP, recompute) that fits and keeps the recipe's global batch; None if none does.
+
+    Full recompute is tried on the fewest first layers of a stage that fit with 10% of the memory
+    to spare (`train.recompute_layers`), since every layer left out saves its forward again.
+    """
     gpus = gpus or recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    stage_layers = recipe.model.num_hidden_layers // recipe.parallel.pipeline
     best = None
     for recompute in RECOMPUTE_MODES:
+        # fewest recomputed layers first (the fastest), then all of them
+        options = [*range(1, stage_layers), None] if recompute == "full" else [None]
         for cp in context_candidates(recipe, gpus):
-            try:
-                p = plan(recipe, gpu, gpus, mfu, context=cp, recompute=recompute, fused_ce=fused_ce)
-            except RecipeError:
-                continue
-            if p.fits and (best is None or p.timing.step_s < best.timing.step_s * 0.999):
+            for layers in options:  # memory grows as fewer layers are recomputed: the first fit is the fastest
+                try:
+                    p = plan(recipe, gpu, gpus, mfu, context=cp, recompute=recompute, recompute_layers=layers,
+                             fused_ce=fused_ce)
+                except RecipeError:
+                    p = None
+                    break
+                if p.fits and (layers is None or not p.tight):  # partial recompute keeps the 10% headroom
+                    break
+            if p is not None and p.fits and (best is None or p.timing.step_s < best.timing.step_s * 0.999):
                 best = p
     return best

@@ -128,6 +128,10 @@ class TrainConfig:
     seed: int = _f(1234, "Random seed (init, data order).")
     precision: Literal["bf16", "fp32"] = _f("bf16", "Parameter/compute dtype; optimizer state is fp32.")
     recompute: Literal["none", "selective", "full"] = _f("none", "Activation recomputation.")
+    recompute_layers: int | None = _f(
+        None, "With recompute: full, recompute only the first N layers of each pipeline stage (Megatron's block "
+        "method); the others keep their activations: less recompute where memory allows (tools/plan.py "
+        "suggests N). null: every layer.")
     loss_head: Literal["chunked", "full"] = _f(
         "chunked", "chunked: logits formed loss_chunk_tokens at a time and freed (formed again in backward); "
         "full: Megatron's output layer and cross entropy (6 B x vocab/TP per token at the forward peak).")

@@ -36,6 +36,14 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr}: must be between 0 and train.lr = {t.lr}")
     _require(t.warmup_steps < t.steps or t.warmup_steps == 0,
              f"train.warmup_steps = {t.warmup_steps}: must be below train.steps = {t.steps}")
+    if t.recompute_layers is not None:
+        stage_layers = m.num_hidden_layers // p.pipeline
+        _require(t.recompute == "full",
+                 f"train.recompute_layers = {t.recompute_layers}: needs train.recompute = 'full' "
+                 f"(is {t.recompute!r}); set train.recompute=full or train.recompute_layers=null")
+        _require(1 <= t.recompute_layers <= stage_layers,
+                 f"train.recompute_layers = {t.recompute_layers}: must be between 1 and the layers of a pipeline "
+                 f"stage ({stage_layers} = model.num_hidden_layers / parallel.pipeline)")
     _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
 
     heads = m.num_attention_heads

@@ -35,7 +35,7 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
     gb = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
     lines = [
         f"plan: {r.name}  on {p.gpus} x {p.gpu.name}  (TP {p.tensor} x PP {p.pipeline} x CP {p.context} x DP {p.data}),"
-        f" seq {r.train.seq_length:,}, global batch {r.train.global_batch_size}, recompute {p.recompute},"
+        f" seq {r.train.seq_length:,}, global batch {r.train.global_batch_size}, recompute {p.recompute_label},"
         f" kernels {kernels_of(r)}",
         "  memory per GPU",
         f"  {'weights':<34}{gb(m.weights)}",
@@ -70,7 +70,7 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
         lines.append(f"  recommendation: no CP/recompute fits {p.gpus} x {p.gpu.name} with global batch "
                      f"{r.train.global_batch_size}; add GPUs, use a larger GPU or shorten train.seq_length")
     else:
-        lines.append(f"  recommendation: parallel.context={best.context} train.recompute={best.recompute}"
+        lines.append(f"  recommendation: parallel.context={best.context} {best.recompute_overrides}"
                      f" ({best.memory.total / GB:.1f} GB, {best.timing.hours:.2f} h for {r.train.steps} steps)")
     return "\n".join(lines), best
 
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         if best is None:
             sys.exit(f"error: {path}: {need}, and no context-parallel size or recompute mode fits "
                      f"{planned.gpus} GPUs; add GPUs, use a larger GPU or shorten train.seq_length{chunked}")
-        sys.exit(f"error: {path}: {need}; use --set parallel.context={best.context} "
-                 f"--set train.recompute={best.recompute} (fits in {best.memory.total / GB:.1f} GB){chunked}")
+        sets = " ".join(f"--set {o}" for o in f"parallel.context={best.context} {best.recompute_overrides}".split())
+        sys.exit(f"error: {path}: {need}; use {sets} (fits in {best.memory.total / GB:.1f} GB){chunked}")
     return 0
 
 

@@ -70,6 +70,8 @@ def test_recompute_settings():
     full = transformer_config(TINY, BuildOptions(recompute="full"))
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
     assert transformer_config(TINY, BuildOptions(recompute="selective")).recompute_granularity == "selective"
+    block = transformer_config(TINY, BuildOptions(recompute="full", recompute_layers=1))
+    assert (block.recompute_granularity, block.recompute_method, block.recompute_num_layers) == ("full", "block", 1)
     assert transformer_config(TINY, BuildOptions()).recompute_granularity is None
 
 

@@ -223,7 +223,14 @@ def test_recommendation_prefers_no_recompute_when_gpus_allow():
     best = P.recommend(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100)
     assert (best.context, best.recompute) == (16, "none")
     best4 = P.recommend(load_recipe(R / "cpt_4m.yaml", FULL_HEAD), H100)
-    assert (best4.context, best4.recompute) == (16, "full")  # the paper's layout
+    # the paper's layout (CP 16, full recompute) fits; faster: CP 32 recomputing 15 of the 32 layers, with
+    # 10% of the memory to spare (the fewest recomputed layers that leave it)
+    assert (best4.context, best4.recompute, best4.recompute_layers) == (32, "full", 15)
+    assert best4.fits and not best4.tight and best4.timing.step_s < P.plan(
+        load_recipe(R / "cpt_4m.yaml", FULL_HEAD), H100).timing.step_s
+    tighter = P.plan(load_recipe(R / "cpt_4m.yaml", FULL_HEAD + ["parallel.context=32", "train.recompute=full",
+                                                                 "train.recompute_layers=14"]), H100)
+    assert tighter.tight or not tighter.fits
     assert P.recommend(load_recipe(R / "cpt_4m.yaml", FULL_HEAD + ["train.seq_length=16777216"]), H100) is None
     assert P.recommend(load_recipe(R / "cpt_4m.yaml", ["train.seq_length=16777216"]), H100).context == 32
 
@@ -259,7 +266,8 @@ def test_tool_prints_table_and_paper_ratio(stage, ratio):
     (["--gpu", "a100"], "unknown GPU; known: h100-80gb, h200-141gb, b200-180gb"),
     (["--gpus", "100"], "= 128 does not divide the world size = 100"),
     (["--gpus", "128", "--set", "parallel.context=8", "--set", "train.loss_head=full"],
-     "more than the 80 GB of h100-80gb; use --set parallel.context=16 --set train.recompute=full (fits in 61.1 GB); "
+     "more than the 80 GB of h100-80gb; use --set parallel.context=16 --set train.recompute=full "
+     "--set train.recompute_layers=28 (fits in 69.1 GB); "
      "or --set train.loss_head=chunked (fits in 55.3 GB at this layout)"),
     (["--gpus", "64", "--set", "parallel.context=4"],
      "more than the 80 GB of h100-80gb; use --set parallel.context=8 --set train.recompute=full"),
@@ -277,3 +285,16 @@ def test_tool_bad_input_one_line(args, message):
 def test_tool_cannot_fit_at_any_cp_says_so():
     proc = _tool(str(R / "cpt_4m.yaml"), "--set", "train.seq_length=33554432")
     assert proc.returncode == 1 and "no CP/recompute fits 256 x h100-80gb" in proc.stdout
+
+
+def test_partial_recompute_time_and_memory_interpolate():
+    """Recomputing the first N of 32 layers adds N/32 of full recompute's extra forward; memory falls with N."""
+    recipe = load_recipe(R / "cpt_1m.yaml", ["parallel.context=16"])
+    none, full = (P.plan(recipe, H100, recompute=rc) for rc in ("none", "full"))
+    part = {n: P.plan(recipe, H100, recompute="full", recompute_layers=n) for n in (8, 16, 32)}
+    assert part[8].timing.compute_s - none.timing.compute_s == pytest.approx(
+        8 / 32 * (full.timing.compute_s - none.timing.compute_s))
+    assert part[32].memory.activations == full.memory.activations and part[32].timing.step_s == full.timing.step_s
+    assert none.memory.activations > part[8].memory.activations > part[16].memory.activations > full.memory.activations
+    assert part[8].recompute_label == "full (8 of 32 layers)"
+    assert part[8].recompute_overrides == "train.recompute=full train.recompute_layers=8"
