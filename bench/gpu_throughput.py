@@ -124,7 +124,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
         fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
         min_timed_s=args.min_timed_s if args.min_timed_s is not None else (0.0 if dry else 3.0),
-        loss_head=args.loss_head,
+        loss_head=args.loss_head, partial_recompute=not args.no_partial_recompute,
     )
 
 
@@ -238,7 +238,7 @@ class Run:
             row.update(self.measure(stack, L, warmup, iters, gen, cuda))
             if row["status"] == "oom":
                 failed_at = L
-            if row["status"] == "ok" and L in s.profile_lengths:
+            if row["status"] == "ok" and L in s.profile_lengths and ":" not in recompute:  # not the extras
                 if self.clock.remaining() > 2 * row["step_s"] + 10:
                     try:
                         batch = stack.batch(L, self.doc["model"]["vocab_size"], s.device, gen)
@@ -255,6 +255,28 @@ class Run:
             torch.cuda.empty_cache()
             self.doc.setdefault("leftover_gib", []).append(
                 {"after": f"{name}/{recompute}/{self.layers()}L", "allocated_gib": torch.cuda.memory_allocated() / GIB})
+
+    def partial_layers(self, length: int) -> int | None:
+        """Fewest first layers to recompute that the planner fits in 90% of an H200 at `length` (None: none)."""
+        from megatron_ext.cost_model import GPUS
+        from megatron_ext.plan import plan
+
+        for n in range(1, self.layers()):
+            r = make_recipe(self.s, f"full:{n}")
+            p = plan(dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length)),
+                     GPUS["h200-141gb"], gpus=1)
+            if p.fits and not p.tight:
+                return n
+        return None
+
+    def run_partial_recompute(self) -> None:
+        """Ours again where full recompute ran, recomputing only the first N layers (`train.recompute_layers`)."""
+        done = [r["length"] for r in self.results if r["stack"] == "ours" and r["recompute"] == "full"
+                and r["status"] == "ok" and r["layers"] == self.main_layers]
+        for L in done:
+            n = self.partial_layers(L)
+            if n is not None:
+                self.run_stack("ours", f"full:{n}", [L])
 
     def run_fallback(self, fallback_layers: int) -> None:
         """Lengths where our stack ran out of memory, again with `fallback_layers` layers (both stacks)."""
@@ -368,6 +390,8 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
                     run.run_stack(name, recompute, lengths)
         if s.fallback_layers:
             run.run_fallback(s.fallback_layers)
+        if s.partial_recompute and "ours" in s.stacks:
+            run.run_partial_recompute()
         run.save()
     finally:
         destroy_distributed()
@@ -397,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths where ours runs out of memory are run again with this many layers (default 2; 0: off)")
     p.add_argument("--loss-head", default="chunked", choices=("chunked", "full"),
                    help="our loss head: chunked (megatron_ext.loss_head, default) or Megatron's (full)")
+    p.add_argument("--no-partial-recompute", action="store_true",
+                   help="skip the extra rows of ours recomputing only the first N layers where full recompute ran "
+                        "(N: the fewest the planner fits in 90%% of the GPU)")
     p.add_argument("--label", default=None, help="free text kept in the JSON, e.g. the commit that ran")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")

@@ -53,6 +53,9 @@ def predict_step_s(known: list[tuple[int, str, float]], length: int, recompute: 
     """
     if not known:
         return step_flops(length) / (fallback_tflops * 1e12)
+    # full:N (the first N layers recomputed) is predicted as full: an upper bound for the time guard
+    known = [(ln, rc.partition(":")[0], t) for ln, rc, t in known]
+    recompute = recompute.partition(":")[0]
     near_len, near_rec, near_s = min(known, key=lambda k: (abs(k[0] - length), k[1] != recompute))
     scale = step_flops(length) / step_flops(near_len)
     if recompute == "full" and near_rec != "full":
@@ -63,8 +66,9 @@ def predict_step_s(known: list[tuple[int, str, float]], length: int, recompute: 
 
 
 def ratios(results: list[dict], ours: str = "ours", peer: str = "peer") -> dict[int, float | None]:
-    """ours / peer tokens/s at each length where both ran ('ok'); None where one of them did not."""
-    by = {(r["stack"], r["length"]): r for r in results}
+    """ours / peer tokens/s at each length where both ran ('ok'); None where one of them did not.
+    Rows with partial recompute (`full:N`, an extra of ours) are not the comparison."""
+    by = {(r["stack"], r["length"]): r for r in results if ":" not in r.get("recompute", "")}
     out: dict[int, float | None] = {}
     for length in sorted({r["length"] for r in results}):
         a, b = by.get((ours, length)), by.get((peer, length))
@@ -90,8 +94,12 @@ def format_table(results: list[dict]) -> str:
     head = (f"{'length':>8} {'layers':>6} {'stack':<5} {'recomp':<6} {'step_s':>8} {'tokens/s':>10} {'TFLOP/s':>8} "
             f"{'MFU@peak':>8} {'MFU@mm':>7} {'peak_GiB':>8} {'ours/peer':>9}  status")
     lines = [head, "-" * len(head)]
+    peer_ok = {(r.get("layers"), r["length"]): r for r in results if r["stack"] == "peer" and r["status"] == "ok"}
     for r in sorted(results, key=lambda r: (-(r.get("layers") or 0), r["length"], r["stack"] != "ours")):
         rat = ratio.get((r.get("layers"), r["length"])) if r["stack"] == "ours" else None
+        if r["stack"] == "ours" and ":" in r["recompute"]:  # a partial-recompute extra: its own ratio
+            peer = peer_ok.get((r.get("layers"), r["length"]))
+            rat = r["tokens_per_s"] / peer["tokens_per_s"] if peer and r["status"] == "ok" else None
         rat_s = f"{rat:.2f}x" if rat is not None else "-"
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"[:60]
         lead = f"{r['length']:>8} {r.get('layers', '-'):>6} {r['stack']:<5} {r['recompute']:<6}"

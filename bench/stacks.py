@@ -29,12 +29,18 @@ class Settings:
     fallback_layers: int = 0
     min_timed_s: float = 0.0
     loss_head: str = "chunked"  # ours: megatron_ext.loss_head (chunked) or Megatron's output layer + CE (full)
+    partial_recompute: bool = False  # ours, after the main rows: also recompute only the first N layers (full:N)
 
 
 def make_recipe(s: Settings, recompute: str):
-    """The recipe whose model block, optimizer and DDP settings `train.py`'s helpers read."""
+    """The recipe whose model block, optimizer and DDP settings `train.py`'s helpers read.
+
+    `recompute`: none, full, or full:N (full recompute of the first N layers, `train.recompute_layers`).
+    """
     from megatron_ext.presets import PRESETS
     from megatron_ext.recipe import load_recipe
+
+    recompute, _, layers = recompute.partition(":")
 
     native = PRESETS[s.preset]["max_position_embeddings"]
     model = {"preset": s.preset, "max_position_embeddings": max(native, max(s.lengths))}
@@ -42,7 +48,8 @@ def make_recipe(s: Settings, recompute: str):
         model["num_hidden_layers"] = s.layers
     raw = {"name": "gpu_throughput", "model": model,
            "train": {"seq_length": max(s.lengths), "steps": 1000, "lr": 1e-5, "precision": "bf16",
-                     "recompute": recompute, "loss_head": s.loss_head},
+                     "recompute": recompute, "recompute_layers": int(layers) if layers else None,
+                     "loss_head": s.loss_head},
            "cluster": {"nodes": 1, "gpus_per_node": 1}, "runtime": {"device": s.device, "attention": "sdpa"}}
     return load_recipe(raw=raw, world_size=1)
 

@@ -37,12 +37,17 @@ def test_dry_run_table_and_json(dry_run):
     stdout, doc, out = dry_run
     assert doc["schema"] == gt.SCHEMA and doc["settings"]["device"] == "cpu" and doc["label"] == "dry"
     assert doc["peak_tflops"] == 989.4 and doc["matmul"]["tflops"] > 0
-    rows = doc["results"]
+    rows = [r for r in doc["results"] if ":" not in r["recompute"]]
     assert sorted((r["stack"], r["length"]) for r in rows) == [(s, L) for s in ("ours", "peer") for L in (64, 128, 256)]
+    # then ours again where full recompute ran, recomputing only the first layer (the planner's fewest that fit)
+    partial = [r for r in doc["results"] if ":" in r["recompute"]]
+    assert [(r["stack"], r["length"], r["recompute"], r["status"]) for r in partial] == [
+        ("ours", 128, "full:1", "ok"), ("ours", 256, "full:1", "ok")]
+    assert all(r["plan"]["activations_gib"] > 0 for r in partial)
     shape = shape_from_hf_config(TINY)
-    for r in rows:
+    for r in rows + partial:
         assert r["status"] == "ok", r
-        assert r["recompute"] == ("none" if r["length"] < 128 else "full")
+        assert r["recompute"] in (["none"] if r["length"] < 128 else ["full", "full:1"])
         assert len(r["step_s_all"]) == r["iters"] == 2 and r["step_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["length"] / r["step_s"])
         assert r["flops_per_token"] == train_flops_per_token(shape, r["length"], causal=True)
@@ -72,7 +77,9 @@ def test_dry_run_table_and_json(dry_run):
     lines = stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("length"))
     table = lines[head + 2: head + 8]
-    assert [ln.split()[:3] for ln in table] == [[str(L), "2", s] for L in (64, 128, 256) for s in ("ours", "peer")]
+    assert [ln.split()[:4] for ln in table[:2]] == [["64", "2", "ours", "none"], ["64", "2", "peer", "none"]]
+    assert [ln.split()[:4] for ln in lines[head + 4: head + 7]] == [
+        ["128", "2", "ours", "full"], ["128", "2", "ours", "full:1"], ["128", "2", "peer", "full"]]
     assert f"{doc['ratios']['64']:.2f}x" in table[0]
 
 
