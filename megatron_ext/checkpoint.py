@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,10 +179,14 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     # renamed, and all ranks raise together if not (the previous checkpoint and pointer stay).
     problem = [None]
     if _rank() == 0:
-        try:
-            check_complete(tmp)
-        except CheckpointError as e:
-            problem = [str(e)]
+        for wait_s in (0, 2, 5):  # a shared filesystem may show other nodes' files a moment late
+            time.sleep(wait_s)
+            try:
+                check_complete(tmp)
+                problem = [None]
+                break
+            except CheckpointError as e:
+                problem = [str(e)]
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(problem, src=0)
     if problem[0] is not None:

@@ -6,6 +6,7 @@ whether a run's layout can take the stored optimizer state.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -82,11 +83,17 @@ def check_complete(path: str | Path) -> None:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     problems = []
     for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
+        try:  # open, not stat: NFS revalidates a file's size written by another node on open
+            with open(path / name, "rb") as f:
+                have = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
             problems.append(f"{name} is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"{name} has {file.stat().st_size} bytes, the index needs {size}")
+            continue
+        except OSError as e:
+            problems.append(f"{name} cannot be read ({e.strerror})")
+            continue
+        if have < size:
+            problems.append(f"{name} has {have} bytes, the index needs {size}")
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(f"{path}: incomplete checkpoint: {'; '.join(problems[:3])}{more}. A save that did not "
