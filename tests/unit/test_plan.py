@@ -298,3 +298,11 @@ def test_partial_recompute_time_and_memory_interpolate():
     assert none.memory.activations > part[8].memory.activations > part[16].memory.activations > full.memory.activations
     assert part[8].recompute_label == "full (8 of 32 layers)"
     assert part[8].recompute_overrides == "train.recompute=full train.recompute_layers=8"
+
+
+def test_tool_names_partial_recompute():
+    proc = _tool(str(R / "cpt_4m.yaml"), "--gpu", "h100", "--set", "parallel.context=32", "--set",
+                 "train.recompute=full", "--set", "train.recompute_layers=9")
+    assert proc.returncode == 0, proc.stderr
+    assert "recompute full (9 of 32 layers)" in proc.stdout
+    assert "recommendation: parallel.context=32 train.recompute=full train.recompute_layers=9" in proc.stdout
