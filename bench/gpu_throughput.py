@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -36,6 +34,7 @@ if str(ROOT) not in sys.path:
 # Long sequences: fewer fragmentation OOMs. Must be set before torch initialises CUDA.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+from bench.device_env import BenchError, ensure_packages, environment  # noqa: E402
 from bench.measure import Clock, is_oom, measure_matmul, peak_memory_gib, profile_step, timed  # noqa: E402
 from bench.report import (  # noqa: E402
     GIB, format_table, median, parse_lengths, predict_step_s, ratios, throughput, write_json_atomic,
@@ -43,51 +42,6 @@ from bench.report import (  # noqa: E402
 from bench.stacks import STACKS, Settings, make_recipe  # noqa: E402
 
 SCHEMA = "megatron_ext.bench.gpu_throughput/1"
-WHEEL_INSTALL = ["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-                 "--upgrade", "--target"]
-
-
-class BenchError(RuntimeError):
-    """A user mistake (arguments, missing wheels): one line, exit 1."""
-
-
-# ---------------------------------------------------------------------------- install
-
-
-def install_wheels(wheels: Path, site: Path) -> list[str]:
-    """pip-install every wheel of `wheels` into `site` offline (no index, no dependencies); put `site` first
-    on sys.path. Returns the wheel names. The device machine has no registry: see bench/README.md."""
-    found = sorted(Path(wheels).glob("*.whl"))
-    if not found:
-        raise BenchError(f"--wheels {wheels} holds no .whl file; prepare the folder with the `pip download` "
-                         "command of bench/README.md and carry it")
-    cmd = [sys.executable, *WHEEL_INSTALL, str(site), *map(str, found)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise BenchError(f"pip could not install {[p.name for p in found]} into {site}: {last[0]}")
-    if str(site) not in sys.path:
-        sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    return [p.name for p in found]
-
-
-def ensure_packages(wheels: Path, site: Path, module: str = "megatron.core") -> list[str]:
-    """Import `module`; if it is missing, install the carried wheels (`install_wheels`) and import again.
-
-    Returns the wheels installed ([] when nothing was needed).
-    """
-    try:
-        importlib.import_module(module)
-        return []
-    except ImportError:
-        pass
-    names = install_wheels(wheels, site)
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise BenchError(f"{module} still does not import after installing {names} into {site}: {e}") from None
-    return names
 
 
 # ---------------------------------------------------------------------------- settings
@@ -330,28 +284,6 @@ class Run:
             if cuda:
                 torch.cuda.empty_cache()
         return out
-
-
-def environment(device: str) -> dict:
-    import torch
-
-    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
-    for mod in ("transformers", "megatron.core"):
-        try:
-            env[mod] = importlib.import_module(mod).__version__
-        except Exception:  # noqa: BLE001
-            env[mod] = None
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, gpu_memory_gib=p.total_memory / GIB, sms=p.multi_processor_count,
-                   flash_sdp=torch.backends.cuda.flash_sdp_enabled())
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                           timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        env["git_commit"] = None
-    return env
 
 
 def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = None) -> dict:
