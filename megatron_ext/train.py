@@ -173,10 +173,10 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.checkpoint import (
         CheckpointError, latest_iteration, load_checkpoint, read_metadata, save_checkpoint,
     )
-    from megatron_ext.checkpoint_index import optimizer_state_mismatch
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
-    from megatron_ext.training_data import TrainBatches, resume_position
+    from megatron_ext.resume import plan_resume
+    from megatron_ext.training_data import TrainBatches
 
     t, p = recipe.train, recipe.parallel
     root = Path(recipe.checkpoint.dir)
@@ -194,33 +194,33 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     start = consumed_samples = tokens_seen = 0
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer}
     done = latest_iteration(root)
-    if done is not None and done >= t.steps:  # a finished run started again (a requeue, a rerun)
-        log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
-            "(raise train.steps to go on)")
-        return 0
     if done is not None:
         saved = read_metadata(root)
-        layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": dp_size}
-        why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer)
-        if why_not is None:
+        resume = plan_resume(saved, done, recipe, dp_size)
+        if resume.finished:  # a finished run started again (a requeue, a rerun)
+            log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
+                "(raise train.steps to go on)")
+            return 0
+        if resume.full_state:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
-            changed = saved["parallel"] != layout
-            log(f"[train] resumed from {root} at step {start}"
-                + (f" (parallel layout {saved['parallel']} -> {layout})" if changed else ""))
+            log(f"[train] resumed from {root} at step {start}" + (
+                f" (parallel layout {resume.saved_layout} -> {resume.layout})"
+                if resume.saved_layout != resume.layout else ""))
         else:
             start, _ = load_checkpoint(root, [model], weights_only=True)
             scheduler.step(increment=start)
-            log(f"[train] resumed weights from {root} at step {start} with a fresh optimizer state: {why_not}")
+            log(f"[train] resumed weights from {root} at step {start} with a fresh optimizer state: "
+                f"{resume.why_not_full}")
         # The recipe's schedule wins over the one saved in the optimizer's param groups.
         for group in optimizer.param_groups:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr
         scheduler.step(increment=0)
         metadata["tokenizer"] = metadata["tokenizer"] or saved.get("tokenizer")
-        consumed_samples, tokens_seen, data_changed = resume_position(saved, start, recipe)
-        if data_changed:
-            log(f"[train] warning: {'; '.join(data_changed)} since the checkpoint: the run goes on at sample "
-                f"{consumed_samples} of another sample order (for a new stage, use a new checkpoint.dir with "
-                "checkpoint.init_from)")
+        consumed_samples, tokens_seen = resume.consumed_samples, resume.tokens
+        if resume.data_changed:
+            log(f"[train] warning: {'; '.join(resume.data_changed)} since the checkpoint: the run goes on at "
+                f"sample {consumed_samples} of another sample order (for a new stage, use a new checkpoint.dir "
+                "with checkpoint.init_from)")
     elif recipe.checkpoint.init_from:
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
         if metadata["tokenizer"] is None:

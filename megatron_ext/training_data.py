@@ -77,29 +77,3 @@ class TrainBatches:
     def iterator(self, step: int, num_microbatches: int) -> Iterator[dict[str, torch.Tensor]]:
         return (self.microbatch(step, m) for m in range(num_microbatches))
 
-
-_DATA_IDENTITY = (("data", "prefix"), ("data", "split"), ("train", "stage"), ("train", "seq_length"), ("train", "seed"))
-
-
-def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, list[str]]:
-    """Where a run resumed at `step` from a checkpoint with run metadata `saved` goes on in its data:
-    (samples consumed, tokens seen, the data settings that changed since, as 'field: old -> new').
-
-    Checkpoints record both counts; older ones are counted at their recipe's global batch. A changed
-    data setting gives another sample order, in which the run goes on at the same sample count.
-    """
-    old = saved.get("recipe") or {}
-    old_train = old.get("train") or {}
-    consumed = saved.get("consumed_samples")
-    if consumed is None:
-        consumed = step * old_train.get("global_batch_size", recipe.train.global_batch_size)
-    tokens = saved.get("tokens")
-    if tokens is None:
-        tokens = consumed * old_train.get("seq_length", recipe.train.seq_length)
-    changed = []
-    for section, key in _DATA_IDENTITY:
-        saved_section = old.get(section) or {}
-        now = getattr(getattr(recipe, section), key)
-        if key in saved_section and saved_section[key] != now:
-            changed.append(f"{section}.{key}: {saved_section[key]!r} -> {now!r}")
-    return int(consumed), int(tokens), changed

@@ -3,7 +3,8 @@
 import pytest
 
 from megatron_ext.recipe import load_recipe
-from megatron_ext.training_data import TrainBatches, resume_position
+from megatron_ext.resume import resume_position
+from megatron_ext.training_data import TrainBatches
 from tests.conftest import ROOT
 
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"

@@ -1,0 +1,98 @@
+"""`tools/checkpoint.py info DIR`: what a checkpoint holds, whether it is complete, and what a run would do
+with it (`--recipe`): resume model, optimizer and data position, the weights only, or nothing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_ext.checkpoint import (
+    CheckpointError, _available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
+)
+from megatron_ext.checkpoint_index import check_complete
+from megatron_ext.recipe import RecipeError, load_recipe
+from megatron_ext.resume import Resume, plan_resume
+
+
+def _layout(d: dict | None) -> str:
+    if not d:
+        return "not recorded"
+    return " x ".join(f"{k[0].upper()}P {d.get(k)}" for k in ("tensor", "pipeline", "context", "data"))
+
+
+def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, dict]:
+    """Printable lines about `root`'s checkpoint `iteration` (latest if None), that iteration and its metadata."""
+    iteration, path = resolve_iteration_dir(root, iteration)
+    meta = read_metadata(path)
+    try:
+        check_complete(path)
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        size = sum(p.stat().st_size for p in files)
+        state = f"complete ({len(files)} files, " + (f"{size / 1e9:.2f} GB)" if size >= 1e8 else f"{size / 1e6:.1f} MB)")
+    except CheckpointError as e:
+        state = f"INCOMPLETE: {str(e).split('incomplete checkpoint: ', 1)[-1]}"
+    recipe, hf = meta.get("recipe") or {}, meta.get("hf_config") or {}
+    train, versions = recipe.get("train") or {}, meta.get("versions") or {}
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    lines = [
+        f"checkpoint {root}: iterations {_available_iterations(root)}, latest {latest_iteration(root)}",
+        f"{path.name}: {state}",
+        f"  saved {meta.get('created', '?')}, git {meta.get('git_sha') or '?'}, megatron-core "
+        f"{versions.get('megatron-core', '?')}, torch {versions.get('torch', '?')}",
+        f"  layout {_layout(meta.get('parallel'))}, distributed optimizer "
+        f"{train.get('distributed_optimizer', '?')}, optimizer state {meta.get('has_optimizer', '?')}",
+        f"  position: step {iteration}, {meta['consumed_samples']:,} samples, {meta['tokens']:,} tokens"
+        if "consumed_samples" in meta else f"  position: step {iteration} (samples and tokens not recorded)",
+        f"  model: {hf.get('num_hidden_layers', '?')} layers, hidden {hf.get('hidden_size', '?')}, heads "
+        f"{hf.get('num_attention_heads', '?')}/{hf.get('num_key_value_heads', '?')}, vocab {hf.get('vocab_size', '?')}, "
+        f"rope {rope.get('rope_type', 'default')} factor {rope.get('factor', 1)}",
+    ]
+    if train:
+        lines.append(f"  recipe {recipe.get('name', '?')}: stage {train.get('stage')}, seq {train.get('seq_length')}, "
+                     f"global batch {train.get('global_batch_size')}, steps {train.get('steps')}, lr {train.get('lr')}")
+    return lines, iteration, meta
+
+
+def verdict(r: Resume, steps: int) -> list[str]:
+    """What the trainer would do, in the words of its log."""
+    if r.architecture_changed:
+        return ["  would stop: the recipe's model differs from the checkpoint's (" + "; ".join(r.architecture_changed)
+                + "); use the checkpoint's architecture or another checkpoint.dir"]
+    if r.finished:
+        return [f"  nothing to train: the checkpoint is at step {r.step}, train.steps = {steps}"]
+    out = [f"  resumes at step {r.step} -> {steps}: " + (
+        "model, optimizer and scheduler" if r.full_state else f"the weights, with a fresh optimizer state ({r.why_not_full})")
+        + f"; reads on from sample {r.consumed_samples:,}"]
+    if r.saved_layout != r.layout:
+        out.append(f"  layout {_layout(r.saved_layout)} -> {_layout(r.layout)}")
+    if r.data_changed:
+        out.append("  warning: " + "; ".join(r.data_changed) + " (another sample order)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/checkpoint.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="describe a checkpoint; with --recipe, what a run would do with it")
+    info.add_argument("dir", help="checkpoint.dir of a run (the folder with iter_* and latest_checkpointed_iteration.txt)")
+    info.add_argument("--iteration", type=int, default=None, help="an iteration other than the latest")
+    info.add_argument("--recipe", help="recipe YAML of the run that would resume from DIR")
+    info.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="dotted recipe override (repeatable)")
+    info.add_argument("--world-size", type=int, default=None, help="processes of that run (default: cluster size)")
+    args = parser.parse_args(argv)
+    try:
+        lines, iteration, meta = describe(Path(args.dir), args.iteration)
+        if args.recipe:
+            recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+            p = recipe.parallel
+            world = args.world_size or recipe.cluster.nodes * recipe.cluster.gpus_per_node
+            dp = world // (p.tensor * p.pipeline * p.context)
+            lines.append(f"with {args.recipe} on {world} processes:")
+            lines += verdict(plan_resume(meta, iteration, recipe, dp), recipe.train.steps)
+    except (CheckpointError, RecipeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,71 @@
+"""Where a run that finds a checkpoint in its `checkpoint.dir` goes on: one decision from the checkpoint's run
+metadata (`megatron_ext.checkpoint.read_metadata`) and the recipe, used by the trainer and by
+`tools/checkpoint.py info --recipe`, so what the tool says is what training does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ext.checkpoint_index import optimizer_state_mismatch
+from megatron_ext.recipe import Recipe
+
+_DATA_IDENTITY = (("data", "prefix"), ("data", "split"), ("train", "stage"), ("train", "seq_length"), ("train", "seed"))
+_ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a run resumed at checkpoint step `step` does."""
+
+    step: int
+    saved_layout: dict | None  # {'tensor', 'pipeline', 'context', 'data'} of the checkpoint's run
+    layout: dict  # the same of this run
+    finished: bool  # step >= train.steps: nothing to train
+    full_state: bool  # model, optimizer, scheduler; else the weights and a fresh optimizer state
+    why_not_full: str | None
+    consumed_samples: int
+    tokens: int
+    data_changed: list[str] = field(default_factory=list)  # 'field: old -> new'
+    architecture_changed: list[str] = field(default_factory=list)  # the model does not fit: the load fails
+
+
+def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, list[str]]:
+    """Where a run resumed at `step` from a checkpoint with run metadata `saved` goes on in its data:
+    (samples consumed, tokens seen, the data settings that changed since, as 'field: old -> new').
+
+    Checkpoints record both counts; older ones are counted at their recipe's global batch. A changed
+    data setting gives another sample order, in which the run goes on at the same sample count.
+    """
+    old = saved.get("recipe") or {}
+    old_train = old.get("train") or {}
+    consumed = saved.get("consumed_samples")
+    if consumed is None:
+        consumed = step * old_train.get("global_batch_size", recipe.train.global_batch_size)
+    tokens = saved.get("tokens")
+    if tokens is None:
+        tokens = consumed * old_train.get("seq_length", recipe.train.seq_length)
+    changed = []
+    for section, key in _DATA_IDENTITY:
+        saved_section = old.get(section) or {}
+        now = getattr(getattr(recipe, section), key)
+        if key in saved_section and saved_section[key] != now:
+            changed.append(f"{section}.{key}: {saved_section[key]!r} -> {now!r}")
+    return int(consumed), int(tokens), changed
+
+
+def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> Resume:
+    """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`."""
+    from megatron_ext.model import hf_config_from_recipe, normalize_hf_config
+
+    p, t = recipe.parallel, recipe.train
+    layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}
+    why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer)
+    consumed, tokens, data_changed = resume_position(saved, step, recipe)
+    arch = []
+    if saved.get("hf_config"):
+        old, new = normalize_hf_config(saved["hf_config"]), normalize_hf_config(hf_config_from_recipe(recipe))
+        arch = [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ARCHITECTURE if old.get(k) != new.get(k)]
+    return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
+                  data_changed, arch)

@@ -1,0 +1,67 @@
+"""tools/checkpoint.py info: a real checkpoint described, its completeness, and what a run of a recipe would do
+with it (the trainer's own decision, megatron_ext.resume.plan_resume)."""
+
+import pytest
+
+from megatron_ext.checkpoint import save_checkpoint
+from megatron_ext.checkpoint_cli import main
+from megatron_ext.presets import TINY
+from megatron_ext.recipe import load_recipe
+from tests.conftest import ROOT
+from tests.unit.test_checkpoint import setup, step
+
+RECIPE = str(ROOT / "recipes/tiny/cpt.yaml")
+RUN = ["parallel.context=1", "train.seq_length=256", "train.global_batch_size=4", "train.steps=10"]
+
+
+@pytest.fixture
+def ckpt(tmp_path, cpu_parallel_state):
+    """Step 2 of a run of the tiny CPT recipe: model, distributed optimizer, scheduler, 8 samples read."""
+    model, ddp, opt, sched = setup(0, True)
+    step(ddp, opt, sched, 0)  # Adam state exists after a step
+    recipe = load_recipe(RECIPE, RUN)
+    save_checkpoint(tmp_path / "run", 2, [model], optimizer=opt, scheduler=sched,
+                    metadata={"hf_config": TINY, "recipe": recipe.to_dict(), "consumed_samples": 8, "tokens": 2048})
+    return tmp_path / "run"
+
+
+def _info(capsys, *args):
+    code = main(["info", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_describes_a_checkpoint(ckpt, capsys):
+    code, out, _ = _info(capsys, ckpt)
+    assert code == 0
+    assert f"checkpoint {ckpt}: iterations [2], latest 2" in out and "iter_0000002: complete" in out
+    assert "layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True, optimizer state True" in out
+    assert "position: step 2, 8 samples, 2,048 tokens" in out and "model: 2 layers, hidden 64" in out
+
+
+@pytest.mark.parametrize("overrides, world, expect", [
+    ([], 1, "resumes at step 2 -> 10: model, optimizer and scheduler; reads on from sample 8"),
+    (["parallel.context=2"], 2, "model, optimizer and scheduler"),  # CP changes: the DP x CP slices reshard
+    (["parallel.tensor=2"], 2, "the weights, with a fresh optimizer state (the distributed optimizer's state is "
+                               "cut along TP x PP buckets and cannot follow parallel.tensor 1 -> 2"),
+    (["train.steps=2"], 1, "nothing to train: the checkpoint is at step 2, train.steps = 2"),
+    (["model.num_hidden_layers=4"], 1, "would stop: the recipe's model differs from the checkpoint's "
+                                       "(num_hidden_layers: 2 -> 4)"),
+    (["train.seed=7"], 1, "warning: train.seed: 1234 -> 7 (another sample order)"),
+])
+def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
+    sets = [a for o in RUN + overrides for a in ("--set", o)]
+    code, out, err = _info(capsys, ckpt, "--recipe", RECIPE, *sets, "--world-size", world)
+    assert code == 0, err
+    assert expect in out, out
+
+
+def test_incomplete_and_missing(ckpt, capsys, tmp_path):
+    shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[0]
+    shard.write_bytes(b"x")
+    code, out, _ = _info(capsys, ckpt)
+    assert code == 0 and f"iter_0000002: INCOMPLETE: {shard.name} has 1 bytes" in out
+    code, _, err = _info(capsys, tmp_path / "nope")
+    assert code == 1 and err.startswith("error: checkpoint directory") and "does not exist" in err
+    code, _, err = _info(capsys, ckpt, "--iteration", 5)
+    assert code == 1 and "has no iteration 5" in err and "available: [2]" in err
