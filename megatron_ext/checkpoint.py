@@ -205,7 +205,7 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
         pointer.write_text(f"{iteration}\n")
         os.replace(pointer, root / LATEST_FILE)
         if keep_last:
-            for old_it in _available_iterations(root)[:-keep_last]:
+            for old_it in available_iterations(root)[:-keep_last]:
                 if old_it != iteration:
                     shutil.rmtree(root / iter_dir_name(old_it), ignore_errors=True)
     _barrier()
@@ -225,7 +225,8 @@ def latest_iteration(root: str | Path) -> int | None:
                               "fix or delete the file") from None
 
 
-def _available_iterations(root: Path) -> list[int]:
+def available_iterations(root: Path) -> list[int]:
+    """Iterations with an `iter_*` folder in `root`, ascending (whatever the latest pointer says)."""
     its = []
     for p in root.glob("iter_*"):
         try:
@@ -244,12 +245,12 @@ def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tup
         iteration = latest_iteration(root)
         if iteration is None:
             raise CheckpointError(f"{root} has no {LATEST_FILE}: it is not a Megatron checkpoint root "
-                                  f"(found iterations: {_available_iterations(root) or 'none'}); "
+                                  f"(found iterations: {available_iterations(root) or 'none'}); "
                                   "pass the directory that holds iter_* folders, or name an iteration")
     path = root / iter_dir_name(iteration)
     if not path.is_dir():
         raise CheckpointError(f"{root} has no iteration {iteration} ({path.name}); "
-                              f"available: {_available_iterations(root) or 'none'}")
+                              f"available: {available_iterations(root) or 'none'}")
     return iteration, path
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from megatron_ext.checkpoint import (
-    CheckpointError, _available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
+    CheckpointError, available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
 )
 from megatron_ext.checkpoint_index import check_complete
 from megatron_ext.recipe import RecipeError, load_recipe
@@ -36,7 +36,7 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
     train, versions = recipe.get("train") or {}, meta.get("versions") or {}
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     lines = [
-        f"checkpoint {root}: iterations {_available_iterations(root)}, latest {latest_iteration(root)}",
+        f"checkpoint {root}: iterations {available_iterations(root)}, latest {latest_iteration(root)}",
         f"{path.name}: {state}",
         f"  saved {meta.get('created', '?')}, git {meta.get('git_sha') or '?'}, megatron-core "
         f"{versions.get('megatron-core', '?')}, torch {versions.get('torch', '?')}",
