@@ -31,3 +31,16 @@ def test_sdpa_kernels_bench_runs_at_toy_size(tmp_path):
     bad = subprocess.run([sys.executable, BENCH, "--heads", "6", "--kv-heads", "4"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 1 and "--kv-heads" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_time_guard_skips_per_kernel(tmp_path):
+    """With no budget left after the first length, each kernel of the next one is recorded as skipped."""
+    proc = subprocess.run([sys.executable, BENCH, "--lengths", "64,128", "--heads", "4", "--kv-heads", "2",
+                           "--head-dim", "16", "--iters", "1", "--budget-s", "0.001", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("sdpa_kernels-cpu-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["status"] for r in rows if r["length"] == 64 and r["kernel"] in ("auto", "flash")] == ["ok", "ok"]
+    later = [r for r in rows if r["length"] == 128]
+    assert later and all(r["status"] == "skipped" and "time budget" in r["error"] for r in later)
