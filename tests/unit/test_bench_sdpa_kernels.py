@@ -34,13 +34,13 @@ def test_sdpa_kernels_bench_runs_at_toy_size(tmp_path):
 
 
 def test_time_guard_skips_per_kernel(tmp_path):
-    """With no budget left after the first length, each kernel of the next one is recorded as skipped."""
+    """With no budget left, the first kernel runs (nothing to predict from yet); every later one is skipped."""
     proc = subprocess.run([sys.executable, BENCH, "--lengths", "64,128", "--heads", "4", "--kv-heads", "2",
                            "--head-dim", "16", "--iters", "1", "--budget-s", "0.001", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (path,) = tmp_path.glob("sdpa_kernels-cpu-*.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [r["status"] for r in rows if r["length"] == 64 and r["kernel"] in ("auto", "flash")] == ["ok", "ok"]
-    later = [r for r in rows if r["length"] == 128]
-    assert later and all(r["status"] == "skipped" and "time budget" in r["error"] for r in later)
+    assert (rows[0]["length"], rows[0]["kernel"], rows[0]["status"]) == (64, "auto", "ok")
+    assert {r["length"] for r in rows[1:]} == {64, 128}
+    assert all(r["status"] == "skipped" and "time budget" in r["error"] for r in rows[1:])
