@@ -220,10 +220,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resume_report(recipe: Recipe, world_size: int) -> list[str]:
+    """What the run will do with the checkpoint already in its `checkpoint.dir` (nothing there: []).
+
+    Raises RecipeError where the trainer would stop on it (incomplete checkpoint, another model), so a
+    job learns it before its workers start.
+    """
+    from megatron_ext.checkpoint import CheckpointError, latest_iteration, read_metadata, resolve_iteration_dir
+    from megatron_ext.checkpoint_cli import verdict
+    from megatron_ext.checkpoint_index import check_complete
+    from megatron_ext.resume import plan_resume
+
+    root = Path(recipe.checkpoint.dir)
+    p = recipe.parallel
+    try:
+        done = latest_iteration(root) if root.is_dir() else None
+        if done is None:
+            return []
+        check_complete(resolve_iteration_dir(root, done)[1])
+        r = plan_resume(read_metadata(root), done, recipe, world_size // (p.tensor * p.pipeline * p.context))
+    except CheckpointError as e:
+        raise RecipeError(f"checkpoint.dir = {str(root)!r}: {e}") from None
+    if r.architecture_changed:
+        raise RecipeError(f"checkpoint.dir = {str(root)!r} holds another model ({'; '.join(r.architecture_changed)}); "
+                          "use that model's recipe, or a new checkpoint.dir with checkpoint.init_from")
+    return [line.strip() for line in verdict(r, recipe.train.steps)]
+
+
 def run_check(args) -> int:
     world = args.world_size or 1
     recipe = check(args.recipe, args.overrides, world, args.tasks_per_node, args.gpus_per_node, paths=True)
     print(f"ok: {describe(recipe, world)}", flush=True)
+    for line in resume_report(recipe, world):
+        print(f"checkpoint: {line}", flush=True)
     return 0
 
 

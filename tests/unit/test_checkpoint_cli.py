@@ -65,3 +65,21 @@ def test_incomplete_and_missing(ckpt, capsys, tmp_path):
     assert code == 1 and err.startswith("error: checkpoint directory") and "does not exist" in err
     code, _, err = _info(capsys, ckpt, "--iteration", 5)
     assert code == 1 and "has no iteration 5" in err and "available: [2]" in err
+
+
+def test_prelaunch_check_reports_the_resume(ckpt, capsys, token_data):
+    """`python -m megatron_ext.launch --check` (what slurm/*.sh run before srun) says what the job will do with
+    the checkpoint in its checkpoint.dir, and stops a job the trainer would stop anyway, before any worker."""
+    from megatron_ext.launch import main as launch
+
+    args = ["--check", "--recipe", RECIPE, "--world-size", "2", *RUN, f"data.prefix={token_data}",
+            f"checkpoint.dir={ckpt}"]
+    assert launch(args) == 0
+    out = capsys.readouterr().out
+    assert "ok: cpt: cpt TP1 PP1 CP1 DP2" in out
+    assert "checkpoint: resumes at step 2 -> 10: model, optimizer and scheduler; reads on from sample 8" in out
+    assert launch([*args, "model.num_hidden_layers=4"]) == 1
+    assert "holds another model (num_hidden_layers: 2 -> 4)" in capsys.readouterr().err
+    sorted((ckpt / "iter_0000002").glob("*.distcp"))[0].write_bytes(b"x")
+    assert launch(args) == 1
+    assert "incomplete checkpoint" in capsys.readouterr().err
