@@ -16,7 +16,8 @@ rounding; the weight gradient is summed over chunks in fp32.
 
 `ChunkedLossGPTModel` plugs this into Megatron-Core's `GPTModel` where it turns hidden states into the loss
 (`_postprocess`) whenever labels are given; logits (no labels), inference and multi-token prediction take
-Megatron's own path unchanged.
+Megatron's own path unchanged. For evaluation it can instead return the final hidden states of a few positions
+(`hidden_positions`), so that a multi-million-token forward never forms the logits of every token.
 """
 
 from __future__ import annotations
@@ -172,8 +173,15 @@ def chunked_loss_gpt_model_class():
         """Megatron `GPTModel`; with labels, the loss head is chunked (`loss_chunk_tokens` tokens at a time)."""
 
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+        # Evaluation: local sequence indices whose final (normed) hidden states the last stage returns, `[k, b, h]`,
+        # in place of logits when no labels are given; None: Megatron's logits.
+        hidden_positions: torch.Tensor | None = None
 
         def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+            if labels is None and self.hidden_positions is not None and self.post_process:
+                if self.output_layer.sequence_parallel:  # each TP rank would hold only part of the rows
+                    raise NotImplementedError("hidden_positions with sequence parallelism")
+                return hidden_states.index_select(0, self.hidden_positions.to(hidden_states.device))
             megatron_path = (labels is None or not self.post_process or self.config.mtp_num_layers
                              or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context") is not None)
             if megatron_path:

@@ -2,6 +2,7 @@
 
     python tools/niah.py --model HF_DIR --lengths 1K:128K:8 --depths 0:100:10 --out runs/niah
     python tools/niah.py --megatron CKPT_DIR --lengths 4K,16K --out runs/niah     # via tools/convert.py
+    torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT_DIR --engine megatron --cp 8 --lengths 1M --out runs/niah
     python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
     python tools/niah.py ppl --model HF_DIR --indexed data/cpt_text_document --documents 8 --out runs/ppl
 """
@@ -103,6 +104,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     niah.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch (batch = this // length)")
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
     niah.add_argument("--title", default=None, help="heatmap title")
+    engine = niah.add_argument_group("Megatron engine (--megatron CKPT --engine megatron, under torchrun or srun)")
+    engine.add_argument("--engine", choices=("hf", "megatron"), default="hf",
+                        help="hf: convert to Hugging Face and run transformers on one device (default); megatron: "
+                        "run the checkpoint on all ranks of the job with TP x PP x CP, for contexts one GPU cannot hold")
+    engine.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    engine.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    engine.add_argument("--cp", type=int, default=1, help="context parallel size (each prompt split over this many ranks)")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
                                   "long documents -> ppl.json and ppl.png.")
     _common(ppl)
@@ -152,23 +161,47 @@ def _run_niah(args) -> None:
     if args.haystack is not None and not args.haystack.is_file():
         raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
+
+    def save(result) -> tuple[Path, Path]:  # after every length: a long sweep keeps what it has done
+        result.settings["model"] = str(args.model or args.megatron)
+        return (write_json_atomic(args.out / "results.json", result.to_dict()),
+                plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
+
+    if args.engine == "megatron":
+        _run_niah_megatron(args, lengths, depths, save)
+        return
+    if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
+        raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")
     with _model(args) as (model, tokenizer):
         max_pos = getattr(model.config, "max_position_embeddings", None)
         ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
         if ran:
             n_cells = len(depths) * args.samples
             _print_memory_note(model, max(ran), min(n_cells, max(1, args.batch_tokens // max(ran))))
-        def save(result) -> tuple[Path, Path]:  # after every length: a long sweep keeps what it has done
-            result.settings["model"] = str(args.model or args.megatron)
-            return (write_json_atomic(args.out / "results.json", result.to_dict()),
-                    plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
-
         result = run_niah(model, tokenizer, lengths, depths, haystack=args.haystack, samples=args.samples,
                           seed=args.seed, chat=args.chat, max_new_tokens=args.max_new_tokens,
                           batch_tokens=args.batch_tokens, prefill_chunk=args.chunk,
                           allow_beyond_max_positions=args.force, on_length_done=save, progress=not args.no_progress)
     js, png = save(result)
     print(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
+
+
+def _run_niah_megatron(args, lengths: list[int], depths: list[float], save) -> None:
+    from megatron_ext.evaluate.parallel import run_niah_megatron
+
+    if args.megatron is None:
+        raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model)")
+    result = run_niah_megatron(args.megatron, lengths, depths, tensor=args.tp, pipeline=args.pp, context=args.cp,
+                               device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                               max_new_tokens=args.max_new_tokens, on_length_done=save,
+                               progress=not args.no_progress, haystack=args.haystack, samples=args.samples,
+                               seed=args.seed, chat=args.chat, allow_beyond_max_positions=args.force)
+    from megatron_ext.runtime import process_env
+
+    if process_env().rank == 0:
+        js, png = save(result)
+        print(f"[niah] accuracy {result.accuracy:.1%} ({result.settings['forward_passes']} forward passes); "
+              f"wrote {js} and {png}")
 
 
 def _run_ppl(args) -> None:
@@ -208,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("ppl", "niah"):
         argv = argv[1:]
     args = (ppl if is_ppl else niah).parse_args(argv)
-    with warnings.catch_warnings():  # library warnings (lengths skipped, ...) as plain "warning: ..." lines
-        warnings.simplefilter("always", UserWarning)
+    with warnings.catch_warnings():  # our warnings (lengths skipped, ...) as plain "warning: ..." lines
+        warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
+        warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")
         warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
         try:
             _run_ppl(args) if is_ppl else _run_niah(args)

@@ -137,7 +137,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
              task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
              max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
-             on_length_done: Callable[[NiahResult], None] | None = None, progress: bool = True,
+             max_position_embeddings: int | None = None, on_length_done: Callable[[NiahResult], None] | None = None, progress: bool = True,
              log=print) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
 
@@ -145,7 +145,9 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     length run as batches of up to `batch_tokens // length` rows (no padding: equal lengths).
     Lengths above the model's `max_position_embeddings` are skipped with a warning unless
     `allow_beyond_max_positions`. `generate` replaces greedy decoding (prompts [B, L] -> new ids
-    per row); `model` may then be None. A batch that runs out of device memory is retried in
+    per row); `model` may then be None (give `max_position_embeddings` for the check above). A `generate`
+    with `takes_drafts = True` is also given each row's expected answer as a draft (`generate(ids, drafts)`;
+    `megatron_ext.evaluate.parallel` checks it in the same forward pass). A batch that runs out of device memory is retried in
     halves; a single prompt that does is recorded as not run (score None). `on_length_done` gets
     the grid so far after each length (tools/niah.py saves it, so a long sweep keeps its results).
     """
@@ -153,7 +155,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     if samples < 1:
         raise EvalError(f"samples must be >= 1, got {samples}")
     skipped: list[int] = []
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
     if max_pos is not None:
         over = [n for n in lengths if n > max_pos]
         if over:
@@ -227,7 +229,11 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
                          actual_depth=round(100.0 * (pos - len(head)) / max(n_hay, 1), 3))
                 prompts.append(ids)
             try:
-                outputs = generate(torch.tensor(prompts, dtype=torch.long))
+                ids = torch.tensor(prompts, dtype=torch.long)
+                if getattr(generate, "takes_drafts", False):
+                    outputs = generate(ids, [_answer_ids(tokenizer, task, c["value"]) for c in batch])
+                else:
+                    outputs = generate(ids)
             except torch.OutOfMemoryError:
                 _free_device_memory()
                 if len(batch) > 1:  # retry as two halves
@@ -256,6 +262,14 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
         bar.close()
     settings["seconds"] = round(time.time() - start_all, 2)
     return result()
+
+
+def _answer_ids(tokenizer, task: NeedleTask, value: str) -> list[int]:
+    """The expected continuation of the answer prefix: the needle sentence after it (" 4817263.")."""
+    needle, prefix = task.needle.format(value=value), task.answer_prefix.strip()
+    at = needle.find(prefix)
+    text = needle[at + len(prefix):] if prefix and at >= 0 else f" {value}"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _mean(values: list) -> float | None:

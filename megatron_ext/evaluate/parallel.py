@@ -1,0 +1,246 @@
+"""NIAH on the Megatron model itself, split over TP x PP x CP ranks: contexts no single GPU holds.
+
+A Hugging Face model keeps a 1M-token prompt's KV cache on one device (128 GiB for Llama-3.1-8B in bf16) and a
+4M one not at all. Here the checkpoint is evaluated the way it was trained: the prompt is cut into zigzag CP
+chunks and run through Megatron-Core's forward-only schedule with the training layout's attention (TE's CP
+attention on GPUs, the torch SDPA all-gather backend elsewhere). There is no KV cache, so each forward pass
+covers the whole prompt; to keep that to about one pass per needle, decoding is greedy with a draft: the pass
+runs over the prompt followed by the expected answer and keeps the model's own choices as far as they agree
+with the draft (speculative decoding with the answer as the draft model). The output is exactly the greedy
+continuation whatever the draft (a wrong draft only costs passes); decoding stops once the first number of the
+answer is complete, which is all the score reads (`number_settled`).
+
+    torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT --engine megatron --cp 8 --lengths 1M --out runs/niah
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.evaluate.errors import EvalError
+
+PredictFn = Callable[[list[int], int], list[int]]
+"""(token ids, first) -> the greedy next token after each position first .. len(ids) - 1."""
+
+
+def number_settled(text: str) -> bool:
+    """True once the first number in `text` cannot change: a digit run followed by something else."""
+    m = re.search(r"\d+", text)
+    return m is not None and m.end() < len(text)
+
+
+def speculative_greedy(predict: PredictFn, prompt: Sequence[int], draft: Sequence[int], max_new_tokens: int,
+                       eos_token_ids: Sequence[int] = (), settled: Callable[[list[int]], bool] | None = None,
+                       ) -> tuple[list[int], int]:
+    """Greedy continuation of `prompt`, checked against `draft` in each pass. Returns (new ids, passes).
+
+    Each pass predicts the token after every position from the last accepted one to the end of the draft; the
+    prediction at the last accepted position is the next token, and so is each following prediction while the
+    draft token before it was the one predicted. The result equals plain greedy decoding (one pass per token)
+    for any draft: cut after the first EOS (included), at `max_new_tokens`, or once `settled(new ids)`.
+    """
+    eos = set(eos_token_ids)
+    out: list[int] = []
+    rest = list(draft)
+    passes = 0
+    while len(out) < max_new_tokens:
+        ids = list(prompt) + out + rest
+        preds = predict(ids, len(prompt) + len(out) - 1)
+        passes += 1
+        accepted = [preds[0]]
+        for proposed, predicted_next in zip(rest, preds[1:]):
+            if proposed != accepted[-1]:
+                break
+            accepted.append(predicted_next)
+        for token in accepted:
+            out.append(token)
+            if token in eos or len(out) == max_new_tokens or (settled is not None and settled(out)):
+                return out, passes
+        rest = []  # the draft is used up, or the model left it: one token per pass from here
+    return out, passes
+
+
+class MegatronGreedy:
+    """NIAH `generate` function on a Megatron model built for this rank (parallel state initialised).
+
+    Called on every rank with the same prompts `[B, L]` and drafts; the data-parallel replicas share the
+    rows (replica d takes rows d, d + DP, ...), each row runs alone (micro-batch 1), and every rank returns
+    every row's new ids. `passes` counts the forward passes this rank's replica ran.
+    """
+
+    takes_drafts = True
+
+    def __init__(self, model, vocab_size: int, max_new_tokens: int, eos_token_ids: Sequence[int] = (),
+                 settled: Callable[[list[int]], bool] | None = None, device: torch.device | None = None):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.vocab_size = model, vocab_size
+        self.max_new_tokens, self.eos, self.settled = max_new_tokens, tuple(eos_token_ids), settled
+        self.device = device or torch.device("cpu")
+        self.cp, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        self.tp_group, self.tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+        self.tp_cp_group = ps.get_tensor_and_context_parallel_group()
+        self.pp_group, self.last_stage = ps.get_pipeline_model_parallel_group(), ps.is_pipeline_last_stage()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.multiple = 2 * self.cp  # sequence lengths split into 2 x CP chunks
+        self.passes = 0
+
+    @torch.no_grad()
+    def predict(self, ids: list[int], first: int) -> list[int]:
+        """Greedy next token after positions `first .. len(ids) - 1`: one forward pass of the whole sequence."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel
+
+        n = len(ids)
+        length = -(-n // self.multiple) * self.multiple  # padded at the end: causal, so no real position sees it
+        tokens = torch.zeros(1, length, dtype=torch.long)
+        tokens[0, :n] = torch.tensor(ids)
+        batch = shard_for_context_parallel({"tokens": tokens, "position_ids": torch.arange(length)[None]},
+                                           self.cp, self.cp_rank)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        positions = cp_positions(length, self.cp, self.cp_rank)
+        mine = ((positions >= first) & (positions < n)).nonzero().flatten()  # local rows this CP rank holds
+        self.model.hidden_positions = mine
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            return model(b["tokens"], b["position_ids"], None), lambda out, non_loss_data=True: out
+
+        hidden = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([batch]), model=[self.model], num_microbatches=1,
+            seq_length=length // self.cp, micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+        self.model.hidden_positions = None
+        self.passes += 1
+        preds = torch.zeros(n - first, dtype=torch.long, device=self.device)  # next token + 1, 0 = not mine
+        if self.last_stage:
+            rows = hidden[0][:, 0]  # [k, h], normed final hidden states of this rank's positions
+            weight = (self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights
+                      else self.model.output_layer.weight)  # [V / TP, h]
+            logits = rows.to(weight.dtype) @ weight.t()
+            if dist.get_world_size(self.tp_group) > 1:
+                parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
+                dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+                logits = torch.cat(parts, dim=-1)
+            best = logits[:, :self.vocab_size].float().argmax(-1)  # padded vocabulary rows never win
+            if self.tp_rank == 0:
+                preds[positions[mine].to(self.device) - first] = best + 1
+        dist.all_reduce(preds, group=self.tp_cp_group)
+        dist.all_reduce(preds, group=self.pp_group)
+        return (preds - 1).tolist()
+
+    def __call__(self, prompts: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+        """New ids per row of `prompts` `[B, L]`, greedy (draft i checked against row i when given)."""
+        rows = prompts.tolist()
+        drafts = drafts or [[] for _ in rows]
+        mine = {}
+        for i in range(self.dp_rank, len(rows), self.dp):
+            mine[i], _ = speculative_greedy(self.predict, rows[i], drafts[i], self.max_new_tokens, self.eos,
+                                            self.settled)
+        everyone: list[dict] = [{} for _ in range(self.dp)]
+        dist.all_gather_object(everyone, mine, group=self.dp_group)
+        merged = {k: v for part in everyone for k, v in part.items()}
+        return [merged[i] for i in range(len(rows))]
+
+
+def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str = "cpu",
+                           precision: str = "fp32", attention: str = "auto", cp_comm_type: str = "p2p"):
+    """(model for this rank in eval mode, HF config, tokenizer location or None) from a Megatron checkpoint.
+
+    The process group and Megatron's parallel state must already be set up with this layout.
+    """
+    from megatron_ext.checkpoint import CheckpointError, load_checkpoint, read_metadata
+    from megatron_ext.model import BuildOptions, build_model
+
+    try:
+        meta = read_metadata(checkpoint)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    hf_cfg = meta.get("hf_config")
+    if not hf_cfg:
+        raise EvalError(f"{checkpoint}: its metadata has no hf_config; it was not written by megatron_ext")
+    opts = BuildOptions(tensor=tensor, pipeline=pipeline, context=context, device=device, precision=precision,
+                        attention=attention, cp_comm_type=cp_comm_type,
+                        seq_length=int(hf_cfg.get("max_position_embeddings") or 4096), loss_head="chunked")
+    model = build_model(hf_cfg, opts)
+    try:
+        load_checkpoint(checkpoint, [model], weights_only=True)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    return model.eval(), hf_cfg, meta.get("tokenizer")
+
+
+def _tokenizer(location):
+    from transformers import AutoTokenizer
+
+    if not location:
+        raise EvalError("the checkpoint records no tokenizer: give --tokenizer DIR_OR_NAME")
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"tokenizer {location}: cannot load it ({e}); give --tokenizer DIR_OR_NAME") from None
+
+
+def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
+                      device: str | None = None, dtype: str | None = None, tokenizer=None, max_new_tokens: int = 16,
+                      on_length_done=None, progress: bool = True, **niah_kwargs):
+    """`run_niah` on a Megatron checkpoint over this job's ranks (torchrun or srun; DP = world / (TP x PP x CP)).
+
+    Every rank runs it; rank 0 gets `on_length_done`, the progress bar and the log. Returns the grid on
+    every rank. `tokenizer`: a directory or name (default: the one the checkpoint records).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.evaluate.generate import eos_ids
+    from megatron_ext.evaluate.loading import resolve_dtype
+    from megatron_ext.evaluate.niah import run_niah
+    from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
+
+    world = process_env().world_size
+    if min(tensor, pipeline, context) < 1 or world % (tensor * pipeline * context):
+        raise EvalError(f"--tp {tensor} x --pp {pipeline} x --cp {context} must divide the {world} processes "
+                        "(start as many as TP x PP x CP x DP with torchrun --nproc-per-node or srun)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(resolve_dtype(dtype, torch.device(device)))
+    if precision is None:
+        raise EvalError(f"--dtype {dtype}: the Megatron engine runs bf16 or fp32")
+    init_distributed(device, tensor=tensor, pipeline=pipeline, context=context)
+    try:
+        model, hf_cfg, recorded = load_megatron_for_eval(checkpoint, tensor=tensor, pipeline=pipeline, context=context,
+                                                         device=device, precision=precision)
+        tok = _tokenizer(tokenizer or recorded)
+        rank0 = dist.get_rank() == 0
+        eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=hf_cfg.get("eos_token_id"))), tok)
+        generate = MegatronGreedy(
+            model, hf_cfg["vocab_size"], max_new_tokens, eos,
+            settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)),
+            device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"))
+        dp = ps.get_data_parallel_world_size()
+        max_pos = hf_cfg.get("max_position_embeddings")
+        longest = max(n for n in lengths if niah_kwargs.get("allow_beyond_max_positions") or not max_pos
+                      or n <= max_pos or n == min(lengths))
+        if rank0:
+            print(f"[niah] Megatron engine: TP {tensor} x PP {pipeline} x CP {context}, DP {dp} ({world} ranks, "
+                  f"{precision}); {longest // context:,} tokens per rank at {longest:,}", flush=True)
+        with warnings.catch_warnings():
+            if not rank0:  # one copy of each warning
+                warnings.simplefilter("ignore")
+            result = run_niah(None, tok, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
+                              max_position_embeddings=max_pos,
+                              batch_tokens=dp * longest,  # one row per replica at the longest length
+                              on_length_done=on_length_done if rank0 else None, progress=progress and rank0,
+                              log=print if rank0 else None, prefill_chunk=None, **niah_kwargs)
+        passes = torch.tensor([generate.passes], device=generate.device)
+        dist.all_reduce(passes, group=ps.get_data_parallel_group())
+        result.settings.update(engine="megatron", layout={"tensor": tensor, "pipeline": pipeline, "context": context,
+                                                          "data": dp}, dtype=precision, forward_passes=int(passes))
+        return result
+    finally:
+        destroy_distributed()

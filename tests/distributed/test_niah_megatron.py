@@ -1,0 +1,97 @@
+"""NIAH on the Megatron model across ranks (megatron_ext.evaluate.parallel) against transformers on one process.
+
+A tiny random Llama (llama3 RoPE) with the word-level NIAH tokenizer, converted to a Megatron checkpoint, run at
+CP 2, TP 2, PP 2 and DP 2 on gloo. Outside oracle: transformers' `LlamaForCausalLM` on the HF original: the
+greedy token after every position of a prompt, and greedy continuations, must be the same. A draft that agrees
+with the model must be taken in one forward pass, a wrong one must not change the output.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, read_json
+
+WORKER = ROOT / "tests/distributed/workers/niah_parallel.py"
+MAX_NEW = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, cpu_parallel_state):  # the group converts in-process
+    from megatron_ext.convert import to_megatron
+    from tests.unit.test_evaluate import save_tiny
+
+    d = tmp_path_factory.mktemp("niah_megatron")
+    save_tiny(d / "hf")
+    to_megatron(d / "hf", d / "mc", progress=False)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """Prompts (3 rows of 61 tokens: not a multiple of 2 x CP), HF's argmax everywhere, HF greedy, drafts."""
+    from megatron_ext.evaluate import greedy_generate, load_hf
+
+    model, _ = load_hf(checkpoints / "hf", "cpu", "fp32")
+    prompts = torch.randint(3, 500, (3, 61), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        every = model(input_ids=prompts).logits.argmax(-1).tolist()
+    greedy = greedy_generate(model, prompts, MAX_NEW, eos_token_ids=(2,), prefill_chunk=None)
+    assert all(len(g) == MAX_NEW for g in greedy)  # no EOS: the draft pass counts below assume full length
+    drafts = [list(greedy[0]),                                   # the model's own answer: one pass
+              [greedy[1][0], (greedy[1][1] + 1) % 500] + greedy[1][2:],  # right, then wrong: 1 + 3 passes
+              [(greedy[2][0] + 7) % 500] * MAX_NEW]              # wrong from the start: one pass per token
+    spec = {"prompts": prompts.tolist(), "drafts": drafts, "max_new_tokens": MAX_NEW, "eos": [2]}
+    (checkpoints / "inputs.json").write_text(json.dumps(spec))
+    return every, greedy
+
+
+@pytest.mark.parametrize("layout", [("--cp", "2"), ("--tp", "2"), ("--pp", "2"), ()],
+                         ids=["cp2", "tp2", "pp2", "dp2"])
+def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, layout):
+    every, greedy = reference
+    out = checkpoints / f"out_{'_'.join(layout) or 'dp2'}.json"
+    torchrun(WORKER, 2, "--root", str(checkpoints / "mc"), "--inputs", str(checkpoints / "inputs.json"),
+             "--out", str(out), *layout)
+    got = read_json(out)
+    for ours, theirs in zip(got["every_position"], every):
+        agree = sum(a == b for a, b in zip(ours, theirs))
+        assert agree == len(theirs), f"{agree} of {len(theirs)} positions agree"
+    assert got["no_draft"] == greedy
+    assert got["draft"] == greedy  # whatever the draft, the output is the greedy one
+    assert got["no_draft_passes"] == 3 * MAX_NEW
+    assert got["draft_passes"] == 1 + (1 + MAX_NEW - 2) + MAX_NEW
+
+
+def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
+    """tools/niah.py --engine megatron --cp 2 scores and writes what the transformers path does."""
+    from megatron_ext.evaluate.cli import main
+
+    common = ["--lengths", "96,200", "--depths", "0,100", "--max-new-tokens", "6", "--no-progress"]
+    main(["--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
+    torchrun(ROOT / "tools/niah.py", 2, "--megatron", str(checkpoints / "mc"), "--engine", "megatron", "--cp", "2",
+             "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
+    hf, mg = read_json(tmp_path / "hf/results.json"), read_json(tmp_path / "mg/results.json")
+    assert mg["scores"] == hf["scores"] and mg["lengths"] == [96, 200]
+    for a, b in zip(hf["cells"], mg["cells"]):
+        assert (a["length"], a["depth"], a["value"]) == (b["length"], b["depth"], b["value"])
+        assert b["output"] and a["output"].startswith(b["output"])  # ours stops once the first number is settled
+    assert mg["settings"]["engine"] == "megatron" and mg["settings"]["layout"]["context"] == 2
+    assert (tmp_path / "mg/heatmap.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "HF", "--engine", "megatron"], "give --megatron CKPT_DIR"),
+    (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),
+    (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
+])
+def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
+    from megatron_ext.evaluate.cli import main
+
+    argv = [a.replace("HF", str(checkpoints / "hf")).replace("CKPT", str(checkpoints / "mc")) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", str(tmp_path / "o"), "--lengths", "96", "--no-progress"])
+    assert message in str(e.value) and str(e.value).startswith("error: ")
