@@ -88,6 +88,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
                    "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    engine = p.add_argument_group("Megatron engine (--megatron CKPT --engine megatron, under torchrun or srun)")
+    engine.add_argument("--engine", choices=("hf", "megatron"), default="hf",
+                        help="hf: convert to Hugging Face and run transformers on one device (default); megatron: "
+                        "run the checkpoint on all ranks of the job with TP x PP x CP, for contexts one GPU cannot hold")
+    engine.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    engine.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    engine.add_argument("--cp", type=int, default=1, help="context parallel size (each sequence split over this many ranks)")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -104,14 +112,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     niah.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch (batch = this // length)")
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
     niah.add_argument("--title", default=None, help="heatmap title")
-    engine = niah.add_argument_group("Megatron engine (--megatron CKPT --engine megatron, under torchrun or srun)")
-    engine.add_argument("--engine", choices=("hf", "megatron"), default="hf",
-                        help="hf: convert to Hugging Face and run transformers on one device (default); megatron: "
-                        "run the checkpoint on all ranks of the job with TP x PP x CP, for contexts one GPU cannot hold")
-    engine.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    engine.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    engine.add_argument("--cp", type=int, default=1, help="context parallel size (each prompt split over this many ranks)")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
                                   "long documents -> ppl.json and ppl.png.")
     _common(ppl)
@@ -167,11 +167,9 @@ def _run_niah(args) -> None:
         return (write_json_atomic(args.out / "results.json", result.to_dict()),
                 plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
 
-    if args.engine == "megatron":
+    if _megatron_engine(args):
         _run_niah_megatron(args, lengths, depths, save)
         return
-    if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
-        raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")
     with _model(args) as (model, tokenizer):
         max_pos = getattr(model.config, "max_position_embeddings", None)
         ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
@@ -186,11 +184,20 @@ def _run_niah(args) -> None:
     print(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
 
 
+def _megatron_engine(args) -> bool:
+    """True for --engine megatron (which needs --megatron); the layout flags need it."""
+    if args.engine == "megatron":
+        if args.megatron is None:
+            raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model)")
+        return True
+    if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
+        raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")
+    return False
+
+
 def _run_niah_megatron(args, lengths: list[int], depths: list[float], save) -> None:
     from megatron_ext.evaluate.parallel import run_niah_megatron
 
-    if args.megatron is None:
-        raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model)")
     result = run_niah_megatron(args.megatron, lengths, depths, tensor=args.tp, pipeline=args.pp, context=args.cp,
                                device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                max_new_tokens=args.max_new_tokens, on_length_done=save,
@@ -205,23 +212,37 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save) -> N
 
 
 def _run_ppl(args) -> None:
-    from megatron_ext.evaluate.io import write_json_atomic
-    from megatron_ext.evaluate.perplexity import perplexity_by_position
-    from megatron_ext.evaluate.plots import plot_perplexity
-
-    from megatron_ext.evaluate.perplexity import indexed_documents
+    from megatron_ext.evaluate.perplexity import indexed_documents, perplexity_by_position
 
     if args.text:
         missing = [str(t) for t in args.text if not t.is_file()]
         if missing:
             raise EvalError(f"--text: {', '.join(missing)} does not exist: give UTF-8 text files (one document each)")
     docs = indexed_documents(args.indexed, args.documents) if args.indexed else None
+    if _megatron_engine(args):
+        from megatron_ext.evaluate.parallel import run_ppl_megatron
+        from megatron_ext.runtime import process_env
+
+        result = run_ppl_megatron(args.megatron, texts=None if docs is not None else list(args.text), documents=docs,
+                                  tensor=args.tp, pipeline=args.pp, context=args.cp, device=args.device,
+                                  dtype=args.dtype, tokenizer=args.tokenizer, progress=not args.no_progress,
+                                  seq_len=args.seq_len, per_octave=args.per_octave)
+        if process_env().rank == 0:
+            _save_ppl(args, result)
+        return
     with _model(args) as (model, tokenizer):
         seq = args.seq_len or getattr(model.config, "max_position_embeddings", None)
         _print_memory_note(model, seq or 0, 1, tag="ppl")
         source, texts = (docs, None) if docs is not None else (tokenizer, list(args.text))
         result = perplexity_by_position(model, source, texts=texts, seq_len=args.seq_len,
                                         per_octave=args.per_octave, chunk=args.chunk, progress=not args.no_progress)
+    _save_ppl(args, result)
+
+
+def _save_ppl(args, result) -> None:
+    from megatron_ext.evaluate.io import write_json_atomic
+    from megatron_ext.evaluate.plots import plot_perplexity
+
     label = args.label or (args.model or args.megatron).name
     result.settings["model"] = str(args.model or args.megatron)
     result.settings["label"] = label
@@ -248,5 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _run_ppl(args) if is_ppl else _run_niah(args)
         except EvalError as e:
-            sys.exit(f"error: {e}")
+            from megatron_ext.runtime import process_env
+
+            sys.exit(f"error: {e}" if process_env().rank == 0 else 1)  # every rank of a job finds it: one line
     return 0

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import re
 import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,6 +69,20 @@ def speculative_greedy(predict: PredictFn, prompt: Sequence[int], draft: Sequenc
     return out, passes
 
 
+def forward_only(model, batch: dict[str, torch.Tensor]) -> list:
+    """One micro-batch (`[1, s / CP]` tokens, position_ids, optional labels) through Megatron's forward-only
+    schedule; returns what the last pipeline stage's model gave (`[output]`), `[]` on other stages."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        return model(b["tokens"], b["position_ids"], None, labels=b.get("labels")), lambda out, non_loss_data=True: out
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
+        seq_length=batch["tokens"].shape[1], micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+
+
 class MegatronGreedy:
     """NIAH `generate` function on a Megatron model built for this rank (parallel state initialised).
 
@@ -95,8 +112,6 @@ class MegatronGreedy:
     @torch.no_grad()
     def predict(self, ids: list[int], first: int) -> list[int]:
         """Greedy next token after positions `first .. len(ids) - 1`: one forward pass of the whole sequence."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel
 
         n = len(ids)
@@ -110,13 +125,7 @@ class MegatronGreedy:
         mine = ((positions >= first) & (positions < n)).nonzero().flatten()  # local rows this CP rank holds
         self.model.hidden_positions = mine
 
-        def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            return model(b["tokens"], b["position_ids"], None), lambda out, non_loss_data=True: out
-
-        hidden = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([batch]), model=[self.model], num_microbatches=1,
-            seq_length=length // self.cp, micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+        hidden = forward_only(self.model, batch)
         self.model.hidden_positions = None
         self.passes += 1
         preds = torch.zeros(n - first, dtype=torch.long, device=self.device)  # next token + 1, 0 = not mine
@@ -150,6 +159,47 @@ class MegatronGreedy:
         return [merged[i] for i in range(len(rows))]
 
 
+class MegatronTokenLosses:
+    """Per-token loss of a document on a Megatron model (parallel state initialised; the same call on every rank).
+
+    `losses(ids [T])` -> `[T - 1]` fp32 on the CPU, entry t-1 the loss of token t: one forward pass with labels
+    through the chunked loss head, the CP ranks' zigzag chunks put back in order (what
+    `perplexity.token_losses` gives for an HF model).
+    """
+
+    def __init__(self, model, device: torch.device | None = None):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.device = model, device or torch.device("cpu")
+        self.cp, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        self.cp_group, self.pp_group = ps.get_context_parallel_group(), ps.get_pipeline_model_parallel_group()
+        self.last_stage = ps.is_pipeline_last_stage()
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        from megatron_ext.context_parallel import shard_for_context_parallel, unshard_order
+
+        n = len(ids)
+        length = -(-n // (2 * self.cp)) * (2 * self.cp)
+        tokens = torch.zeros(1, length, dtype=torch.long)
+        tokens[0, :n] = ids.cpu()
+        labels = torch.zeros_like(tokens)
+        labels[0, :n - 1] = tokens[0, 1:n]
+        batch = shard_for_context_parallel({"tokens": tokens, "labels": labels,
+                                            "position_ids": torch.arange(length)[None]}, self.cp, self.cp_rank)
+        out = forward_only(self.model, {k: v.to(self.device) for k, v in batch.items()})
+        losses = torch.zeros(length, dtype=torch.float32, device=self.device)
+        if self.last_stage:
+            local = out[0].float().reshape(-1).contiguous()  # [s / CP], this rank's chunks
+            if self.cp > 1:
+                parts = [torch.empty_like(local) for _ in range(self.cp)]
+                dist.all_gather(parts, local, group=self.cp_group)
+                local = torch.cat(parts)[unshard_order(length, self.cp).to(self.device)]
+            losses = local
+        dist.all_reduce(losses, group=self.pp_group)  # the last stage's numbers to every stage
+        return losses[:n - 1].cpu()
+
+
 def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str = "cpu",
                            precision: str = "fp32", attention: str = "auto", cp_comm_type: str = "p2p"):
     """(model for this rank in eval mode, HF config, tokenizer location or None) from a Megatron checkpoint.
@@ -159,6 +209,9 @@ def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, co
     from megatron_ext.checkpoint import CheckpointError, load_checkpoint, read_metadata
     from megatron_ext.model import BuildOptions, build_model
 
+    if not Path(checkpoint).is_dir():
+        raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
+                        "the output of tools/convert.py to-megatron")
     try:
         meta = read_metadata(checkpoint)
     except CheckpointError as e:
@@ -188,19 +241,33 @@ def _tokenizer(location):
         raise EvalError(f"tokenizer {location}: cannot load it ({e}); give --tokenizer DIR_OR_NAME") from None
 
 
-def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
-                      device: str | None = None, dtype: str | None = None, tokenizer=None, max_new_tokens: int = 16,
-                      on_length_done=None, progress: bool = True, **niah_kwargs):
-    """`run_niah` on a Megatron checkpoint over this job's ranks (torchrun or srun; DP = world / (TP x PP x CP)).
+@dataclass
+class Engine:
+    """The model of this rank and what the evaluations need around it."""
 
-    Every rank runs it; rank 0 gets `on_length_done`, the progress bar and the log. Returns the grid on
-    every rank. `tokenizer`: a directory or name (default: the one the checkpoint records).
-    """
+    model: object
+    hf_config: dict
+    tokenizer: object
+    device: torch.device
+    precision: str
+    layout: dict  # tensor, pipeline, context, data
+    rank0: bool
+
+    def describe(self) -> str:
+        l = self.layout
+        return (f"Megatron engine: TP {l['tensor']} x PP {l['pipeline']} x CP {l['context']}, DP {l['data']} "
+                f"({dist.get_world_size()} ranks, {self.precision})")
+
+
+@contextmanager
+def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str | None = None,
+                    dtype: str | None = None, tokenizer=None, needs_tokenizer: bool = True) -> Iterator[Engine]:
+    """Start the process group for this job's ranks (torchrun or srun; DP = world / (TP x PP x CP)), load the
+    checkpoint at that layout, and end the group on exit. `tokenizer`: a directory or name (default: the one
+    the checkpoint records)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.evaluate.generate import eos_ids
     from megatron_ext.evaluate.loading import resolve_dtype
-    from megatron_ext.evaluate.niah import run_niah
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
 
     world = process_env().world_size
@@ -215,32 +282,79 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
     try:
         model, hf_cfg, recorded = load_megatron_for_eval(checkpoint, tensor=tensor, pipeline=pipeline, context=context,
                                                          device=device, precision=precision)
-        tok = _tokenizer(tokenizer or recorded)
-        rank0 = dist.get_rank() == 0
+        layout = {"tensor": tensor, "pipeline": pipeline, "context": context,
+                  "data": ps.get_data_parallel_world_size()}
+        where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        tok = _tokenizer(tokenizer or recorded) if needs_tokenizer else None
+        engine = Engine(model, hf_cfg, tok, where, precision, layout, dist.get_rank() == 0)
+        with warnings.catch_warnings():
+            if not engine.rank0:  # one copy of each warning
+                warnings.simplefilter("ignore")
+            yield engine
+    finally:
+        destroy_distributed()
+
+
+def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
+                      device: str | None = None, dtype: str | None = None, tokenizer=None, max_new_tokens: int = 16,
+                      on_length_done=None, progress: bool = True, **niah_kwargs):
+    """`run_niah` on a Megatron checkpoint over this job's ranks (see `megatron_engine`).
+
+    Every rank runs it; rank 0 gets `on_length_done`, the progress bar and the log. Returns the grid on
+    every rank.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.evaluate.generate import eos_ids
+    from megatron_ext.evaluate.niah import run_niah
+
+    with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
+                         tokenizer=tokenizer) as engine:
+        tok, hf_cfg = engine.tokenizer, engine.hf_config
         eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=hf_cfg.get("eos_token_id"))), tok)
-        generate = MegatronGreedy(
-            model, hf_cfg["vocab_size"], max_new_tokens, eos,
-            settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)),
-            device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"))
-        dp = ps.get_data_parallel_world_size()
+        generate = MegatronGreedy(engine.model, hf_cfg["vocab_size"], max_new_tokens, eos,
+                                  settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)),
+                                  device=engine.device)
         max_pos = hf_cfg.get("max_position_embeddings")
         longest = max(n for n in lengths if niah_kwargs.get("allow_beyond_max_positions") or not max_pos
                       or n <= max_pos or n == min(lengths))
-        if rank0:
-            print(f"[niah] Megatron engine: TP {tensor} x PP {pipeline} x CP {context}, DP {dp} ({world} ranks, "
-                  f"{precision}); {longest // context:,} tokens per rank at {longest:,}", flush=True)
-        with warnings.catch_warnings():
-            if not rank0:  # one copy of each warning
-                warnings.simplefilter("ignore")
-            result = run_niah(None, tok, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
-                              max_position_embeddings=max_pos,
-                              batch_tokens=dp * longest,  # one row per replica at the longest length
-                              on_length_done=on_length_done if rank0 else None, progress=progress and rank0,
-                              log=print if rank0 else None, prefill_chunk=None, **niah_kwargs)
-        passes = torch.tensor([generate.passes], device=generate.device)
+        if engine.rank0:
+            print(f"[niah] {engine.describe()}; {longest // context:,} tokens per rank at {longest:,}", flush=True)
+        result = run_niah(None, tok, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
+                          max_position_embeddings=max_pos,
+                          batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length
+                          on_length_done=on_length_done if engine.rank0 else None, progress=progress and engine.rank0,
+                          log=print if engine.rank0 else None, prefill_chunk=None, **niah_kwargs)
+        passes = torch.tensor([generate.passes], device=engine.device)
         dist.all_reduce(passes, group=ps.get_data_parallel_group())
-        result.settings.update(engine="megatron", layout={"tensor": tensor, "pipeline": pipeline, "context": context,
-                                                          "data": dp}, dtype=precision, forward_passes=int(passes))
+        result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision,
+                               forward_passes=int(passes))
         return result
-    finally:
-        destroy_distributed()
+
+
+def run_ppl_megatron(checkpoint, *, texts=None, documents=None, tensor: int = 1, pipeline: int = 1, context: int = 1,
+                     device: str | None = None, dtype: str | None = None, tokenizer=None, progress: bool = True,
+                     **ppl_kwargs):
+    """`perplexity_by_position` of a Megatron checkpoint over this job's ranks, TP x PP x CP of them (DP 1).
+
+    `documents`: token-id documents (e.g. `indexed_documents(...)`), else `texts` with the tokenizer. Returns the
+    result on every rank.
+    """
+    from megatron_ext.evaluate.perplexity import perplexity_by_position
+    from megatron_ext.runtime import process_env
+
+    world = process_env().world_size
+    if world != tensor * pipeline * context:
+        raise EvalError(f"ppl with --engine megatron runs one replica: start TP x PP x CP = "
+                        f"{tensor * pipeline * context} processes, not {world}")
+    with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
+                         tokenizer=tokenizer, needs_tokenizer=documents is None) as engine:
+        if engine.rank0:
+            print(f"[ppl] {engine.describe()}", flush=True)
+        source = documents if documents is not None else engine.tokenizer
+        result = perplexity_by_position(None, source, texts=texts, progress=progress and engine.rank0,
+                                        token_losses_fn=MegatronTokenLosses(engine.model, engine.device),
+                                        max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
+                                        chunk=None, **ppl_kwargs)
+        result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision)
+        return result

@@ -12,7 +12,7 @@ import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -133,15 +133,17 @@ def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
 
 def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence[str | Path] | None = None,
                            seq_len: int | None = None, per_octave: int = 2, chunk: int | str | None = "auto",
-                           progress: bool = True) -> PerplexityResult:
+                           progress: bool = True, token_losses_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                           max_position_embeddings: int | None = None) -> PerplexityResult:
     """Per-token loss of `model` averaged in log-spaced position buckets over long documents.
 
     Second argument: a tokenizer (then `texts`: strings, or `Path`s of text files, one document each) or
     token-id documents (1D tensors/arrays/lists, or a [N, T] tensor). Documents are cut to
     `seq_len` tokens (default: the model's max_position_embeddings). Buckets span the longest
-    document; shorter ones add to the buckets they reach.
+    document; shorter ones add to the buckets they reach. `token_losses_fn` (document ids [T] -> losses
+    [T-1]) replaces `token_losses(model, ...)`; `model` may then be None, with `max_position_embeddings`.
     """
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
     if seq_len is None:
         seq_len = max_pos
     docs = _documents(tokenizer_or_token_tensors, texts, seq_len)
@@ -158,7 +160,8 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
         from tqdm.auto import tqdm
         docs_iter = tqdm(docs, desc="ppl", unit="doc")
     for d in docs_iter:
-        loss = token_losses(model, d, chunk).double().cpu().numpy()  # [T-1], entry t-1 = position t
+        loss = (token_losses_fn(d) if token_losses_fn is not None else token_losses(model, d, chunk))
+        loss = loss.double().cpu().numpy()  # [T-1], entry t-1 = position t
         pos = np.arange(1, len(d))
         which = np.searchsorted(edges, pos, side="right") - 1
         sums += np.bincount(which, weights=loss, minlength=len(buckets))
@@ -169,5 +172,6 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
         rows.append({"start": s, "end": e, "tokens": int(n), "mean_loss": mean,
                      "perplexity": math.exp(mean) if mean is not None and mean < 700 else None})
     settings = {"seq_len": seq_len, "per_octave": per_octave, "chunk": chunk, "max_position_embeddings": max_pos,
-                "model": getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__}
+                "model": getattr(getattr(model, "config", None), "_name_or_path", None)
+                or (type(model).__name__ if model is not None else None)}
     return PerplexityResult(rows, len(docs), [len(d) for d in docs], settings)

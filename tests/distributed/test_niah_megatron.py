@@ -1,8 +1,8 @@
-"""NIAH on the Megatron model across ranks (megatron_ext.evaluate.parallel) against transformers on one process.
+"""NIAH and perplexity on the Megatron model across ranks (megatron_ext.evaluate.parallel) against transformers.
 
 A tiny random Llama (llama3 RoPE) with the word-level NIAH tokenizer, converted to a Megatron checkpoint, run at
 CP 2, TP 2, PP 2 and DP 2 on gloo. Outside oracle: transformers' `LlamaForCausalLM` on the HF original: the
-greedy token after every position of a prompt, and greedy continuations, must be the same. A draft that agrees
+greedy token after every position of a prompt, the loss of every token, and greedy continuations must be the same. A draft that agrees
 with the model must be taken in one forward pass, a wrong one must not change the output.
 """
 
@@ -34,11 +34,13 @@ def checkpoints(tmp_path_factory, cpu_parallel_state):  # the group converts in-
 def reference(checkpoints):
     """Prompts (3 rows of 61 tokens: not a multiple of 2 x CP), HF's argmax everywhere, HF greedy, drafts."""
     from megatron_ext.evaluate import greedy_generate, load_hf
+    from megatron_ext.evaluate.perplexity import token_losses
 
     model, _ = load_hf(checkpoints / "hf", "cpu", "fp32")
     prompts = torch.randint(3, 500, (3, 61), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         every = model(input_ids=prompts).logits.argmax(-1).tolist()
+    losses = [token_losses(model, row, chunk=None).tolist() for row in prompts]
     greedy = greedy_generate(model, prompts, MAX_NEW, eos_token_ids=(2,), prefill_chunk=None)
     assert all(len(g) == MAX_NEW for g in greedy)  # no EOS: the draft pass counts below assume full length
     drafts = [list(greedy[0]),                                   # the model's own answer: one pass
@@ -46,13 +48,13 @@ def reference(checkpoints):
               [(greedy[2][0] + 7) % 500] * MAX_NEW]              # wrong from the start: one pass per token
     spec = {"prompts": prompts.tolist(), "drafts": drafts, "max_new_tokens": MAX_NEW, "eos": [2]}
     (checkpoints / "inputs.json").write_text(json.dumps(spec))
-    return every, greedy
+    return every, greedy, losses
 
 
 @pytest.mark.parametrize("layout", [("--cp", "2"), ("--tp", "2"), ("--pp", "2"), ()],
                          ids=["cp2", "tp2", "pp2", "dp2"])
 def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, layout):
-    every, greedy = reference
+    every, greedy, losses = reference
     out = checkpoints / f"out_{'_'.join(layout) or 'dp2'}.json"
     torchrun(WORKER, 2, "--root", str(checkpoints / "mc"), "--inputs", str(checkpoints / "inputs.json"),
              "--out", str(out), *layout)
@@ -60,6 +62,8 @@ def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, 
     for ours, theirs in zip(got["every_position"], every):
         agree = sum(a == b for a, b in zip(ours, theirs))
         assert agree == len(theirs), f"{agree} of {len(theirs)} positions agree"
+    assert torch.tensor(got["losses"]).sub(torch.tensor(losses)).abs().max() < 1e-4
+    assert 5.0 < torch.tensor(losses).mean() < 7.5  # ~ln(512) for a random model: real numbers compared
     assert got["no_draft"] == greedy
     assert got["draft"] == greedy  # whatever the draft, the output is the greedy one
     assert got["no_draft_passes"] == 3 * MAX_NEW
@@ -81,6 +85,23 @@ def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
         assert b["output"] and a["output"].startswith(b["output"])  # ours stops once the first number is settled
     assert mg["settings"]["engine"] == "megatron" and mg["settings"]["layout"]["context"] == 2
     assert (tmp_path / "mg/heatmap.png").is_file()
+
+
+def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
+    from megatron_ext.evaluate.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(["the special magic number is hidden in the text below"] * 30))
+    common = ["--text", str(doc), "--no-progress"]
+    main(["ppl", "--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
+    torchrun(ROOT / "tools/niah.py", 2, "ppl", "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
+             "--cp", "2", "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
+    hf, mg = read_json(tmp_path / "hf/ppl.json"), read_json(tmp_path / "mg/ppl.json")
+    assert hf["doc_tokens"] == mg["doc_tokens"] and hf["doc_tokens"][0] > 200
+    for a, b in zip(hf["buckets"], mg["buckets"]):
+        assert (a["start"], a["end"], a["tokens"]) == (b["start"], b["end"], b["tokens"])
+        assert abs(a["mean_loss"] - b["mean_loss"]) < 1e-4
+    assert mg["settings"]["engine"] == "megatron" and (tmp_path / "mg/ppl.png").is_file()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -3,8 +3,9 @@
     torchrun --nproc_per_node=N niah_parallel.py --root CKPT --inputs IN.json --out OUT.json [--tp T --pp P --cp C]
 
 IN.json: {"prompts": [[ids]], "drafts": [[ids]] (one per prompt), "max_new_tokens": n, "eos": [ids]}.
-OUT.json (rank 0): greedy predictions after every position of each prompt, and each prompt's continuation
-with no draft and with the given drafts, with the forward passes each took.
+OUT.json (rank 0): greedy predictions after every position of each prompt, each prompt's per-token losses (as a
+document for perplexity), and each prompt's continuation with no draft and with the given drafts, with the
+forward passes each took.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1)
     args = ap.parse_args()
 
-    from megatron_ext.evaluate.parallel import MegatronGreedy, load_megatron_for_eval
+    from megatron_ext.evaluate.parallel import MegatronGreedy, MegatronTokenLosses, load_megatron_for_eval
     from megatron_ext.runtime import destroy_distributed, init_distributed
 
     spec = json.loads(open(args.inputs).read())
@@ -33,6 +34,8 @@ def main() -> None:
     model, hf_cfg, _ = load_megatron_for_eval(args.root, tensor=args.tp, pipeline=args.pp, context=args.cp)
     gen = MegatronGreedy(model, hf_cfg["vocab_size"], spec["max_new_tokens"], spec["eos"])
     out: dict = {"every_position": [gen.predict(ids, 0) for ids in spec["prompts"]]}
+    losses = MegatronTokenLosses(model)
+    out["losses"] = [losses(torch.tensor(ids)).tolist() for ids in spec["prompts"]]
     prompts = torch.tensor(spec["prompts"])
     for name, drafts in (("no_draft", None), ("draft", spec["drafts"])):
         gen.passes = 0
