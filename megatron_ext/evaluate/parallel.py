@@ -209,9 +209,6 @@ def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, co
     from megatron_ext.checkpoint import CheckpointError, load_checkpoint, read_metadata
     from megatron_ext.model import BuildOptions, build_model
 
-    if not Path(checkpoint).is_dir():
-        raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
-                        "the output of tools/convert.py to-megatron")
     try:
         meta = read_metadata(checkpoint)
     except CheckpointError as e:
@@ -270,6 +267,9 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
     from megatron_ext.evaluate.loading import resolve_dtype
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
 
+    if not Path(checkpoint).is_dir():
+        raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
+                        "the output of tools/convert.py to-megatron")
     world = process_env().world_size
     if min(tensor, pipeline, context) < 1 or world % (tensor * pipeline * context):
         raise EvalError(f"--tp {tensor} x --pp {pipeline} x --cp {context} must divide the {world} processes "

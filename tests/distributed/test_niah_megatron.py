@@ -108,11 +108,13 @@ def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_pat
     (["--model", "HF", "--engine", "megatron"], "give --megatron CKPT_DIR"),
     (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),
     (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
+    (["--megatron", "CKPT/missing", "--engine", "megatron"], "missing does not exist"),
+    (["ppl", "--megatron", "CKPT", "--engine", "megatron", "--cp", "2", "--text", "CKPT/latest_checkpointed_iteration.txt"], "runs one replica"),
 ])
 def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
     from megatron_ext.evaluate.cli import main
 
     argv = [a.replace("HF", str(checkpoints / "hf")).replace("CKPT", str(checkpoints / "mc")) for a in argv]
     with pytest.raises(SystemExit) as e:
-        main([*argv, "--out", str(tmp_path / "o"), "--lengths", "96", "--no-progress"])
+        main([*argv, "--out", str(tmp_path / "o"), "--no-progress"] + ([] if argv[0] == "ppl" else ["--lengths", "96"]))
     assert message in str(e.value) and str(e.value).startswith("error: ")
