@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Needle-in-a-haystack heatmaps and perplexity by position for HF (or Megatron, via the converter) checkpoints.
+"""Needle-in-a-haystack heatmaps and perplexity by position for HF or Megatron checkpoints.
 
     python tools/niah.py --model HF_DIR --lengths 1K:128K:8 --depths 0:100:10 --out runs/niah
     python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
+    torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT --engine megatron --cp 8 --lengths 1M --out runs/niah
 
 See `python tools/niah.py --help` and `python tools/niah.py ppl --help`.
 """
