@@ -5,6 +5,7 @@ metadata (`megatron_ext.checkpoint.read_metadata`) and the recipe, used by the t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from megatron_ext.checkpoint_index import optimizer_state_mismatch
@@ -50,9 +51,21 @@ def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, l
     for section, key in _DATA_IDENTITY:
         saved_section = old.get(section) or {}
         now = getattr(getattr(recipe, section), key)
-        if key in saved_section and saved_section[key] != now:
+        if key in saved_section and not _same_setting(key, saved_section[key], now):
             changed.append(f"{section}.{key}: {saved_section[key]!r} -> {now!r}")
     return int(consumed), int(tokens), changed
+
+
+def _same_setting(key: str, saved, now) -> bool:
+    """Equal values; for data.prefix also two spellings of one dataset (relative and absolute, links)."""
+    if saved == now:
+        return True
+    if key == "prefix" and isinstance(saved, str) and isinstance(now, str):
+        try:
+            return os.path.samefile(saved + ".bin", now + ".bin")
+        except OSError:  # gone, or on another machine: the text decides
+            return False
+    return False
 
 
 def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> Resume:

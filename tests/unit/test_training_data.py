@@ -67,3 +67,26 @@ def test_resume_position_names_changed_data_settings(token_data):
     saved["recipe"]["train"] = {**saved["recipe"]["train"], "seed": 1}
     _, _, changed = resume_position(saved, 4, recipe)
     assert changed == [f"data.prefix: '/old/cpt' -> {token_data!r}", "train.seed: 1 -> 7"]
+
+
+def test_another_spelling_of_the_same_data_prefix_is_no_change(token_data, tmp_path, monkeypatch):
+    """Relative vs absolute path, or a symlink, to the same indexed dataset: no warning; another dataset: one."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    recipe = _recipe(token_data, "train.global_batch_size=2")
+    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict()}
+    data = Path(token_data)
+    monkeypatch.chdir(data.parent)
+    relative = _recipe(f"./{data.name}", "train.global_batch_size=2")
+    (tmp_path / "link.bin").symlink_to(data.with_name(data.name + ".bin"))
+    (tmp_path / "link.idx").symlink_to(data.with_name(data.name + ".idx"))
+    linked = _recipe(str(tmp_path / "link"), "train.global_batch_size=2")
+    for other in (relative, linked):
+        assert resume_position(saved, 4, other)[2] == []
+    for suffix in (".bin", ".idx"):  # control: a copy is another dataset as far as the check knows
+        shutil.copy(data.with_name(data.name + suffix), tmp_path / f"copy{suffix}")
+    copied = _recipe(str(tmp_path / "copy"), "train.global_batch_size=2")
+    assert resume_position(saved, 4, copied)[2] == [f"data.prefix: {token_data!r} -> {str(tmp_path / 'copy')!r}"]
+    assert os.path.samefile(relative.data.prefix + ".bin", token_data + ".bin")
