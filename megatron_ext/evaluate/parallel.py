@@ -250,6 +250,16 @@ class Engine:
     layout: dict  # tensor, pipeline, context, data
     rank0: bool
 
+    def greedy(self, max_new_tokens: int) -> MegatronGreedy:
+        """The NIAH `generate` of this engine: stops at the tokenizer's or the model's EOS, or once the first
+        number of the answer is settled."""
+        from megatron_ext.evaluate.generate import eos_ids
+
+        tok = self.tokenizer
+        eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=self.hf_config.get("eos_token_id"))), tok)
+        return MegatronGreedy(self.model, self.hf_config["vocab_size"], max_new_tokens, eos, device=self.device,
+                              settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)))
+
     def describe(self) -> str:
         l = self.layout
         return (f"Megatron engine: TP {l['tensor']} x PP {l['pipeline']} x CP {l['context']}, DP {l['data']} "
@@ -305,22 +315,17 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.evaluate.generate import eos_ids
     from megatron_ext.evaluate.niah import run_niah
 
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer) as engine:
-        tok, hf_cfg = engine.tokenizer, engine.hf_config
-        eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=hf_cfg.get("eos_token_id"))), tok)
-        generate = MegatronGreedy(engine.model, hf_cfg["vocab_size"], max_new_tokens, eos,
-                                  settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)),
-                                  device=engine.device)
-        max_pos = hf_cfg.get("max_position_embeddings")
+        generate = engine.greedy(max_new_tokens)
+        max_pos = engine.hf_config.get("max_position_embeddings")
         longest = max(n for n in lengths if niah_kwargs.get("allow_beyond_max_positions") or not max_pos
                       or n <= max_pos or n == min(lengths))
         if engine.rank0:
             print(f"[niah] {engine.describe()}; {longest // context:,} tokens per rank at {longest:,}", flush=True)
-        result = run_niah(None, tok, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
+        result = run_niah(None, engine.tokenizer, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
                           max_position_embeddings=max_pos,
                           batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length
                           on_length_done=on_length_done if engine.rank0 else None, progress=progress and engine.rank0,

@@ -118,3 +118,14 @@ def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--out", str(tmp_path / "o"), "--no-progress"] + ([] if argv[0] == "ppl" else ["--lengths", "96"]))
     assert message in str(e.value) and str(e.value).startswith("error: ")
+
+
+def test_engine_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):
+    """bench/niah_engine_bench.py stays runnable (a random model: the draft is refused, the outputs are the same)."""
+    out = torchrun(ROOT / "bench/niah_engine_bench.py", 2, "--megatron", str(checkpoints / "mc"), "--cp", "2",
+                   "--tokenizer", str(checkpoints / "hf"), "--lengths", "96", "--depths", "0,100",
+                   "--max-new-tokens", "3", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("niah_engine-*.json")
+    rows = read_json(path)["rows"]
+    assert [r["mode"] for r in rows] == ["token_by_token", "draft"] and "wrote" in out
+    assert rows[0]["forward_passes"] == 2 * 3 and 2 <= rows[1]["forward_passes"] <= 2 * 3

@@ -1,0 +1,85 @@
+"""Forward passes and time of NIAH on the Megatron engine: greedy with the needle as draft vs token by token.
+
+    torchrun --nproc-per-node 2 bench/niah_engine_bench.py --megatron demo_out/sft --cp 2 --chat \
+        [--lengths 512,2048] [--depths 0:100:10] [--samples 1] [--max-new-tokens 16] [--out bench/results]
+
+The same grid runs twice on the same ranks (`megatron_ext.evaluate.parallel`): first the baseline, greedy
+decoding one forward pass per new token (`takes_drafts` off), then decoding checked against the expected
+answer. Reported per mode: accuracy, forward passes, seconds, and both as ratios to the baseline; the scores of
+the two must be equal cell by cell (the draft never changes the output), which the script checks. A model that
+retrieves the needles gains most; a random one about nothing. Writes a JSON under bench/results/ (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--megatron", required=True, help="Megatron checkpoint (e.g. demo_out/sft after make demo)")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--lengths", default="512,2048")
+    ap.add_argument("--depths", default="0:100:10")
+    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--chat", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = ap.parse_args()
+
+    import torch
+
+    from bench.report import write_json_atomic
+    from megatron_ext.evaluate.cli import parse_depths, parse_lengths
+    from megatron_ext.evaluate.niah import run_niah
+    from megatron_ext.evaluate.parallel import megatron_engine
+
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
+    rows = []
+    with megatron_engine(args.megatron, tensor=args.tp, pipeline=args.pp, context=args.cp,
+                         tokenizer=args.tokenizer) as engine:
+        for mode in ("token_by_token", "draft"):
+            gen = engine.greedy(args.max_new_tokens)
+            gen.takes_drafts = mode == "draft"
+            start = time.perf_counter()
+            result = run_niah(None, engine.tokenizer, lengths, depths, generate=gen, samples=args.samples, chat=args.chat,
+                              max_new_tokens=args.max_new_tokens, batch_tokens=max(lengths), progress=False,
+                              log=None, allow_beyond_max_positions=True)
+            seconds = time.perf_counter() - start
+            passes = torch.tensor([gen.passes])
+            torch.distributed.all_reduce(passes, group=torch.distributed.group.WORLD)
+            rows.append({"mode": mode, "accuracy": result.accuracy, "scores": result.scores, "seconds": seconds,
+                         "forward_passes": int(passes) // torch.distributed.get_world_size(),
+                         "prompts": len(result.cells)})
+        rank0 = engine.rank0
+        layout = engine.layout
+    base = rows[0]
+    if rows[1]["scores"] != base["scores"]:
+        print("error: the draft changed a score; the decoding is not greedy", file=sys.stderr)
+        return 1
+    if rank0:
+        print(f"{'mode':>15} {'accuracy':>9} {'passes':>7} {'x base':>7} {'seconds':>8} {'x base':>7}")
+        for r in rows:
+            r["passes_ratio"] = r["forward_passes"] / base["forward_passes"]
+            r["time_ratio"] = r["seconds"] / base["seconds"]
+            print(f"{r['mode']:>15} {r['accuracy']:>9.1%} {r['forward_passes']:>7} {r['passes_ratio']:>7.2f} "
+                  f"{r['seconds']:>8.2f} {r['time_ratio']:>7.2f}")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = args.out / f"niah_engine-{stamp}.json"
+        write_json_atomic(path, {"checkpoint": args.megatron, "layout": layout, "lengths": lengths, "depths": depths,
+                                 "samples": args.samples, "chat": args.chat, "rows": rows})
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
