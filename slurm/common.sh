@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Shared body of the stage scripts (slurm/cpt_1m.sh, cpt_2m.sh, cpt_4m.sh, sft.sh); sourced, not run.
+# Shared body of the stage scripts (slurm/cpt_1m.sh, cpt_2m.sh, cpt_4m.sh, sft.sh) and of the evaluation
+# script (slurm/niah.sh, `eval_main` at the end); sourced, not run.
 #
 # One stage = one training run of one recipe. The recipe is the single source of truth for the
 # model and the parallel layout; this file only launches it:
@@ -69,8 +70,12 @@ log_job() {
   fi
   log "job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}"
   log "git $sha in $PROJECT_ROOT"
-  log "recipe $RECIPE"
-  log "overrides: ${*:-(none)}"
+  if [[ -n ${RECIPE:-} ]]; then
+    log "recipe $RECIPE"
+    log "overrides: ${*:-(none)}"
+  else
+    log "arguments: ${*:-(none)}"
+  fi
   log "nodes ${SLURM_JOB_NODELIST:-?} (${SLURM_JOB_NUM_NODES:-?}), tasks ${SLURM_NTASKS:-?}," \
     "gpus/node ${SLURM_GPUS_ON_NODE:-0}, python $PYTHON${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
 }
@@ -141,5 +146,22 @@ stage_main() {
     scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
     exit 0
   fi
+  exit "$rc"
+}
+
+# eval_main [tools/niah.py arguments]: NIAH (or `ppl ...`) of a Megatron checkpoint with --engine megatron on
+# every task of the job. Each task reads its rank from Slurm's env; rank 0 writes the results and the log.
+eval_main() {
+  set -euo pipefail
+  PYTHON=${PYTHON:-python}
+  [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0 --megatron CKPT --cp 8 --out DIR"
+  (($# > 0)) || die "give tools/niah.py arguments, e.g. sbatch $0 --megatron runs/cpt_1m --cp 8 --lengths 1M --out runs/niah_1m"
+  export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  nccl_defaults
+  build_launcher
+  log_job "$@"
+  local rc=0
+  "${LAUNCH[@]}" "$PYTHON" "$PROJECT_ROOT/tools/niah.py" "$@" --engine megatron || rc=$?
+  log "evaluation exited with $rc"
   exit "$rc"
 }

@@ -1,4 +1,4 @@
-"""NIAH on the Megatron model itself, split over TP x PP x CP ranks: contexts no single GPU holds.
+"""NIAH and perplexity on the Megatron model itself, split over TP x PP x CP ranks: contexts no GPU holds alone.
 
 A Hugging Face model keeps a 1M-token prompt's KV cache on one device (128 GiB for Llama-3.1-8B in bf16) and a
 4M one not at all. Here the checkpoint is evaluated the way it was trained: the prompt is cut into zigzag CP
@@ -8,7 +8,8 @@ covers the whole prompt; to keep that to about one pass per needle, decoding is 
 runs over the prompt followed by the expected answer and keeps the model's own choices as far as they agree
 with the draft (speculative decoding with the answer as the draft model). The output is exactly the greedy
 continuation whatever the draft (a wrong draft only costs passes); decoding stops once the first number of the
-answer is complete, which is all the score reads (`number_settled`).
+answer is complete, which is all the score reads (`number_settled`). Perplexity by position is one forward pass
+per document with labels, through the chunked loss head (`MegatronTokenLosses`).
 
     torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT --engine megatron --cp 8 --lengths 1M --out runs/niah
 """
@@ -69,6 +70,11 @@ def speculative_greedy(predict: PredictFn, prompt: Sequence[int], draft: Sequenc
     return out, passes
 
 
+def _padded_length(n: int, cp: int) -> int:
+    """Sequences split into 2 x CP chunks: padded at the end, which no earlier position sees (causal)."""
+    return -(-n // (2 * cp)) * (2 * cp)
+
+
 def forward_only(model, batch: dict[str, torch.Tensor]) -> list:
     """One micro-batch (`[1, s / CP]` tokens, position_ids, optional labels) through Megatron's forward-only
     schedule; returns what the last pipeline stage's model gave (`[output]`), `[]` on other stages."""
@@ -106,7 +112,6 @@ class MegatronGreedy:
         self.pp_group, self.last_stage = ps.get_pipeline_model_parallel_group(), ps.is_pipeline_last_stage()
         self.dp_group = ps.get_data_parallel_group()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.multiple = 2 * self.cp  # sequence lengths split into 2 x CP chunks
         self.passes = 0
 
     @torch.no_grad()
@@ -115,7 +120,7 @@ class MegatronGreedy:
         from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel
 
         n = len(ids)
-        length = -(-n // self.multiple) * self.multiple  # padded at the end: causal, so no real position sees it
+        length = _padded_length(n, self.cp)
         tokens = torch.zeros(1, length, dtype=torch.long)
         tokens[0, :n] = torch.tensor(ids)
         batch = shard_for_context_parallel({"tokens": tokens, "position_ids": torch.arange(length)[None]},
@@ -180,7 +185,7 @@ class MegatronTokenLosses:
         from megatron_ext.context_parallel import shard_for_context_parallel, unshard_order
 
         n = len(ids)
-        length = -(-n // (2 * self.cp)) * (2 * self.cp)
+        length = _padded_length(n, self.cp)
         tokens = torch.zeros(1, length, dtype=torch.long)
         tokens[0, :n] = ids.cpu()
         labels = torch.zeros_like(tokens)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Long-context evaluation of a Megatron checkpoint on the Megatron engine (tools/niah.py --engine megatron):
+# NIAH grids or perplexity by position at lengths no single GPU holds, every task of the job one rank.
+#   sbatch slurm/niah.sh --megatron runs/cpt_1m --cp 8 --lengths 128K:1M:4 --out runs/niah_1m
+#   sbatch --nodes=8 slurm/niah.sh --megatron runs/cpt_4m --tp 8 --cp 8 --lengths 4M --chat --out runs/niah_4m
+#   sbatch slurm/niah.sh ppl --megatron runs/cpt_1m --cp 8 --indexed data/cpt_text_document --out runs/ppl_1m
+# Arguments are tools/niah.py's (`python tools/niah.py --help`); TP x PP x CP must divide the task count (NIAH
+# splits prompts over the remaining data-parallel replicas; ppl needs exactly TP x PP x CP tasks).
+# Every #SBATCH line below can be overridden on the sbatch command line; slurm/common.sh documents the rest.
+#SBATCH --job-name=niah
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=8
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=04:00:00
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+# sbatch runs a spool copy of this file: find the project from the submit folder (or MEGATRON_EXT_ROOT).
+# shellcheck source=slurm/common.sh
+source "${MEGATRON_EXT_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/common.sh" || exit 1
+eval_main "$@"
