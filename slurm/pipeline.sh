@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Submit the whole UltraLong run as a chain of Slurm jobs, each starting after the previous one
 # succeeded (--dependency=afterok):
-#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> export (to-hf)
+#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> NIAH -> export (to-hf)
 #
 #   bash slurm/pipeline.sh [--cpt cpt_1m|cpt_2m|cpt_4m] [--hf DIR] [--export DIR] [--sft-recipe FILE]
-#                          [--no-sft] [--dry-run] [dotted.key=value ...]
+#                          [--no-sft] [--niah LENGTHS] [--dry-run] [dotted.key=value ...]
 #
 #   --cpt      CPT stage script/recipe (default cpt_1m)
 #   --hf       HF model folder to convert first (default: no conversion job; the CPT recipe's
@@ -12,6 +12,9 @@
 #   --export   HF folder to write from the last stage's checkpoint (default: no export job)
 #   --sft-recipe  SFT recipe (default recipes/sft.yaml, which keeps the 1M RoPE: for cpt_2m/cpt_4m
 #              give an SFT recipe with that stage's RoPE, see the header of recipes/sft.yaml)
+#   --niah     evaluate the last stage's checkpoint at these lengths (e.g. 128K:1M:4) with slurm/niah.sh on the
+#              Megatron engine, at the CPT recipe's TP x CP, before the export (default: no evaluation job);
+#              chat prompts after SFT; results in <checkpoint.dir>_niah/
 #   --dry-run  print the sbatch commands instead of submitting
 # Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>.
 # SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
@@ -21,7 +24,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-CPT=cpt_1m HF="" EXPORT="" SFT_RECIPE="" SFT=1 DRY=0
+CPT=cpt_1m HF="" EXPORT="" SFT_RECIPE="" SFT=1 DRY=0 NIAH=""
 OVERRIDES=()
 while (($#)); do
   case $1 in
@@ -30,8 +33,9 @@ while (($#)); do
     --export) EXPORT=$2; shift 2 ;;
     --sft-recipe) SFT_RECIPE=$2; shift 2 ;;
     --no-sft) SFT=0; shift ;;
+    --niah) NIAH=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
     --*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;;
     *) OVERRIDES+=("$1"); shift ;;
   esac
@@ -106,6 +110,17 @@ if [[ -n $HF ]]; then
 fi
 submit "$CPT" "slurm/$CPT.sh" "${OVERRIDES[@]}"
 ((SFT)) && submit sft --export="ALL,RECIPE=$SFT_RECIPE" slurm/sft.sh "checkpoint.init_from=$CPT_DIR"
+if [[ -n $NIAH ]]; then
+  # The CPT layout holds the longest sequences; NIAH's forward passes need less memory than its training steps.
+  TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
+  CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
+  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < 8 ? TP * CP : 8))
+  NIAH_ARGS=(--megatron "$LAST_DIR" --tp "$TP" --cp "$CP" --lengths "$NIAH" --depths 0:100:10
+    --out "${LAST_DIR%/}_niah" --no-progress)
+  ((SFT)) && NIAH_ARGS+=(--chat)
+  submit niah "--nodes=$(((RANKS + PER_NODE - 1) / PER_NODE))" "--ntasks-per-node=$PER_NODE" \
+    "--gpus-per-node=$PER_NODE" slurm/niah.sh "${NIAH_ARGS[@]}"
+fi
 if [[ -n $EXPORT ]]; then
   need_convert_tool --export
   tool_job export tools/convert.py to-hf --megatron "$LAST_DIR" --out "$EXPORT"

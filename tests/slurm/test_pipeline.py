@@ -1,8 +1,9 @@
-"""slurm/pipeline.sh: convert -> CPT -> SFT -> export chained with afterok (dry run: no cluster needed)."""
+"""slurm/pipeline.sh: convert -> CPT -> SFT -> NIAH -> export chained with afterok (dry run: no cluster needed)."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 from tests.conftest import ROOT
 from tests.slurm.conftest import job_env
@@ -36,3 +37,19 @@ def test_bad_override_fails_at_submission():
     proc = pipeline("--dry-run", "train.bogus=1")
     assert proc.returncode != 0 and "bogus" in proc.stderr
     assert proc.stdout == ""  # validated before the first submission
+
+
+def test_niah_job_evaluates_the_last_stage_at_the_cpt_layout():
+    proc = pipeline("--dry-run", "--niah", "128K:1M:4", "--export", "out/ultralong_1m")
+    assert proc.returncode == 0, proc.stderr
+    cpt, sft, niah, export = proc.stdout.splitlines()
+    tp = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--recipe", "recipes/cpt_1m.yaml", "--get",
+                         "parallel.tensor"], capture_output=True, text=True, cwd=ROOT, env=job_env()).stdout.strip()
+    cp = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--recipe", "recipes/cpt_1m.yaml", "--get",
+                         "parallel.context"], capture_output=True, text=True, cwd=ROOT, env=job_env()).stdout.strip()
+    ranks = int(tp) * int(cp)
+    assert "--dependency=afterok:\\<sft\\>" in niah and "slurm/niah.sh --megatron checkpoints/sft_1m" in niah
+    assert f"--tp {tp} --cp {cp} --lengths 128K:1M:4" in niah and "--chat" in niah
+    assert f"--nodes={-(-ranks // min(ranks, 8))} --ntasks-per-node={min(ranks, 8)}" in niah
+    assert "--out checkpoints/sft_1m_niah" in niah
+    assert "--dependency=afterok:\\<niah\\>" in export
