@@ -33,7 +33,8 @@ def test_demo_quick_pipeline(tmp_path):
     # Every step ran through its real CLI.
     for cmd in ("tools/convert.py to-megatron", "tools/prepare_data.py cpt", "--separator '<s>'",
                 "tools/prepare_data.py sft", "-m megatron_ext.train --recipe recipes/demo/cpt.yaml",
-                "recipes/demo/sft.yaml", "tools/convert.py to-hf", "tools/niah.py --model", "tools/niah.py ppl"):
+                "recipes/demo/sft.yaml", "tools/convert.py to-hf", "tools/niah.py --model", "tools/niah.py ppl",
+                "--engine megatron --cp 2"):
         assert cmd in log, f"step `{cmd}` did not run"
     assert "CP2" in (out / "cpt.log").read_text()  # context parallelism really used
     # The CPT checkpoint's exported config carries the recipe's YaRN RoPE at 8x the base context.
@@ -54,6 +55,9 @@ def test_demo_quick_pipeline(tmp_path):
         assert png.read_bytes()[:8] == PNG
     assert len(list(out.glob("eval/niah*/heatmap.png"))) == 5
     assert set(results["mean_loss"]) == {"base", "after YaRN CPT", "after CPT + SFT"}  # loss-by-position curves
+    engine = results["megatron_engine"]  # the final grid on the Megatron checkpoint (scores compared in the full demo)
+    assert engine["cells"] == 4 and 4 <= engine["forward_passes"] and len(engine["by_length"]) == 2
+    assert "## The final model on the Megatron engine" in report
     # The ablation really ran with the base's llama3 RoPE, not the recipe's YaRN.
     abl = json.loads((out / "sft_no_yarn_hf" / "config.json").read_text())
     assert (abl.get("rope_parameters") or abl.get("rope_scaling"))["rope_type"] == "llama3"

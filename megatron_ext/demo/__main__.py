@@ -9,7 +9,8 @@ Steps (each printed with its time; all but the base run the project's real CLIs 
   e. sft            torchrun x2 -m megatron_ext.train: SFT on chat-formatted needle questions up to 2048 tokens
   e'. sft ablation  the same SFT from the base with the base's RoPE (no YaRN, no CPT)
   f. to-hf          tools/convert.py to-hf (CPT, SFT and ablation checkpoints)
-  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base, CPT and final
+  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base, CPT and final;
+                    the final grid again on the Megatron checkpoint itself (--engine megatron, CP 2 under torchrun)
 Writes demo_out/REPORT.md with the accuracy table, heatmaps and the perplexity plot.
 """
 
@@ -142,6 +143,12 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
             run_tool([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
                       "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
                       "--title", f"NIAH: {label}", "--no-progress", *chat])
+        if sft_ok:  # the same grid on the final Megatron checkpoint itself: no conversion, CP 2 (how 1M+ is evaluated)
+            run_tool(torchrun(2) + ["tools/niah.py", "--megatron", sft_dir, "--engine", "megatron", "--cp", "2",
+                                    "--tokenizer", tok_dir, "--out", evals / "megatron_niah", "--lengths", lengths,
+                                    "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
+                                    "--chat", "--title", "NIAH: after CPT + SFT, Megatron engine (CP 2)",
+                                    "--no-progress"])
         # Loss by position: the CPT is what extends the language model; the SFT then narrows it to answers.
         curves = [("base", "base"), ("cpt", "after YaRN CPT")] + ([("final", "after CPT + SFT")] if sft_ok else [])
         for tag, label in curves:

@@ -24,6 +24,22 @@ def _niah_rows(evals: Path, models: dict[str, Path]) -> tuple[list[int], list[tu
     return lengths, rows
 
 
+def _megatron_engine_check(evals: Path, rows) -> dict | None:
+    """The final model's grid on the Megatron engine against its transformers run: per length, cells that agree."""
+    path = evals / "megatron_niah" / "results.json"
+    hf = next((png.parent / "results.json" for label, _, _, png in rows if label == "after CPT + SFT"), None)
+    if not path.is_file() or hf is None:
+        return None
+    ours, theirs = json.loads(path.read_text()), json.loads(hf.read_text())
+    by_length = []
+    for j, _ in enumerate(ours["lengths"]):
+        vals = [row[j] for row in ours["scores"] if row[j] is not None]
+        by_length.append(sum(vals) / len(vals) if vals else None)
+    same = sum(a["score"] == b["score"] for a, b in zip(ours["cells"], theirs["cells"]))
+    return {"by_length": by_length, "cells": len(ours["cells"]), "same_cells": same,
+            "forward_passes": ours["settings"].get("forward_passes")}
+
+
 def _param_count(hf_dir: Path) -> int:
     from safetensors import safe_open
 
@@ -89,6 +105,17 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
               "## Heatmaps", ""]
     for label, _, _, png in rows:
         lines += [f"**{label}**", "", f"![{label}]({rel(png)})", ""]
+    engine = _megatron_engine_check(evals, rows)
+    if engine is not None:
+        lines += ["## The final model on the Megatron engine", "",
+                  "`tools/niah.py --megatron CKPT --engine megatron --cp 2` runs the same grid on the SFT checkpoint "
+                  "itself, under torchrun on two processes (each prompt split in zigzag CP chunks, no conversion, no "
+                  "KV cache): how a 1M-4M-token model is evaluated on a cluster (README, 'Beyond one GPU').", "",
+                  "| engine | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths),
+                  "| Megatron, CP 2 | " + " | ".join(cell(v) for v in engine["by_length"]) + " |", "",
+                  f"Cells scored as by transformers: {engine['same_cells']} of {engine['cells']}; "
+                  f"{engine['forward_passes']} forward passes for {engine['cells']} prompts (greedy decoding checked "
+                  "against the needle as a draft).", ""]
     lines += ["## Loss by token position", "", f"![perplexity by position]({rel(ppl_png)})", "",
               "| model | mean loss |", "|---|---:|"]
     lines += [f"| {k} | {v.mean_loss:.4f} |" for k, v in ppl.items()]
@@ -104,6 +131,6 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
     os.replace(tmp, report)
     results = {"lengths": lengths, "niah": {label: {"by_length": per_len, "mean": acc} for label, per_len, acc, _ in rows},
                "goal_met": met, "seconds": steps.seconds, "total_s": total_s,
-               "mean_loss": {k: v.mean_loss for k, v in ppl.items()}}
+               "mean_loss": {k: v.mean_loss for k, v in ppl.items()}, "megatron_engine": engine}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return report
