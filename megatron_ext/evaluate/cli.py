@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.errors import EvalError, RankError
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _LENGTH_HELP = "use e.g. 4096, 32K, 1M (K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11"
@@ -188,7 +188,8 @@ def _megatron_engine(args) -> bool:
     """True for --engine megatron (which needs --megatron); the layout flags need it."""
     if args.engine == "megatron":
         if args.megatron is None:
-            raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model)")
+            raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model); convert "
+                            "an HF model first with python tools/convert.py to-megatron --hf HF_DIR --out CKPT_DIR")
         return True
     if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
         raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")
@@ -271,5 +272,6 @@ def main(argv: list[str] | None = None) -> int:
         except EvalError as e:
             from megatron_ext.runtime import process_env
 
-            sys.exit(f"error: {e}" if process_env().rank == 0 else 1)  # every rank of a job finds it: one line
+            # An error every rank of a job finds alike: one line, from rank 0.
+            sys.exit(f"error: {e}" if process_env().rank == 0 or isinstance(e, RankError) else 1)
     return 0

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.errors import EvalError, RankError
 
 PredictFn = Callable[[list[int], int], list[int]]
 """(token ids, first) -> the greedy next token after each position first .. len(ids) - 1."""
@@ -156,8 +156,15 @@ class MegatronGreedy:
         drafts = drafts or [[] for _ in rows]
         mine = {}
         for i in range(self.dp_rank, len(rows), self.dp):
-            mine[i], _ = speculative_greedy(self.predict, rows[i], drafts[i], self.max_new_tokens, self.eos,
-                                            self.settled)
+            try:
+                mine[i], _ = speculative_greedy(self.predict, rows[i], drafts[i], self.max_new_tokens, self.eos,
+                                                self.settled)
+            except torch.OutOfMemoryError:
+                # Not retried in smaller batches (run_niah's answer to OOM on one device): the other ranks are inside
+                # this pass's collectives. The job ends, the launcher stops the other ranks.
+                raise RankError(f"rank {dist.get_rank()}: out of memory on a {len(rows[i]):,}-token prompt "
+                                f"({len(rows[i]) // self.cp:,} tokens per rank): raise --cp (or --tp), or use shorter "
+                                "--lengths") from None
         everyone: list[dict] = [{} for _ in range(self.dp)]
         dist.all_gather_object(everyone, mine, group=self.dp_group)
         merged = {k: v for part in everyone for k, v in part.items()}

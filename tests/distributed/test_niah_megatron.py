@@ -129,3 +129,25 @@ def test_engine_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):
     rows = read_json(path)["rows"]
     assert [r["mode"] for r in rows] == ["token_by_token", "draft"] and "wrote" in out
     assert rows[0]["forward_passes"] == 2 * 3 and 2 <= rows[1]["forward_passes"] <= 2 * 3
+
+
+def test_out_of_memory_on_one_rank_ends_the_run(checkpoints):
+    """run_niah retries a batch that ran out of memory in halves; across ranks that would leave the others inside
+    a collective, so the engine turns it into an error naming the rank and the fix."""
+    from megatron_ext.evaluate import run_niah
+    from megatron_ext.evaluate.errors import RankError
+    from megatron_ext.evaluate.parallel import MegatronGreedy
+    from tests.unit.test_evaluate import make_tokenizer
+
+    def oom(ids, first):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    gen = MegatronGreedy(model=None, vocab_size=512, max_new_tokens=4)
+    gen.predict = oom
+    tok = make_tokenizer()
+    with pytest.raises(RankError, match=r"rank 0: out of memory on a 96-token prompt .* raise --cp"):
+        run_niah(None, tok, [96], [50], generate=gen, progress=False, log=None)
+    # control: one device's generate that runs out of memory is retried, then recorded as not run
+    with pytest.warns(UserWarning, match="out of memory even as a batch of 1"):
+        result = run_niah(None, tok, [96], [50], generate=lambda ids: oom(None, 0), progress=False, log=None)
+    assert result.cells[0]["error"] == "out of memory"
