@@ -51,14 +51,15 @@ def main() -> int:
             gen = engine.greedy(args.max_new_tokens)
             gen.takes_drafts = mode == "draft"
             start = time.perf_counter()
-            result = run_niah(None, engine.tokenizer, lengths, depths, generate=gen, samples=args.samples, chat=args.chat,
-                              max_new_tokens=args.max_new_tokens, batch_tokens=max(lengths), progress=False,
+            result = run_niah(None, engine.tokenizer, lengths, depths, generate=gen, samples=args.samples,
+                              chat=args.chat, max_new_tokens=args.max_new_tokens, batch_tokens=max(lengths), progress=False,
                               log=None, allow_beyond_max_positions=True)
             seconds = time.perf_counter() - start
             passes = torch.tensor([gen.passes])
             torch.distributed.all_reduce(passes, group=torch.distributed.group.WORLD)
             rows.append({"mode": mode, "accuracy": result.accuracy, "scores": result.scores, "seconds": seconds,
-                         "forward_passes": int(passes) // torch.distributed.get_world_size(),
+                         # every rank of a replica counted its replica's passes
+                         "forward_passes": int(passes) // (args.tp * args.pp * args.cp),
                          "prompts": len(result.cells)})
         rank0 = engine.rank0
         layout = engine.layout

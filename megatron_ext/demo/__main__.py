@@ -9,7 +9,8 @@ Steps (each printed with its time; all but the base run the project's real CLIs 
   e. sft            torchrun x2 -m megatron_ext.train: SFT on chat-formatted needle questions up to 2048 tokens
   e'. sft ablation  the same SFT from the base with the base's RoPE (no YaRN, no CPT)
   f. to-hf          tools/convert.py to-hf (CPT, SFT and ablation checkpoints)
-  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base, CPT and final;
+  g. evaluate       tools/niah.py on base, base+YaRN (untrained), CPT, SFT (--chat); tools/niah.py ppl on base, CPT
+                    and final;
                     the final grid again on the Megatron checkpoint itself (--engine megatron, CP 2 under torchrun)
 Writes demo_out/REPORT.md with the accuracy table, heatmaps and the perplexity plot.
 """

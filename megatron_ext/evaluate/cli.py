@@ -91,10 +91,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     engine = p.add_argument_group("Megatron engine (--megatron CKPT --engine megatron, under torchrun or srun)")
     engine.add_argument("--engine", choices=("hf", "megatron"), default="hf",
                         help="hf: convert to Hugging Face and run transformers on one device (default); megatron: "
-                        "run the checkpoint on all ranks of the job with TP x PP x CP, for contexts one GPU cannot hold")
+                        "run the checkpoint on all ranks of the job with TP x PP x CP, for contexts one GPU cannot "
+                        "hold")
     engine.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     engine.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    engine.add_argument("--cp", type=int, default=1, help="context parallel size (each sequence split over this many ranks)")
+    engine.add_argument("--cp", type=int, default=1,
+                        help="context parallel size (each sequence split over this many ranks)")
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
 
 
@@ -188,8 +190,8 @@ def _megatron_engine(args) -> bool:
     """True for --engine megatron (which needs --megatron); the layout flags need it."""
     if args.engine == "megatron":
         if args.megatron is None:
-            raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model); convert "
-                            "an HF model first with python tools/convert.py to-megatron --hf HF_DIR --out CKPT_DIR")
+            raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model); "
+                            "convert an HF model first with python tools/convert.py to-megatron --hf HF_DIR --out CKPT_DIR")
         return True
     if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
         raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")

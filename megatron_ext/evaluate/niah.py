@@ -137,7 +137,8 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
              task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
              max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
-             max_position_embeddings: int | None = None, on_length_done: Callable[[NiahResult], None] | None = None, progress: bool = True,
+             max_position_embeddings: int | None = None,
+             on_length_done: Callable[[NiahResult], None] | None = None, progress: bool = True,
              log=print) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
 
@@ -145,11 +146,11 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     length run as batches of up to `batch_tokens // length` rows (no padding: equal lengths).
     Lengths above the model's `max_position_embeddings` are skipped with a warning unless
     `allow_beyond_max_positions`. `generate` replaces greedy decoding (prompts [B, L] -> new ids
-    per row); `model` may then be None (give `max_position_embeddings` for the check above). A `generate`
-    with `takes_drafts = True` is also given each row's expected answer as a draft (`generate(ids, drafts)`;
-    `megatron_ext.evaluate.parallel` checks it in the same forward pass). A batch that runs out of device memory is retried in
-    halves; a single prompt that does is recorded as not run (score None). `on_length_done` gets
-    the grid so far after each length (tools/niah.py saves it, so a long sweep keeps its results).
+    per row); `model` may then be None (give `max_position_embeddings` for the check above). A
+    `generate` with `takes_drafts = True` is also given each row's expected answer as a draft
+    (`generate(ids, drafts)`; `megatron_ext.evaluate.parallel` checks it in the same forward pass).
+    A batch that runs out of device memory is retried in halves; a single prompt that does is
+    recorded as not run (score None). `on_length_done` gets the grid so far after each length (tools/niah.py saves it, so a long sweep keeps its results).
     """
     lengths, depths = _check_grid(lengths, depths)
     if samples < 1:

@@ -2,8 +2,8 @@
 
 A tiny random Llama (llama3 RoPE) with the word-level NIAH tokenizer, converted to a Megatron checkpoint, run at
 CP 2, TP 2, PP 2 and DP 2 on gloo. Outside oracle: transformers' `LlamaForCausalLM` on the HF original: the
-greedy token after every position of a prompt, the loss of every token, and greedy continuations must be the same. A draft that agrees
-with the model must be taken in one forward pass, a wrong one must not change the output.
+greedy token after every position of a prompt, the loss of every token, and greedy continuations must be the
+same. A draft that agrees with the model must be taken in one forward pass, a wrong one must not change the output.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_pat
     (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),
     (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
     (["--megatron", "CKPT/missing", "--engine", "megatron"], "missing does not exist"),
-    (["ppl", "--megatron", "CKPT", "--engine", "megatron", "--cp", "2", "--text", "CKPT/latest_checkpointed_iteration.txt"], "runs one replica"),
+    (["ppl", "--megatron", "CKPT", "--engine", "megatron", "--cp", "2", "--text",
+      "CKPT/latest_checkpointed_iteration.txt"], "runs one replica"),
 ])
 def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
     from megatron_ext.evaluate.cli import main
