@@ -54,8 +54,9 @@ def memory_note(config, length: int, batch: int = 1, dtype_bytes: int = 2, n_par
         need = kv + (n_params or 0) * dtype_bytes
         parts += f"; device has {_human(free_bytes)} free"
         if need > free_bytes:
-            parts += (" -- this will NOT fit: lower the largest length or the batch (--batch-tokens), or use a "
-                      "device with more memory")
+            parts += (" -- this will NOT fit: lower the largest length or the batch (--batch-tokens), use a "
+                      "device with more memory, or run the Megatron checkpoint over several GPUs (--megatron CKPT "
+                      "--engine megatron --cp N under torchrun: no KV cache, each prompt split N ways)")
     return parts
 
 

@@ -129,6 +129,7 @@ def test_kv_cache_bytes_from_config():
     assert kv_cache_bytes_per_token(TINY, 4) == 2 * 2 * 2 * 16 * 4
     note = memory_note(LLAMA31_8B, 1 << 20, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
     assert "128.0 KiB/token" in note and "128.0 GiB" in note and "NOT fit" in note  # 128 + 15 GiB > 140 GiB
+    assert "--engine megatron" in note  # the way to evaluate it anyway
     assert "NOT fit" not in memory_note(LLAMA31_8B, 1 << 19, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
 
 
