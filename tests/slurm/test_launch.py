@@ -1,8 +1,9 @@
 """megatron_ext.launch: --dry-run text, stage planning, errors, and through submitit on the local Slurm
-cluster the CPT -> SFT chain and a USR1 requeue."""
+cluster the CPT -> SFT -> NIAH chain and a USR1 requeue."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -35,6 +36,19 @@ def test_dry_run_reflects_its_arguments():
     proc = launch(*[a if a != "batch" else "debug" for a in DRY_RUN_ARGS])
     assert proc.returncode == 0 and proc.stdout != EXPECTED.read_text()
     assert "sbatch partition: debug" in proc.stdout
+
+
+def test_dry_run_niah_job_after_the_last_stage():
+    proc = launch("--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--niah", "128K:1M:4", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    niah = proc.stdout.split("then niah: ")[1]
+    assert niah.startswith("32 processes, after stage 2")  # cpt_1m's TP 8 x CP 4
+    assert "sbatch nodes: 4\n" in niah and "sbatch ntasks_per_node: 8\n" in niah
+    assert "dependency': 'afterok:<job of stage 2>'" in niah and "signal_delay_s" not in niah
+    assert ("run per task: python tools/niah.py --megatron checkpoints/sft_1m --engine megatron --tp 8 --cp 4 "
+            "--lengths 128K:1M:4 --depths 0:100:10 --out checkpoints/sft_1m_niah --no-progress --chat") in niah
+    bad = launch("--recipe", "recipes/cpt_1m.yaml", "--niah", "1Q", "--dry-run")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: --niah '1Q': '1Q' is not a token count")
 
 
 def test_plan_stages_and_stage_overrides():
@@ -70,28 +84,33 @@ def test_check_gpus_per_node():
     check(str(ROOT / "recipes/cpt_4m.yaml"), [], 256, tasks_per_node=8, gpus_per_node=8, paths=False)
 
 
-def test_submitit_chain_cpt_then_sft(slurm_cluster, tmp_path, token_data, sft_data):
-    """Two stages through submitit with afterok: tiny CPT, then tiny SFT from its checkpoint."""
+def test_submitit_chain_cpt_then_sft(slurm_cluster, tmp_path, token_data, sft_data, toy_tokenizer):
+    """Two stages through submitit with afterok: tiny CPT, then tiny SFT from its checkpoint, then NIAH of the
+    SFT checkpoint on the Megatron engine at the CPT's CP 2."""
     cpt, sft = tmp_path / "cpt", tmp_path / "sft"
     args = ["--recipe", "recipes/tiny/cpt.yaml", "--stages", "cpt,sft", "--nodes", "2", "--gpus-per-node", "1",
             "--cpus-per-task", "1", "--time", "30", "--folder", str(tmp_path / "submitit/%j"), "--wait",
             *TINY_OVERRIDES, "train.steps=3", f"cpt:data.prefix={token_data}", f"sft:data.prefix={sft_data}",
             f"cpt:checkpoint.dir={cpt}", f"sft:checkpoint.dir={sft}", f"sft:checkpoint.init_from={cpt}",
-            "sft:train.global_batch_size=2", "sft:train.lr=1e-3"]
+            "sft:train.global_batch_size=2", "sft:train.lr=1e-3", f"model.tokenizer={toy_tokenizer}",
+            "--niah", "256"]
     with RequeueNow():
         proc = launch(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith(("submitted", "done"))] == \
-           ["submitted cpt", "submitted sft", "done cpt", "done sft"]
+           ["submitted cpt", "submitted sft", "submitted niah", "done cpt", "done sft", "done niah"]
     a, b = metrics(cpt), metrics(sft)
     assert [m["step"] for m in a] == [1, 2, 3] and [m["step"] for m in b] == [1, 2, 3]
     logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.out"))
     assert f"initialised weights from {cpt}" in logs  # stage 2 starts from stage 1's checkpoint
     assert "[train] cpt: cpt seq 256" in logs and "[train] sft: sft seq 256" in logs
     assert all(m["loss_tokens"] < 2 * 256 for m in b)  # SFT: loss on assistant tokens only
+    niah = json.loads((tmp_path / "sft_niah/results.json").read_text())
+    assert niah["settings"]["engine"] == "megatron" and niah["settings"]["layout"]["context"] == 2
+    assert niah["settings"]["chat"] and niah["lengths"] == [256] and len(niah["cells"]) == 11
     # afterok: stage 2 started only once stage 1 had completed.
-    jobs = [line.split("job ")[1].split()[0].rstrip(":") for line in lines if line.startswith("submitted")]
+    jobs = [line.split("job ")[1].split()[0].rstrip(":") for line in lines if line.startswith("submitted")][:2]
     acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(jobs), "-o", "JobID,State,Start,End"],
                           capture_output=True, text=True).stdout.split()
     rows = {row.split("|")[0]: row.split("|")[1:] for row in acct}
