@@ -1,14 +1,17 @@
 """Time and peak memory of the chunked loss head against Megatron's (output-layer GEMM + vocab-parallel CE).
 
     python bench/loss_head_bench.py [--tokens 4096] [--hidden 512] [--vocab 32768] [--chunks 512,2048]
-                                    [--dtype fp32|bf16] [--device cpu|cuda] [--iters 3]
+                                    [--dtype fp32|bf16] [--device cpu|cuda] [--iters 3] [--kept 0.3]
 
 One forward + backward of the loss head alone (hidden states [T, 1, h] and the output weight [V, h] in,
 per-token loss out, upstream gradient ones) on one process, TP=1. The baseline (`full`) is measured in the same
 run: Megatron's path as `GPTModel` runs it (`hidden @ W.T`, then `vocab_parallel_cross_entropy`). Reported:
 median seconds of `--iters` timed steps after one warm-up, peak bytes allocated during a step above its
 start (CUDA: `max_memory_allocated`; CPU: the profiler's allocator events), both as ratios to the baseline,
-and the largest difference of loss and of gradients to the baseline's, relative to the baseline's largest value. Writes a JSON under bench/results/.
+and the largest difference of loss and of gradients to the baseline's, relative to the baseline's largest value.
+With `--kept F` < 1 (SFT: loss on the answers only) a random fraction F of the tokens carries the loss: every
+head's loss is multiplied by that mask, and rows `chunked/N+mask` give the mask to the chunked head, which then
+forms no logits for the other tokens. Writes a JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--kept", type=float, default=1.0, help="fraction of tokens with a loss (SFT answers); < 1 adds "
+                   "rows that give the chunked head the mask")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     try:
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if not chunks or min(chunks) < 1 or min(args.tokens, args.hidden, args.vocab, args.iters) < 1:
         print(f"error: --chunks {args.chunks!r}, --tokens, --hidden, --vocab and --iters must be positive integers",
               file=sys.stderr)
+        return 1
+    if not 0 < args.kept <= 1:
+        print(f"error: --kept {args.kept}: a fraction in (0, 1]", file=sys.stderr)
         return 1
 
     import torch
@@ -75,22 +83,32 @@ def main(argv: list[str] | None = None) -> int:
     weight = (torch.randn(args.vocab, args.hidden, generator=gen) / args.hidden ** 0.5).to(args.device, dtype)
     labels = torch.randint(0, args.vocab, (1, args.tokens), generator=gen).to(args.device)  # [b, s]
 
+    mask = (torch.rand(1, args.tokens, generator=gen) < args.kept).to(args.device) if args.kept < 1 else None
+
+    def masked(loss):
+        return loss if mask is None else loss * mask
+
     def full(h, w, lab):  # Megatron's path: [s, b, V] logits, then the CE ([s, b] in, [s, b] out)
-        return vocab_parallel_cross_entropy(h @ w.t(), lab.t().contiguous()).t()
+        return masked(vocab_parallel_cross_entropy(h @ w.t(), lab.t().contiguous()).t())
 
     rows = {"full": measure(full, hidden, weight, labels, args.iters, args.device)}
     for c in chunks:
-        head = lambda h, w, lab, c=c: vocab_parallel_linear_cross_entropy(h, w, lab, chunk_tokens=c)  # noqa: E731
+        head = lambda h, w, lab, c=c: masked(vocab_parallel_linear_cross_entropy(h, w, lab, chunk_tokens=c))  # noqa: E731
         rows[f"chunked/{c}"] = measure(head, hidden, weight, labels, args.iters, args.device)
+        if mask is not None:
+            head = lambda h, w, lab, c=c: vocab_parallel_linear_cross_entropy(  # noqa: E731
+                h, w, lab, chunk_tokens=c, loss_mask=mask)
+            rows[f"chunked/{c}+mask"] = measure(head, hidden, weight, labels, args.iters, args.device)
     destroy_distributed()
 
     base = rows["full"]
     result = {"bench": "loss_head", "date": time.strftime("%Y%m%d-%H%M%S", time.gmtime()),
               "device": args.device, "dtype": args.dtype, "torch": torch.__version__,
               "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "iters": args.iters,
+              "kept": args.kept,
               "logits_bytes": args.tokens * args.vocab * (2 if dtype == torch.bfloat16 else 4), "rows": {}}
     print(f"loss head, {args.tokens} tokens x h {args.hidden} x V {args.vocab}, {args.dtype}, {args.device}")
-    print(f"{'head':<14}{'step_s':>9}{'time/full':>11}{'peak_MB':>10}{'mem/full':>10}{'loss_diff':>12}{'grad_diff':>12}")
+    print(f"{'head':<19}{'step_s':>9}{'time/full':>11}{'peak_MB':>10}{'mem/full':>10}{'loss_diff':>12}{'grad_diff':>12}")
     for name, r in rows.items():
         diff_loss, diff_grad = (max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                                     for a, b in zip(r["out"][i:j], base["out"][i:j])) for i, j in ((0, 1), (1, 3)))
@@ -98,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                "time_ratio": r["step_s"] / base["step_s"], "memory_ratio": r["peak_bytes"] / base["peak_bytes"],
                "max_rel_loss_diff": diff_loss, "max_rel_grad_diff": diff_grad}
         result["rows"][name] = row
-        print(f"{name:<14}{row['step_s']:9.3f}{row['time_ratio']:10.2f}x{r['peak_bytes'] / 1e6:10.1f}"
+        print(f"{name:<19}{row['step_s']:9.3f}{row['time_ratio']:10.2f}x{r['peak_bytes'] / 1e6:10.1f}"
               f"{row['memory_ratio']:9.2f}x{diff_loss:12.2e}{diff_grad:12.2e}")
     path = Path(args.out) / f"loss_head-{result['date']}.json"
     write_json_atomic(path, result)

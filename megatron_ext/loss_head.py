@@ -145,17 +145,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                         group=None, sequence_parallel: bool = False,
-                                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                                        loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token cross entropy of `hidden @ weight.T` without materialising all the logits.
 
     hidden: [s, b, h] (the local sequence shard under sequence parallelism: [s/TP, b, h]);
     weight: [V/TP, h], this rank's rows of the output layer; labels: [b, s], all tokens on every TP rank.
-    Returns the loss [b, s] in fp32, as `GPTModel.compute_language_model_loss` does.
+    Returns the loss [b, s] in fp32, as `GPTModel.compute_language_model_loss` does. With `loss_mask` [b, s],
+    tokens where it is 0 (SFT prompts, padding) get loss 0 and no logits at all (not under sequence
+    parallelism, where each TP rank holds other tokens).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     b, s = labels.shape
     labels_sb = labels.transpose(0, 1).reshape(s * b)
+    if loss_mask is not None and not (sequence_parallel and _tp_rank_and_size(group)[1] > 1):
+        rows = loss_mask.transpose(0, 1).reshape(s * b).nonzero().squeeze(-1)  # [k], same on every TP rank
+        if rows.numel() < s * b:
+            kept = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows),
+                                                    weight, labels_sb.index_select(0, rows), group, False,
+                                                    chunk_tokens)
+            loss = kept.new_zeros(s * b).index_put((rows,), kept)
+            return loss.view(s, b).transpose(0, 1).contiguous()
     loss = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels_sb, group,
                                             sequence_parallel, chunk_tokens)
     return loss.view(s, b).transpose(0, 1).contiguous()
@@ -170,7 +181,8 @@ def chunked_loss_gpt_model_class():
     from megatron.core.models.gpt import GPTModel
 
     class ChunkedLossGPTModel(GPTModel):
-        """Megatron `GPTModel`; with labels, the loss head is chunked (`loss_chunk_tokens` tokens at a time)."""
+        """Megatron `GPTModel`; with labels, the loss head is chunked (`loss_chunk_tokens` tokens at a time) and
+        skips the tokens a `loss_mask` given to `forward` zeroes."""
 
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
         # Evaluation: local sequence indices whose final (normed) hidden states the last stage returns, `[k, b, h]`,
@@ -190,6 +202,7 @@ def chunked_loss_gpt_model_class():
                       else self.output_layer.weight)
             return vocab_parallel_linear_cross_entropy(
                 hidden_states, weight, labels, group=self.pg_collection.tp,
-                sequence_parallel=self.output_layer.sequence_parallel, chunk_tokens=self.loss_chunk_tokens)
+                sequence_parallel=self.output_layer.sequence_parallel, chunk_tokens=self.loss_chunk_tokens,
+                loss_mask=kwargs.get("loss_mask"))
 
     return ChunkedLossGPTModel

@@ -110,8 +110,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One microbatch through the model; batch tensors are `[b, s_local]` (already CP-sharded)."""
     batch = next(data_iterator)
+    # loss_mask reaches the chunked loss head, which forms no logits for masked tokens (SFT prompts).
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
+                   packed_seq_params=batch.get("packed_seq_params"), loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -117,6 +117,37 @@ def test_model_loss_and_grads_equal_megatron_head(cpu_parallel_state, tied):
         torch.testing.assert_close(chunked(tokens, pos, None), full(tokens, pos, None))
 
 
+def test_masked_tokens_form_no_logits_and_change_nothing(cpu_parallel_state, monkeypatch):
+    """A loss mask (SFT: loss on the answers only) given to the model: the kept tokens' losses and every gradient
+    of the masked loss equal the unmasked chunked head's and Megatron's, with logits formed for kept tokens only."""
+    from megatron_ext import loss_head
+
+    full, chunked = _pair(TINY, 64, chunk=16)
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(2, 64)
+    mask[0, 40:55] = 1  # an answer in row 0, two in row 1: not symmetric, so a row/sequence mix-up shows
+    mask[1, 5:9] = mask[1, 30:50] = 1
+    pos, labels = torch.arange(64).expand(2, 64), torch.roll(tokens, -1, 1)
+    head_rows = []
+    apply = loss_head._ChunkedLinearCrossEntropy.apply
+    monkeypatch.setattr(loss_head._ChunkedLinearCrossEntropy, "apply",
+                        lambda hidden, *a: head_rows.append(hidden.shape[0]) or apply(hidden, *a))
+    results = []
+    for model, kwargs in ((full, {}), (chunked, {}), (chunked, {"loss_mask": mask})):
+        model.zero_grad()
+        loss = model(tokens, pos, None, labels=labels, **kwargs)
+        (loss * mask).sum().backward()
+        results.append((loss.detach() * mask, {n: q.grad.clone() for n, q in model.named_parameters()}))
+    (loss_f, grads_f), (loss_c, grads_c), (loss_m, grads_m) = results
+    assert head_rows == [128, int(mask.sum())]  # the chunked head without, then with the mask: 39 of 128 rows
+    torch.testing.assert_close(loss_m, loss_c, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_m, loss_f, rtol=1e-6, atol=1e-6)
+    assert loss_m.sum() > 0 and (loss_m[mask == 0] == 0).all()
+    for name in grads_f:
+        torch.testing.assert_close(grads_m[name], grads_c[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads_m[name], grads_f[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _saved_bytes(model, tokens) -> tuple[int, list[tuple[int, ...]]]:
     """Bytes autograd keeps from the forward pass (distinct storages) and the shapes of the tensors kept."""
     seen, shapes = {}, []
