@@ -86,7 +86,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
-                   "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB)")
+                   "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB); hf engine only")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     engine = p.add_argument_group("Megatron engine (--megatron CKPT --engine megatron, under torchrun or srun)")
     engine.add_argument("--engine", choices=("hf", "megatron"), default="hf",
@@ -111,7 +111,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     niah.add_argument("--seed", type=int, default=0, help="seed of the values and the built-in filler")
     niah.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     niah.add_argument("--max-new-tokens", type=int, default=16)
-    niah.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch (batch = this // length)")
+    niah.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch (batch = this // length); hf engine only")
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
     niah.add_argument("--title", default=None, help="heatmap title")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
