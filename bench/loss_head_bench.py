@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = {"full": measure(full, hidden, weight, labels, args.iters, args.device)}
     for c in chunks:
-        head = lambda h, w, lab, c=c: masked(vocab_parallel_linear_cross_entropy(h, w, lab, chunk_tokens=c))  # noqa: E731
+        head = lambda h, w, lab, c=c: masked(  # noqa: E731
+            vocab_parallel_linear_cross_entropy(h, w, lab, chunk_tokens=c))
         rows[f"chunked/{c}"] = measure(head, hidden, weight, labels, args.iters, args.device)
         if mask is not None:
             head = lambda h, w, lab, c=c: vocab_parallel_linear_cross_entropy(  # noqa: E731

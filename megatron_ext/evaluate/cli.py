@@ -111,7 +111,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     niah.add_argument("--seed", type=int, default=0, help="seed of the values and the built-in filler")
     niah.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     niah.add_argument("--max-new-tokens", type=int, default=16)
-    niah.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch (batch = this // length); hf engine only")
+    niah.add_argument("--batch-tokens", type=int, default=65536,
+                      help="prompt tokens per batch (batch = this // length); hf engine only")
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
     niah.add_argument("--title", default=None, help="heatmap title")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
@@ -191,7 +192,8 @@ def _megatron_engine(args) -> bool:
     if args.engine == "megatron":
         if args.megatron is None:
             raise EvalError("--engine megatron runs a Megatron checkpoint: give --megatron CKPT_DIR (not --model); "
-                            "convert an HF model first with python tools/convert.py to-megatron --hf HF_DIR --out CKPT_DIR")
+                            "convert an HF model first with python tools/convert.py to-megatron --hf HF_DIR "
+                            "--out CKPT_DIR")
         return True
     if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
         raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")
@@ -200,14 +202,13 @@ def _megatron_engine(args) -> bool:
 
 def _run_niah_megatron(args, lengths: list[int], depths: list[float], save) -> None:
     from megatron_ext.evaluate.parallel import run_niah_megatron
+    from megatron_ext.runtime import process_env
 
     result = run_niah_megatron(args.megatron, lengths, depths, tensor=args.tp, pipeline=args.pp, context=args.cp,
                                device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                max_new_tokens=args.max_new_tokens, on_length_done=save,
                                progress=not args.no_progress, haystack=args.haystack, samples=args.samples,
                                seed=args.seed, chat=args.chat, allow_beyond_max_positions=args.force)
-    from megatron_ext.runtime import process_env
-
     if process_env().rank == 0:
         js, png = save(result)
         print(f"[niah] accuracy {result.accuracy:.1%} ({result.settings['forward_passes']} forward passes); "
