@@ -1,13 +1,15 @@
-"""Forward passes and time of NIAH on the Megatron engine: greedy with the needle as draft vs token by token.
+"""Forward passes and time of NIAH on the Megatron engine: the needle as draft, the KV cache, both, vs neither.
 
     torchrun --nproc-per-node 2 bench/niah_engine_bench.py --megatron demo_out/sft --cp 2 --chat \
         [--lengths 512,2048] [--depths 0:100:10] [--samples 1] [--max-new-tokens 16] [--out bench/results]
 
-The same grid runs twice on the same ranks (`megatron_ext.evaluate.parallel`): first the baseline, greedy
-decoding one forward pass per new token (`takes_drafts` off), then decoding checked against the expected
-answer. Reported per mode: accuracy, forward passes, seconds, and both as ratios to the baseline; the scores of
-the two must be equal cell by cell (the draft never changes the output), which the script checks. A model that
-retrieves the needles gains most; a random one about nothing. Writes a JSON under bench/results/ (rank 0).
+The same grid runs four times on the same ranks (`megatron_ext.evaluate.parallel`): first the baseline, greedy
+decoding one full forward pass per new token (no draft, no KV cache), then decoding checked against the expected
+answer (draft), then with the prompt's keys and values kept and one decode step per further token (kv_cache), then
+both (the engine's default). Reported per mode: accuracy, full passes, decode steps, seconds, and passes and time
+as ratios to the baseline; the scores must be equal cell by cell (neither changes the output), which the script
+checks. The draft helps a model that retrieves the needles, the cache one that does not (a decode step costs a
+pass over one token; the longer the prompt, the more that saves). Writes a JSON under bench/results/ (rank 0).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+MODES = {"token_by_token": (False, False), "draft": (True, False), "kv_cache": (False, True),
+         "draft+kv_cache": (True, True)}  # mode: (draft, KV cache)
 
 
 def main() -> int:
@@ -47,33 +52,34 @@ def main() -> int:
     rows = []
     with megatron_engine(args.megatron, tensor=args.tp, pipeline=args.pp, context=args.cp,
                          tokenizer=args.tokenizer) as engine:
-        for mode in ("token_by_token", "draft"):
-            gen = engine.greedy(args.max_new_tokens)
-            gen.takes_drafts = mode == "draft"
+        for mode, (draft, cache) in MODES.items():
+            gen = engine.greedy(args.max_new_tokens, kv_cache=cache)
+            gen.takes_drafts = draft
             start = time.perf_counter()
             result = run_niah(None, engine.tokenizer, lengths, depths, generate=gen, samples=args.samples,
                               chat=args.chat, max_new_tokens=args.max_new_tokens, batch_tokens=max(lengths), progress=False,
                               log=None, allow_beyond_max_positions=True)
             seconds = time.perf_counter() - start
-            passes = torch.tensor([gen.passes])
-            torch.distributed.all_reduce(passes, group=torch.distributed.group.WORLD)
+            counts = torch.tensor([gen.passes, gen.decode_steps])
+            torch.distributed.all_reduce(counts, group=torch.distributed.group.WORLD)
+            counts //= args.tp * args.pp * args.cp  # every rank of a replica counted its replica's passes
             rows.append({"mode": mode, "accuracy": result.accuracy, "scores": result.scores, "seconds": seconds,
-                         # every rank of a replica counted its replica's passes
-                         "forward_passes": int(passes) // (args.tp * args.pp * args.cp),
+                         "forward_passes": int(counts[0]), "decode_steps": int(counts[1]),
                          "prompts": len(result.cells)})
         rank0 = engine.rank0
         layout = engine.layout
     base = rows[0]
-    if rows[1]["scores"] != base["scores"]:
-        print("error: the draft changed a score; the decoding is not greedy", file=sys.stderr)
+    changed = [r["mode"] for r in rows if r["scores"] != base["scores"]]
+    if changed:
+        print(f"error: {', '.join(changed)} changed a score; the decoding is not greedy", file=sys.stderr)
         return 1
     if rank0:
-        print(f"{'mode':>15} {'accuracy':>9} {'passes':>7} {'x base':>7} {'seconds':>8} {'x base':>7}")
+        print(f"{'mode':>15} {'accuracy':>9} {'passes':>7} {'x base':>7} {'decode':>7} {'seconds':>8} {'x base':>7}")
         for r in rows:
             r["passes_ratio"] = r["forward_passes"] / base["forward_passes"]
             r["time_ratio"] = r["seconds"] / base["seconds"]
             print(f"{r['mode']:>15} {r['accuracy']:>9.1%} {r['forward_passes']:>7} {r['passes_ratio']:>7.2f} "
-                  f"{r['seconds']:>8.2f} {r['time_ratio']:>7.2f}")
+                  f"{r['decode_steps']:>7} {r['seconds']:>8.2f} {r['time_ratio']:>7.2f}")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = args.out / f"niah_engine-{stamp}.json"
         write_json_atomic(path, {"checkpoint": args.megatron, "layout": layout, "lengths": lengths, "depths": depths,

@@ -210,6 +210,9 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
         self.inv_freq, self.attention_factor = frequencies_from_spec(spec)
         self.config = None  # the TransformerConfig whose attention applies our factor; set by `bind`
         self._cache: tuple | None = None
+        # Decoding with a KV cache: the global positions `[n]` of the new tokens, the same on every CP rank
+        # (`megatron_ext.evaluate.kv_cache`); None: positions 0 .. max_seq_len - 1, zigzag-split over CP.
+        self.positions: torch.Tensor | None = None
 
     # -- guards ------------------------------------------------------------------------------
     def bind(self, config) -> None:
@@ -231,9 +234,14 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
         return super().get_rotary_seq_len(inference_context, *args, **kwargs)
 
     # -- tables ------------------------------------------------------------------------------
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the table of a position depends on the sequence length (dynamic, longrope), as in transformers."""
+        return self.spec.rope_type in ("dynamic", "longrope")
+
     def frequencies(self, seq_len: int) -> torch.Tensor:
         """inv_freq `[rot_dim/2]` for a table of global length `seq_len` (dynamic/longrope depend on it)."""
-        if self.spec.rope_type in ("dynamic", "longrope"):
+        if self.length_dependent:
             return frequencies_from_spec(self.spec, seq_len)[0]
         return self.inv_freq
 
@@ -266,6 +274,12 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
         self.check_attention_path()
+        if self.positions is not None:
+            if self.length_dependent:
+                raise RopeConfigError(f"rope_type {self.spec.rope_type!r}: decoding at given positions needs a "
+                                      "table that does not depend on the sequence length")
+            angles = rope_angles(self.positions.to(self._device()), self.inv_freq.to(self._device()))
+            return self._layout(angles)[:, None, None, :]
         group = cp_group if cp_group is not None else self.cp_group
         cp_size, cp_rank = (group.size(), group.rank()) if group is not None else (1, 0)
         if packed_seq:  # THD: attention picks each sub-sequence's CP positions from the full table

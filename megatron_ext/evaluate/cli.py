@@ -113,6 +113,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     niah.add_argument("--max-new-tokens", type=int, default=16)
     niah.add_argument("--batch-tokens", type=int, default=65536,
                       help="prompt tokens per batch (batch = this // length); hf engine only")
+    niah.add_argument("--no-kv-cache", action="store_true", help="megatron engine: run each decoding step over the "
+                      "whole sequence instead of over the new token with the prompt's keys and values kept")
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
     niah.add_argument("--title", default=None, help="heatmap title")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
@@ -195,8 +197,9 @@ def _megatron_engine(args) -> bool:
                             "convert an HF model first with python tools/convert.py to-megatron --hf HF_DIR "
                             "--out CKPT_DIR")
         return True
-    if (args.tp, args.pp, args.cp, args.tokenizer) != (1, 1, 1, None):
-        raise EvalError("--tp, --pp, --cp and --tokenizer belong to --engine megatron; add it (with --megatron CKPT)")
+    if (args.tp, args.pp, args.cp, args.tokenizer, getattr(args, "no_kv_cache", False)) != (1, 1, 1, None, False):
+        raise EvalError("--tp, --pp, --cp, --tokenizer and --no-kv-cache belong to --engine megatron; add it "
+                        "(with --megatron CKPT)")
     return False
 
 
@@ -206,13 +209,14 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save) -> N
 
     result = run_niah_megatron(args.megatron, lengths, depths, tensor=args.tp, pipeline=args.pp, context=args.cp,
                                device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-                               max_new_tokens=args.max_new_tokens, on_length_done=save,
+                               max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache, on_length_done=save,
                                progress=not args.no_progress, haystack=args.haystack, samples=args.samples,
                                seed=args.seed, chat=args.chat, allow_beyond_max_positions=args.force)
     if process_env().rank == 0:
         js, png = save(result)
-        print(f"[niah] accuracy {result.accuracy:.1%} ({result.settings['forward_passes']} forward passes); "
-              f"wrote {js} and {png}")
+        counts = result.settings
+        print(f"[niah] accuracy {result.accuracy:.1%} ({counts['forward_passes']} forward passes, "
+              f"{counts['decode_steps']} decode steps); wrote {js} and {png}")
 
 
 def _run_ppl(args) -> None:

@@ -3,22 +3,22 @@
 A Hugging Face model keeps a 1M-token prompt's KV cache on one device (128 GiB for Llama-3.1-8B in bf16) and a
 4M one not at all. Here the checkpoint is evaluated the way it was trained: the prompt is cut into zigzag CP
 chunks and run through Megatron-Core's forward-only schedule with the training layout's attention (TE's CP
-attention on GPUs, the torch SDPA all-gather backend elsewhere). There is no KV cache, so each forward pass
-covers the whole prompt; to keep that to about one pass per needle, decoding is greedy with a draft: the pass
-runs over the prompt followed by the expected answer and keeps the model's own choices as far as they agree
-with the draft (speculative decoding with the answer as the draft model). The output is exactly the greedy
-continuation whatever the draft (a wrong draft only costs passes); decoding stops once the first number of the
-answer is complete, which is all the score reads (`number_settled`). Perplexity by position is one forward pass
-per document with labels, through the chunked loss head (`MegatronTokenLosses`).
+attention on GPUs, the torch SDPA all-gather backend elsewhere). That pass leaves each layer's keys and values on
+the CP ranks that computed them, and each further token is a decode step over that token alone
+(`kv_cache.py`). Decoding is greedy with a draft: the prompt's pass runs over the prompt followed by the expected
+answer and keeps the model's own choices as far as they agree with the draft (speculative decoding with the answer
+as the draft model), so a model that retrieves the needle needs no decode step at all. The output is exactly the
+greedy continuation whatever the draft; decoding stops once the first number of the answer is complete, which is
+all the score reads (`number_settled`). Perplexity by position is one forward pass per document with labels,
+through the chunked loss head (`MegatronTokenLosses`).
 
     torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT --engine megatron --cp 8 --lengths 1M --out runs/niah
 """
 
 from __future__ import annotations
 
-import re
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,57 +28,21 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.evaluate.errors import EvalError, RankError
-
-PredictFn = Callable[[list[int], int], list[int]]
-"""(token ids, first) -> the greedy next token after each position first .. len(ids) - 1."""
-
-
-def number_settled(text: str) -> bool:
-    """True once the first number in `text` cannot change: a digit run followed by something else."""
-    m = re.search(r"\d+", text)
-    return m is not None and m.end() < len(text)
-
-
-def speculative_greedy(predict: PredictFn, prompt: Sequence[int], draft: Sequence[int], max_new_tokens: int,
-                       eos_token_ids: Sequence[int] = (), settled: Callable[[list[int]], bool] | None = None,
-                       ) -> tuple[list[int], int]:
-    """Greedy continuation of `prompt`, checked against `draft` in each pass. Returns (new ids, passes).
-
-    Each pass predicts the token after every position from the last accepted one to the end of the draft; the
-    prediction at the last accepted position is the next token, and so is each following prediction while the
-    draft token before it was the one predicted. The result equals plain greedy decoding (one pass per token)
-    for any draft: cut after the first EOS (included), at `max_new_tokens`, or once `settled(new ids)`.
-    """
-    eos = set(eos_token_ids)
-    out: list[int] = []
-    rest = list(draft)
-    passes = 0
-    while len(out) < max_new_tokens:
-        ids = list(prompt) + out + rest
-        preds = predict(ids, len(prompt) + len(out) - 1)
-        passes += 1
-        accepted = [preds[0]]
-        for proposed, predicted_next in zip(rest, preds[1:]):
-            if proposed != accepted[-1]:
-                break
-            accepted.append(predicted_next)
-        for token in accepted:
-            out.append(token)
-            if token in eos or len(out) == max_new_tokens or (settled is not None and settled(out)):
-                return out, passes
-        rest = []  # the draft is used up, or the model left it: one token per pass from here
-    return out, passes
-
+from megatron_ext.evaluate.speculative import number_settled, speculative_greedy
 
 def _padded_length(n: int, cp: int) -> int:
     """Sequences split into 2 x CP chunks: padded at the end, which no earlier position sees (causal)."""
     return -(-n // (2 * cp)) * (2 * cp)
 
 
-def forward_only(model, batch: dict[str, torch.Tensor]) -> list:
+def forward_only(model, batch: dict[str, torch.Tensor], seq_length: int | None = None) -> list:
     """One micro-batch (`[1, s / CP]` tokens, position_ids, optional labels) through Megatron's forward-only
-    schedule; returns what the last pipeline stage's model gave (`[output]`), `[]` on other stages."""
+    schedule; returns what the last pipeline stage's model gave (`[output]`), `[]` on other stages.
+    `seq_length`: the global length whose CP share the pipeline stages send (default: CP x the batch's)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seq_length = seq_length or batch["tokens"].shape[1] * ps.get_context_parallel_world_size()
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
@@ -86,7 +50,7 @@ def forward_only(model, batch: dict[str, torch.Tensor]) -> list:
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
-        seq_length=batch["tokens"].shape[1], micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+        seq_length=seq_length, micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
 
 
 class MegatronGreedy:
@@ -94,14 +58,20 @@ class MegatronGreedy:
 
     Called on every rank with the same prompts `[B, L]` and drafts; the data-parallel replicas share the
     rows (replica d takes rows d, d + DP, ...), each row runs alone (micro-batch 1), and every rank returns
-    every row's new ids. `passes` counts the forward passes this rank's replica ran.
+    every row's new ids. With `kv_cache` (default), the prompt's pass keeps its keys and values on the CP ranks
+    and each further token is a decode step over that token alone (`kv_cache.py`); without, every step is a pass
+    over the whole sequence. `passes` counts the full passes this rank's replica ran, `decode_steps` the others.
     """
 
     takes_drafts = True
+    max_decode_tokens = 64  # a step over more new tokens than this is a full pass
 
     def __init__(self, model, vocab_size: int, max_new_tokens: int, eos_token_ids: Sequence[int] = (),
-                 settled: Callable[[list[int]], bool] | None = None, device: torch.device | None = None):
+                 settled: Callable[[list[int]], bool] | None = None, device: torch.device | None = None,
+                 kv_cache: bool = True):
         from megatron.core import parallel_state as ps
+
+        from megatron_ext.evaluate.kv_cache import ContextParallelKVCache
 
         self.model, self.vocab_size = model, vocab_size
         self.max_new_tokens, self.eos, self.settled = max_new_tokens, tuple(eos_token_ids), settled
@@ -112,11 +82,22 @@ class MegatronGreedy:
         self.pp_group, self.last_stage = ps.get_pipeline_model_parallel_group(), ps.is_pipeline_last_stage()
         self.dp_group = ps.get_data_parallel_group()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.passes = 0
+        # RoPE whose table depends on the whole length (dynamic, longrope) cannot extend a cache position by position
+        self.cache = (ContextParallelKVCache(model) if kv_cache and not model.rotary_pos_emb.length_dependent
+                      else None)
+        self.passes = self.decode_steps = 0
 
     @torch.no_grad()
     def predict(self, ids: list[int], first: int) -> list[int]:
-        """Greedy next token after positions `first .. len(ids) - 1`: one forward pass of the whole sequence."""
+        """Greedy next token after positions `first .. len(ids) - 1`: a decode step over the tokens after the
+        cached ones where the cache holds the sequence up to `first`, else a pass over the whole sequence."""
+        start = self.cache.reusable_prefix(ids, first, self.max_decode_tokens) if self.cache is not None else None
+        preds = self._prefill(ids, first) if start is None else self._decode(ids, first, start)
+        if self.cache is not None:
+            self.cache.ids = list(ids)
+        return preds
+
+    def _prefill(self, ids: list[int], first: int) -> list[int]:
         from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel
 
         n = len(ids)
@@ -125,15 +106,33 @@ class MegatronGreedy:
         tokens[0, :n] = torch.tensor(ids)
         batch = shard_for_context_parallel({"tokens": tokens, "position_ids": torch.arange(length)[None]},
                                            self.cp, self.cp_rank)
-        batch = {k: v.to(self.device) for k, v in batch.items()}
         positions = cp_positions(length, self.cp, self.cp_rank)
         mine = ((positions >= first) & (positions < n)).nonzero().flatten()  # local rows this CP rank holds
-        self.model.hidden_positions = mine
-
-        hidden = forward_only(self.model, batch)
-        self.model.hidden_positions = None
+        with self.cache.recording(positions.to(self.device), n) if self.cache is not None else nullcontext():
+            hidden = self._forward(batch, length, mine)
         self.passes += 1
-        preds = torch.zeros(n - first, dtype=torch.long, device=self.device)  # next token + 1, 0 = not mine
+        return self._greedy_tokens(hidden, positions[mine] - first, n - first, writer=self.tp_rank == 0)
+
+    def _decode(self, ids: list[int], first: int, start: int) -> list[int]:
+        new = len(ids) - start  # tokens at positions start .. len(ids) - 1, the same on every CP rank
+        batch = {"tokens": torch.tensor([ids[start:]]), "position_ids": torch.arange(start, len(ids))[None]}
+        rows = torch.arange(first - start, new)
+        with self.cache.decoding(start, new):
+            hidden = self._forward(batch, new * self.cp, rows)
+        self.decode_steps += 1
+        return self._greedy_tokens(hidden, rows - (first - start), len(ids) - first,
+                                   writer=self.tp_rank == 0 and self.cp_rank == 0)
+
+    def _forward(self, batch: dict[str, torch.Tensor], seq_length: int, rows: torch.Tensor) -> list:
+        self.model.hidden_positions = rows
+        try:
+            return forward_only(self.model, {k: v.to(self.device) for k, v in batch.items()}, seq_length)
+        finally:
+            self.model.hidden_positions = None
+
+    def _greedy_tokens(self, hidden: list, slots: torch.Tensor, count: int, writer: bool) -> list[int]:
+        """The argmax token of each row the last stage returned, at `slots` of a `[count]` list on every rank."""
+        preds = torch.zeros(count, dtype=torch.long, device=self.device)  # next token + 1, 0 = not mine
         if self.last_stage:
             rows = hidden[0][:, 0]  # [k, h], normed final hidden states of this rank's positions
             weight = (self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights
@@ -144,8 +143,8 @@ class MegatronGreedy:
                 dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
                 logits = torch.cat(parts, dim=-1)
             best = logits[:, :self.vocab_size].float().argmax(-1)  # padded vocabulary rows never win
-            if self.tp_rank == 0:
-                preds[positions[mine].to(self.device) - first] = best + 1
+            if writer:
+                preds[slots.to(self.device)] = best + 1
         dist.all_reduce(preds, group=self.tp_cp_group)
         dist.all_reduce(preds, group=self.pp_group)
         return (preds - 1).tolist()
@@ -165,6 +164,9 @@ class MegatronGreedy:
                 raise RankError(f"rank {dist.get_rank()}: out of memory on a {len(rows[i]):,}-token prompt "
                                 f"({len(rows[i]) // self.cp:,} tokens per rank): raise --cp (or --tp), or use shorter "
                                 "--lengths") from None
+            finally:
+                if self.cache is not None:
+                    self.cache.clear()
         everyone: list[dict] = [{} for _ in range(self.dp)]
         dist.all_gather_object(everyone, mine, group=self.dp_group)
         merged = {k: v for part in everyone for k, v in part.items()}
@@ -262,15 +264,16 @@ class Engine:
     layout: dict  # tensor, pipeline, context, data
     rank0: bool
 
-    def greedy(self, max_new_tokens: int) -> MegatronGreedy:
+    def greedy(self, max_new_tokens: int, kv_cache: bool = True) -> MegatronGreedy:
         """The NIAH `generate` of this engine: stops at the tokenizer's or the model's EOS, or once the first
-        number of the answer is settled."""
+        number of the answer is settled. `kv_cache`: decode steps after the prompt's pass (else full passes)."""
         from megatron_ext.evaluate.generate import eos_ids
 
         tok = self.tokenizer
         eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=self.hf_config.get("eos_token_id"))), tok)
         return MegatronGreedy(self.model, self.hf_config["vocab_size"], max_new_tokens, eos, device=self.device,
-                              settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)))
+                              settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)),
+                              kv_cache=kv_cache)
 
     def describe(self) -> str:
         l = self.layout
@@ -319,8 +322,9 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
 
 def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
                       device: str | None = None, dtype: str | None = None, tokenizer=None, max_new_tokens: int = 16,
-                      on_length_done=None, progress: bool = True, **niah_kwargs):
-    """`run_niah` on a Megatron checkpoint over this job's ranks (see `megatron_engine`).
+                      kv_cache: bool = True, on_length_done=None, progress: bool = True, **niah_kwargs):
+    """`run_niah` on a Megatron checkpoint over this job's ranks (see `megatron_engine`; `kv_cache`: see
+    `MegatronGreedy`).
 
     Every rank runs it; rank 0 gets `on_length_done`, the progress bar and the log. Returns the grid on
     every rank.
@@ -331,7 +335,7 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
 
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer) as engine:
-        generate = engine.greedy(max_new_tokens)
+        generate = engine.greedy(max_new_tokens, kv_cache=kv_cache)
         max_pos = engine.hf_config.get("max_position_embeddings")
         longest = max(n for n in lengths if niah_kwargs.get("allow_beyond_max_positions") or not max_pos
                       or n <= max_pos or n == min(lengths))
@@ -342,10 +346,11 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
                           batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length
                           on_length_done=on_length_done if engine.rank0 else None, progress=progress and engine.rank0,
                           log=print if engine.rank0 else None, prefill_chunk=None, **niah_kwargs)
-        passes = torch.tensor([generate.passes], device=engine.device)
-        dist.all_reduce(passes, group=ps.get_data_parallel_group())
+        counts = torch.tensor([generate.passes, generate.decode_steps], device=engine.device)
+        dist.all_reduce(counts, group=ps.get_data_parallel_group())
         result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision,
-                               forward_passes=int(passes))
+                               kv_cache=generate.cache is not None, forward_passes=int(counts[0]),
+                               decode_steps=int(counts[1]))
         return result
 
 

@@ -4,6 +4,8 @@ A tiny random Llama (llama3 RoPE) with the word-level NIAH tokenizer, converted 
 CP 2, TP 2, PP 2 and DP 2 on gloo. Outside oracle: transformers' `LlamaForCausalLM` on the HF original: the
 greedy token after every position of a prompt, the loss of every token, and greedy continuations must be the
 same. A draft that agrees with the model must be taken in one forward pass, a wrong one must not change the output.
+With the KV cache, the predictions of decode steps (one token, several, rolling back cached ones) must be HF's too,
+and a continuation must take one full pass per prompt.
 """
 
 from __future__ import annotations
@@ -64,10 +66,18 @@ def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, 
         assert agree == len(theirs), f"{agree} of {len(theirs)} positions agree"
     assert torch.tensor(got["losses"]).sub(torch.tensor(losses)).abs().max() < 1e-4
     assert 5.0 < torch.tensor(losses).mean() < 7.5  # ~ln(512) for a random model: real numbers compared
-    assert got["no_draft"] == greedy
-    assert got["draft"] == greedy  # whatever the draft, the output is the greedy one
-    assert got["no_draft_passes"] == 3 * MAX_NEW
-    assert got["draft_passes"] == 1 + (1 + MAX_NEW - 2) + MAX_NEW
+    for ours, theirs in zip(got["every_position_cached"], every):
+        wrong = [(p, t, theirs[p]) for p, t in ours if t != theirs[p]]
+        assert len(ours) == 26 + 8 + 6 + 8 + 11 + 6 and not wrong, f"decode steps disagree (position, ours, HF): {wrong}"
+    assert got["cached_counts"] == [3, 3 * 10]  # one prefill per prompt, every other step a decode step
+    for suffix in ("", "_cached"):
+        assert got["no_draft" + suffix] == greedy
+        assert got["draft" + suffix] == greedy  # whatever the draft, the output is the greedy one
+    # [full passes, decode steps]; draft rows: the model's own answer, right-then-wrong, wrong from the start
+    assert got["no_draft_counts"] == [3 * MAX_NEW, 0]
+    assert got["draft_counts"] == [1 + (1 + MAX_NEW - 2) + MAX_NEW, 0]
+    assert got["no_draft_cached_counts"] == [3, 3 * (MAX_NEW - 1)]
+    assert got["draft_cached_counts"] == [3, 0 + (MAX_NEW - 2) + (MAX_NEW - 1)]
 
 
 def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
@@ -122,14 +132,17 @@ def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
 
 
 def test_engine_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):
-    """bench/niah_engine_bench.py stays runnable (a random model: the draft is refused, the outputs are the same)."""
+    """bench/niah_engine_bench.py stays runnable (a random model: the draft is refused, the outputs are the same; the
+    KV cache leaves one full pass per prompt)."""
     out = torchrun(ROOT / "bench/niah_engine_bench.py", 2, "--megatron", str(checkpoints / "mc"), "--cp", "2",
                    "--tokenizer", str(checkpoints / "hf"), "--lengths", "96", "--depths", "0,100",
                    "--max-new-tokens", "3", "--out", str(tmp_path))
     (path,) = tmp_path.glob("niah_engine-*.json")
     rows = read_json(path)["rows"]
-    assert [r["mode"] for r in rows] == ["token_by_token", "draft"] and "wrote" in out
+    assert [r["mode"] for r in rows] == ["token_by_token", "draft", "kv_cache", "draft+kv_cache"] and "wrote" in out
     assert rows[0]["forward_passes"] == 2 * 3 and 2 <= rows[1]["forward_passes"] <= 2 * 3
+    assert (rows[2]["forward_passes"], rows[2]["decode_steps"]) == (2, 2 * 2)
+    assert rows[3]["forward_passes"] == 2 and rows[3]["decode_steps"] <= 2 * 2
 
 
 def test_out_of_memory_on_one_rank_ends_the_run(checkpoints):
@@ -143,7 +156,7 @@ def test_out_of_memory_on_one_rank_ends_the_run(checkpoints):
     def oom(ids, first):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    gen = MegatronGreedy(model=None, vocab_size=512, max_new_tokens=4)
+    gen = MegatronGreedy(model=None, vocab_size=512, max_new_tokens=4, kv_cache=False)
     gen.predict = oom
     tok = make_tokenizer()
     with pytest.raises(RankError, match=r"rank 0: out of memory on a 96-token prompt .* raise --cp"):

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from megatron_ext.evaluate.parallel import number_settled, speculative_greedy
+from megatron_ext.evaluate.speculative import number_settled, speculative_greedy
 
 VOCAB = 13
 

@@ -3,9 +3,10 @@
     torchrun --nproc_per_node=N niah_parallel.py --root CKPT --inputs IN.json --out OUT.json [--tp T --pp P --cp C]
 
 IN.json: {"prompts": [[ids]], "drafts": [[ids]] (one per prompt), "max_new_tokens": n, "eos": [ids]}.
-OUT.json (rank 0): greedy predictions after every position of each prompt, each prompt's per-token losses (as a
-document for perplexity), and each prompt's continuation with no draft and with the given drafts, with the
-forward passes each took.
+OUT.json (rank 0): greedy predictions after every position of each prompt (one full pass; and through the KV
+cache: a prefill, single-token steps, a multi-token step, a step that rolls back cached tokens), each prompt's
+per-token losses (as a document for perplexity), and each prompt's continuation with no draft and with the given
+drafts, with the forward passes and decode steps each took, with the KV cache and without.
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ import argparse
 import json
 
 import torch
+
+# (tokens the pass covers, first position predicted) after a prefill of 26 tokens and 4 wrong ones (a draft the
+# model leaves): a step over 8 tokens from 26, steps of one token, one of eight, one going back to position 44
+# (tokens 44-47 were cached), and the rest.
+CACHED_STEPS = [(34, 26)] + [(n + 1, n) for n in range(34, 40)] + [(48, 40), (55, 44), (61, 55)]
+
+
+def every_position_cached(gen, ids: list[int]) -> list[list[int]]:
+    """[position, predicted token] from each step of `CACHED_STEPS`, the prefill's positions 0 .. 25 first."""
+    got = [[p, t] for p, t in enumerate(gen.predict(ids[:26] + [(t + 1) % 500 for t in ids[26:30]], 0)[:26])]
+    for end, first in CACHED_STEPS:
+        got += [[first + i, t] for i, t in enumerate(gen.predict(ids[:end], first))]
+    gen.cache.clear()
+    return got
 
 
 def main() -> None:
@@ -32,17 +47,21 @@ def main() -> None:
     spec = json.loads(open(args.inputs).read())
     init_distributed("cpu", tensor=args.tp, pipeline=args.pp, context=args.cp)
     model, hf_cfg, _ = load_megatron_for_eval(args.root, tensor=args.tp, pipeline=args.pp, context=args.cp)
-    gen = MegatronGreedy(model, hf_cfg["vocab_size"], spec["max_new_tokens"], spec["eos"])
+    gen = MegatronGreedy(model, hf_cfg["vocab_size"], spec["max_new_tokens"], spec["eos"], kv_cache=False)
     out: dict = {"every_position": [gen.predict(ids, 0) for ids in spec["prompts"]]}
+    cached = MegatronGreedy(model, hf_cfg["vocab_size"], spec["max_new_tokens"], spec["eos"])
+    out["every_position_cached"] = [every_position_cached(cached, ids) for ids in spec["prompts"]]
+    out["cached_counts"] = [cached.passes, cached.decode_steps]
     losses = MegatronTokenLosses(model)
     out["losses"] = [losses(torch.tensor(ids)).tolist() for ids in spec["prompts"]]
     prompts = torch.tensor(spec["prompts"])
-    for name, drafts in (("no_draft", None), ("draft", spec["drafts"])):
-        gen.passes = 0
-        out[name] = gen(prompts, drafts)
-        passes = torch.tensor([gen.passes])
-        torch.distributed.all_reduce(passes)  # every rank of a replica counts its replica's passes
-        out[name + "_passes"] = int(passes) // (args.tp * args.pp * args.cp)
+    for generator, suffix in ((gen, ""), (cached, "_cached")):
+        for name, drafts in (("no_draft", None), ("draft", spec["drafts"])):
+            generator.passes = generator.decode_steps = 0
+            out[name + suffix] = generator(prompts, drafts)
+            counts = torch.tensor([generator.passes, generator.decode_steps])
+            torch.distributed.all_reduce(counts)  # every rank of a replica counts its replica's passes
+            out[name + suffix + "_counts"] = (counts // (args.tp * args.pp * args.cp)).tolist()
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)

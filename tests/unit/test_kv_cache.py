@@ -1,0 +1,99 @@
+"""The KV cache's attention math (megatron_ext.evaluate.kv_cache) against torch SDPA, and RoPE at given positions.
+
+The decode step attends new queries to parts of the keys (a CP rank's cache, the decoded tokens, blocks of a
+long cache) and merges the parts by log-sum-exp; the result must be SDPA over all the keys at once. The end-to-end
+check against transformers' generation is tests/distributed/test_niah_megatron.py.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.evaluate import kv_cache
+from megatron_ext.evaluate.kv_cache import attend, merge
+from megatron_ext.presets import TINY
+from megatron_ext.rope import RopeConfigError
+
+B, NH, NG, D, N, S = 2, 8, 2, 16, 3, 40
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, NH, N, D, generator=g)
+    k, v = torch.randn(B, NG, S, D, generator=g), torch.randn(B, NG, S, D, generator=g)
+    # query i sits at position S - N + i: causal over the keys, the last N being the new tokens
+    visible = torch.arange(S)[None, :] <= (S - N + torch.arange(N))[:, None]  # [N, S]
+    return q, k, v, visible
+
+
+def sdpa(q, k, v, visible):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=D ** -0.5, enable_gqa=True)
+
+
+def test_attend_is_sdpa_with_gqa(qkv):
+    q, k, v, visible = qkv
+    out, lse = attend(q, k, v, visible, D ** -0.5)
+    torch.testing.assert_close(out, sdpa(q, k, v, visible), atol=1e-6, rtol=1e-5)
+    k_heads = k.repeat_interleave(NH // NG, dim=1)  # head h reads KV head h // 4
+    scores = (q @ k_heads.transpose(-1, -2)) * D ** -0.5
+    torch.testing.assert_close(lse, scores.masked_fill(~visible, float("-inf")).logsumexp(-1))
+
+
+@pytest.mark.parametrize("cuts", [(13, 27), (5, 6, 33)])
+def test_parts_merged_by_log_sum_exp_are_the_whole(qkv, cuts):
+    """Key sets split as over CP ranks, one part with keys no query sees (output 0, log-sum-exp -inf)."""
+    q, k, v, visible = qkv
+    visible = visible.clone()
+    visible[:, 5:6] = False  # (5, 6, 33): the part [5, 6) is invisible to every query
+    bounds = [0, *cuts, S]
+    parts = [attend(q, k[:, :, a:b], v[:, :, a:b], visible[:, a:b], D ** -0.5) for a, b in zip(bounds, bounds[1:])]
+    out, lse = merge(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(out, sdpa(q, k, v, visible), atol=1e-6, rtol=1e-5)
+    assert out.isfinite().all() and lse.isfinite().all()
+    # negative control: averaging the parts' outputs instead of weighting them by their log-sum-exp
+    naive = torch.stack([p[0] for p in parts]).mean(0)
+    assert (naive - sdpa(q, k, v, visible)).abs().max() > 1e-2
+
+
+def test_blocks_of_a_long_cache(qkv, monkeypatch):
+    q, k, v, visible = qkv
+    monkeypatch.setattr(kv_cache, "KEY_BLOCK", 7)  # 40 keys in 6 blocks, the last one short
+    out, _ = attend(q, k, v, visible, D ** -0.5)
+    torch.testing.assert_close(out, sdpa(q, k, v, visible), atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_cache_is_attended_in_fp32(qkv):
+    q, k, v, visible = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in qkv)
+    out, _ = attend(q, k, v, visible, D ** -0.5)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, sdpa(*(t.float() for t in (q, k, v)), visible), atol=1e-6, rtol=1e-5)
+
+
+def build(cfg):
+    from megatron_ext.model import BuildOptions, build_model
+
+    return build_model(cfg, BuildOptions(device="cpu", attention="sdpa", seq_length=64))
+
+
+def test_rope_at_given_positions_is_the_full_tables_rows(cpu_parallel_state):
+    from tests.unit.test_rope_cp import Rank
+
+    emb = build(copy.deepcopy(TINY)).rotary_pos_emb
+    full = emb.local_table(64)  # [64, 1, 1, dim], positions 0 .. 63
+    emb.positions = torch.tensor([61, 62, 63])
+    assert torch.equal(emb(3), full[61:])
+    assert torch.equal(emb(6, cp_group=Rank(2, 1)), full[61:])  # the same on every CP rank
+    assert not torch.equal(emb(3), full[:3])  # the positions matter, not the length asked for
+    emb.positions = None
+    assert torch.equal(emb(64), full)
+
+
+def test_rope_at_given_positions_refuses_a_length_dependent_table(cpu_parallel_state):
+    emb = build({**copy.deepcopy(TINY), "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}).rotary_pos_emb
+    emb.positions = torch.tensor([5])
+    assert emb.length_dependent
+    with pytest.raises(RopeConfigError, match="dynamic"):
+        emb(1)
