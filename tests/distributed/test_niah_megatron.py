@@ -53,12 +53,12 @@ def reference(checkpoints):
     return every, greedy, losses
 
 
-@pytest.mark.parametrize("layout", [("--cp", "2"), ("--tp", "2"), ("--pp", "2"), ()],
-                         ids=["cp2", "tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", [("--cp", "2"), ("--tp", "2"), ("--pp", "2"), (), ("--cp", "2", "--pp", "2")],
+                         ids=["cp2", "tp2", "pp2", "dp2", "cp2pp2"])
 def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, layout):
     every, greedy, losses = reference
     out = checkpoints / f"out_{'_'.join(layout) or 'dp2'}.json"
-    torchrun(WORKER, 2, "--root", str(checkpoints / "mc"), "--inputs", str(checkpoints / "inputs.json"),
+    torchrun(WORKER, 4 if len(layout) > 2 else 2, "--root", str(checkpoints / "mc"), "--inputs", str(checkpoints / "inputs.json"),
              "--out", str(out), *layout)
     got = read_json(out)
     for ours, theirs in zip(got["every_position"], every):
