@@ -2,8 +2,9 @@
 
 The CPU tests cover TP/PP/CP/DP on gloo; this one covers the CUDA path of one rank: the model built for cuda
 (TE's spec where TE imports, else torch SDPA), NCCL collectives of size 1, tensors on the device. Oracle:
-transformers' LlamaForCausalLM on the same GPU, fp32 (greedy token after every position, token losses);
-bf16 losses within 0.05 of fp32.
+transformers' LlamaForCausalLM on the same GPU, fp32 (greedy token after every position, token losses, and the
+same through the KV cache: a prefill of 150 tokens, then decode steps of one token and one of ten); bf16 losses
+within 0.05 of fp32.
 """
 
 import subprocess
@@ -53,7 +54,15 @@ def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
         model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision=precision)
         losses[precision] = MegatronTokenLosses(model, device)(ids)
         if precision == "fp32":
-            got = MegatronGreedy(model, cfg["vocab_size"], 4, device=device).predict(ids.tolist(), 0)
+            gen = MegatronGreedy(model, cfg["vocab_size"], 4, device=device, kv_cache=False)
+            got = gen.predict(ids.tolist(), 0)
+            assert sum(a == b for a, b in zip(got, want)) == len(want)
+            cached = MegatronGreedy(model, cfg["vocab_size"], 4, device=device)
+            got = cached.predict(ids[:150].tolist(), 0)
+            for end in range(151, 191):
+                got += cached.predict(ids[:end].tolist(), end - 1)
+            got += cached.predict(ids.tolist(), 190)
+            assert (cached.passes, cached.decode_steps) == (1, 41)
             assert sum(a == b for a, b in zip(got, want)) == len(want)
         del model
     assert (losses["fp32"] - want_losses).abs().max() < 1e-3
