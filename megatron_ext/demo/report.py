@@ -36,8 +36,9 @@ def _megatron_engine_check(evals: Path, rows) -> dict | None:
         vals = [row[j] for row in ours["scores"] if row[j] is not None]
         by_length.append(sum(vals) / len(vals) if vals else None)
     same = sum(a["score"] == b["score"] for a, b in zip(ours["cells"], theirs["cells"]))
+    settings = ours["settings"]
     return {"by_length": by_length, "cells": len(ours["cells"]), "same_cells": same,
-            "forward_passes": ours["settings"].get("forward_passes")}
+            "forward_passes": settings.get("forward_passes"), "decode_steps": settings.get("decode_steps")}
 
 
 def _param_count(hf_dir: Path) -> int:
@@ -109,13 +110,14 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
     if engine is not None:
         lines += ["## The final model on the Megatron engine", "",
                   "`tools/niah.py --megatron CKPT --engine megatron --cp 2` runs the same grid on the SFT checkpoint "
-                  "itself, under torchrun on two processes (each prompt split in zigzag CP chunks, no conversion, no "
-                  "KV cache): how a 1M-4M-token model is evaluated on a cluster (README, 'Beyond one GPU').", "",
+                  "itself, under torchrun on two processes (each prompt split in zigzag CP chunks, no conversion, the "
+                  "KV cache spread over the CP ranks): how a 1M-4M-token model is evaluated on a cluster (README, "
+                  "'Beyond one GPU').", "",
                   "| engine | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths),
                   "| Megatron, CP 2 | " + " | ".join(cell(v) for v in engine["by_length"]) + " |", "",
                   f"Cells scored as by transformers: {engine['same_cells']} of {engine['cells']}; "
-                  f"{engine['forward_passes']} forward passes for {engine['cells']} prompts (greedy decoding checked "
-                  "against the needle as a draft).", ""]
+                  f"{engine['forward_passes']} forward passes over the prompts and {engine['decode_steps']} decode "
+                  f"steps for {engine['cells']} prompts (greedy decoding checked against the needle as a draft).", ""]
     lines += ["## Loss by token position", "", f"![perplexity by position]({rel(ppl_png)})", "",
               "| model | mean loss |", "|---|---:|"]
     lines += [f"| {k} | {v.mean_loss:.4f} |" for k, v in ppl.items()]

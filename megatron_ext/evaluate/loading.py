@@ -30,7 +30,7 @@ def kv_cache_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return int(planned(_config_dict(config), dtype_bytes))
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -45,18 +45,18 @@ def memory_note(config, length: int, batch: int = 1, dtype_bytes: int = 2, n_par
     per_tok = kv_cache_bytes_per_token(cfg, dtype_bytes)
     kv = per_tok * length * batch
     heads = cfg["num_attention_heads"]
-    parts = (f"memory note: KV cache {_human(per_tok)}/token (2 x {cfg['num_hidden_layers']} layers x "
+    parts = (f"memory note: KV cache {human_bytes(per_tok)}/token (2 x {cfg['num_hidden_layers']} layers x "
              f"{cfg.get('num_key_value_heads') or heads} KV heads x {cfg.get('head_dim') or cfg['hidden_size'] // heads}"
-             f" head_dim x {dtype_bytes} bytes); {length:,} tokens x batch {batch} = {_human(kv)}")
+             f" head_dim x {dtype_bytes} bytes); {length:,} tokens x batch {batch} = {human_bytes(kv)}")
     if n_params is not None:
-        parts += f" + weights {_human(n_params * dtype_bytes)}"
+        parts += f" + weights {human_bytes(n_params * dtype_bytes)}"
     if free_bytes is not None:
         need = kv + (n_params or 0) * dtype_bytes
-        parts += f"; device has {_human(free_bytes)} free"
+        parts += f"; device has {human_bytes(free_bytes)} free"
         if need > free_bytes:
             parts += (" -- this will NOT fit: lower the largest length or the batch (--batch-tokens), use a "
                       "device with more memory, or run the Megatron checkpoint over several GPUs (--megatron CKPT "
-                      "--engine megatron --cp N under torchrun: no KV cache, each prompt split N ways)")
+                      "--engine megatron --cp N under torchrun: each prompt and its KV cache split N ways)")
     return parts
 
 

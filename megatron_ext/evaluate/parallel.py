@@ -331,6 +331,7 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
     """
     from megatron.core import parallel_state as ps
 
+    from megatron_ext.evaluate.loading import human_bytes, kv_cache_bytes_per_token
     from megatron_ext.evaluate.niah import run_niah
 
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
@@ -340,7 +341,11 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
         longest = max(n for n in lengths if niah_kwargs.get("allow_beyond_max_positions") or not max_pos
                       or n <= max_pos or n == min(lengths))
         if engine.rank0:
-            print(f"[niah] {engine.describe()}; {longest // context:,} tokens per rank at {longest:,}", flush=True)
+            per_token = kv_cache_bytes_per_token(engine.hf_config, 2 if engine.precision == "bf16" else 4)
+            per_rank = longest * per_token / (tensor * pipeline * context)  # split over a replica's ranks
+            cache = f", KV cache {human_bytes(per_rank)} per rank" if generate.cache is not None else ", no KV cache"
+            print(f"[niah] {engine.describe()}; {longest // context:,} tokens per rank at {longest:,}{cache}",
+                  flush=True)
         result = run_niah(None, engine.tokenizer, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
                           max_position_embeddings=max_pos,
                           batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length

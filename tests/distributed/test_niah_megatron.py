@@ -58,7 +58,8 @@ def reference(checkpoints):
 def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, layout):
     every, greedy, losses = reference
     out = checkpoints / f"out_{'_'.join(layout) or 'dp2'}.json"
-    torchrun(WORKER, 4 if len(layout) > 2 else 2, "--root", str(checkpoints / "mc"), "--inputs", str(checkpoints / "inputs.json"),
+    torchrun(WORKER, 4 if len(layout) > 2 else 2, "--root", str(checkpoints / "mc"),
+             "--inputs", str(checkpoints / "inputs.json"),
              "--out", str(out), *layout)
     got = read_json(out)
     for ours, theirs in zip(got["every_position"], every):
@@ -68,7 +69,8 @@ def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, 
     assert 5.0 < torch.tensor(losses).mean() < 7.5  # ~ln(512) for a random model: real numbers compared
     for ours, theirs in zip(got["every_position_cached"], every):
         wrong = [(p, t, theirs[p]) for p, t in ours if t != theirs[p]]
-        assert len(ours) == 26 + 8 + 6 + 8 + 11 + 6 and not wrong, f"decode steps disagree (position, ours, HF): {wrong}"
+        assert len(ours) == 26 + 8 + 6 + 8 + 11 + 6
+        assert not wrong, f"decode steps disagree (position, ours, HF): {wrong}"
     assert got["cached_counts"] == [3, 3 * 10]  # one prefill per prompt, every other step a decode step
     for suffix in ("", "_cached"):
         assert got["no_draft" + suffix] == greedy
@@ -117,6 +119,7 @@ def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_pat
 @pytest.mark.parametrize("argv, message", [
     (["--model", "HF", "--engine", "megatron"], "give --megatron CKPT_DIR"),
     (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),
+    (["--model", "HF", "--no-kv-cache"], "--no-kv-cache belong to --engine megatron"),
     (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
     (["--megatron", "CKPT/missing", "--engine", "megatron"], "missing does not exist"),
     (["ppl", "--megatron", "CKPT", "--engine", "megatron", "--cp", "2", "--text",

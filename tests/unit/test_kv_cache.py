@@ -97,3 +97,4 @@ def test_rope_at_given_positions_refuses_a_length_dependent_table(cpu_parallel_s
     assert emb.length_dependent
     with pytest.raises(RopeConfigError, match="dynamic"):
         emb(1)
+
