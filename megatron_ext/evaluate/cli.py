@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT_DIR --engine megatron --cp 8 --lengths 1M --out runs/niah
     python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
     python tools/niah.py ppl --model HF_DIR --indexed data/cpt_text_document --documents 8 --out runs/ppl
+    torchrun --nproc-per-node 8 tools/niah.py generate --megatron CKPT_DIR --engine megatron --cp 8 \
+        --document book.txt --question "How does it end?" --chat
 """
 
 from __future__ import annotations
@@ -78,11 +80,12 @@ def _chunk(text: str) -> int | str:
     return int(text)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
     src.add_argument("--megatron", type=Path, help="Megatron checkpoint; converted with tools/convert.py to-hf first")
-    p.add_argument("--out", type=Path, required=True, help="output directory (created; files written atomically)")
+    p.add_argument("--out", type=Path, required=out_required,
+                   help="output directory (created; files written atomically)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
@@ -100,9 +103,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def _no_kv_cache(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-kv-cache", action="store_true", help="megatron engine: run each decoding step over the "
+                   "whole sequence instead of over the new token with the prompt's keys and values kept")
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
     niah = argparse.ArgumentParser(prog="niah.py", description="Needle-in-a-haystack grid (lengths x depths) -> "
-                                   "results.json and heatmap.png. `niah.py ppl --help`: perplexity by position.")
+                                   "results.json and heatmap.png. `niah.py ppl --help`: perplexity by position; "
+                                   "`niah.py generate --help`: ask the model about a document.")
     _common(niah)
     niah.add_argument("--lengths", default="1K,2K,4K,8K", help=f"context lengths in tokens; {_LENGTH_HELP}")
     niah.add_argument("--depths", default="0:100:10", help="needle depths in percent: 0:100:10 or 0,50,100")
@@ -113,8 +122,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     niah.add_argument("--max-new-tokens", type=int, default=16)
     niah.add_argument("--batch-tokens", type=int, default=65536,
                       help="prompt tokens per batch (batch = this // length); hf engine only")
-    niah.add_argument("--no-kv-cache", action="store_true", help="megatron engine: run each decoding step over the "
-                      "whole sequence instead of over the new token with the prompt's keys and values kept")
+    _no_kv_cache(niah)
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
     niah.add_argument("--title", default=None, help="heatmap title")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
@@ -128,7 +136,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      "(default: max_position_embeddings)")
     ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")
     ppl.add_argument("--label", default=None, help="curve label (default: the model directory name)")
-    return niah, ppl
+    gen = argparse.ArgumentParser(prog="niah.py generate", description="Greedy answer of the model to a document "
+                                  "and a question, printed (and written to OUT/generation.json with --out).")
+    _common(gen, out_required=False)
+    gen.add_argument("--document", type=Path, default=None, help="UTF-8 text file: the long context")
+    gen.add_argument("--question", default=None, help="text after the document (a blank line between)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    _no_kv_cache(gen)
+    gen.add_argument("--force", action="store_true", help="also run a prompt longer than max_position_embeddings")
+    return {"niah": niah, "ppl": ppl, "generate": gen}
 
 
 @contextmanager
@@ -139,9 +156,10 @@ def _model(args):
     if args.model is not None:
         yield load_hf(args.model, args.device, args.dtype)
         return
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.out is not None:  # beside the results: the same file system, removed with the directory
+        args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
-        print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)")
+        print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", file=sys.stderr)
         yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype)
 
 
@@ -262,20 +280,53 @@ def _save_ppl(args, result) -> None:
           f"wrote {js} and {png}")
 
 
+def _run_generate(args) -> None:
+    from megatron_ext.evaluate.ask import generate_hf, generate_megatron
+
+    if args.document is None and args.question is None:
+        raise EvalError("nothing to ask: give --document FILE and/or --question TEXT")
+    if args.document is not None and not args.document.is_file():
+        raise EvalError(f"--document {args.document}: no such file; give a UTF-8 text file")
+    try:
+        document = args.document.read_text(encoding="utf-8") if args.document is not None else ""
+    except UnicodeDecodeError as e:
+        raise EvalError(f"--document {args.document}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    common = {"chat": args.chat, "max_new_tokens": args.max_new_tokens, "force": args.force}
+    if _megatron_engine(args):
+        from megatron_ext.runtime import process_env
+
+        result = generate_megatron(args.megatron, document, args.question, tensor=args.tp, pipeline=args.pp,
+                                   context=args.cp, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                                   kv_cache=not args.no_kv_cache, **common)
+        if process_env().rank != 0:
+            return
+    else:
+        with _model(args) as (model, tokenizer):
+            result = generate_hf(model, tokenizer, document, args.question, prefill_chunk=args.chunk, **common)
+    result.settings.update(model=str(args.model or args.megatron), document=str(args.document),
+                           question=args.question)
+    print(f"[generate] {result.prompt_tokens:,} prompt tokens -> {len(result.output_ids)} new tokens in "
+          f"{result.seconds:.1f} s", file=sys.stderr)
+    print(result.output)
+    if args.out is not None:
+        from megatron_ext.evaluate.io import write_json_atomic
+
+        print(f"[generate] wrote {write_json_atomic(args.out / 'generation.json', result.to_dict())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    niah, ppl = _parsers()
-    is_ppl = bool(argv) and argv[0] == "ppl"
-    if argv and argv[0] in ("ppl", "niah"):
-        argv = argv[1:]
-    args = (ppl if is_ppl else niah).parse_args(argv)
+    parsers = _parsers()
+    command = argv.pop(0) if argv and argv[0] in parsers else "niah"
+    args = parsers[command].parse_args(argv)
+    run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate}[command]
     with warnings.catch_warnings():  # our warnings (lengths skipped, ...) as plain "warning: ..." lines
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")
         warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
         try:
-            _run_ppl(args) if is_ppl else _run_niah(args)
+            run(args)
         except EvalError as e:
             from megatron_ext.runtime import process_env
 

@@ -64,24 +64,23 @@ class CachedCoreAttention(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module, cache: "ContextParallelKVCache", scale: float):
         super().__init__()
         self.inner, self.cache, self.scale = inner, [cache], scale  # a list: not a submodule of this one
-        self.keys = self.values = None  # prefill, this rank's chunks: [s_local, b, ng, d]
-        self.tail_keys = self.tail_values = None  # decoded tokens, every rank: [t, b, ng, d]
-        self.tail_positions = torch.empty(0, dtype=torch.long)
+        self.clear()
 
     def clear(self) -> None:
-        self.keys = self.values = self.tail_keys = self.tail_values = None
-        self.tail_positions = torch.empty(0, dtype=torch.long)
+        self.keys = self.values = None  # prefill, this rank's chunks: [s_local, b, ng, d]
+        self.tail_keys = self.tail_values = None  # decoded tokens, every rank: [t, b, ng, d]
+        self.tail_positions = torch.empty(0, dtype=torch.long)  # [t]
 
     def forward(self, query, key, value, attention_mask=None, *args, **kwargs):
         cache = self.cache[0]
         if cache.mode == "decode":
             return self._decode(query, key, value, cache)
-        out = self.inner(query, key, value, attention_mask, *args, **kwargs)
-        if cache.mode == "record":  # copies: `value` may be a view of the fused QKV projection
+        if cache.mode == "record":
+            # copies (`value` may be a view of the fused QKV projection), taken before the backend sees them
             self.keys, self.values = key.detach().clone(), value.detach().clone()
             self.tail_keys = self.tail_values = None
             self.tail_positions = torch.empty(0, dtype=torch.long, device=key.device)
-        return out
+        return self.inner(query, key, value, attention_mask, *args, **kwargs)
 
     def _decode(self, query, key, value, cache: "ContextParallelKVCache") -> torch.Tensor:
         n, b, nh, d = query.shape

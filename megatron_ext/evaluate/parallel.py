@@ -264,16 +264,17 @@ class Engine:
     layout: dict  # tensor, pipeline, context, data
     rank0: bool
 
-    def greedy(self, max_new_tokens: int, kv_cache: bool = True) -> MegatronGreedy:
-        """The NIAH `generate` of this engine: stops at the tokenizer's or the model's EOS, or once the first
-        number of the answer is settled. `kv_cache`: decode steps after the prompt's pass (else full passes)."""
+    def greedy(self, max_new_tokens: int, kv_cache: bool = True, until_number: bool = True) -> MegatronGreedy:
+        """The greedy `generate` of this engine: stops at the tokenizer's or the model's EOS, or (`until_number`, NIAH)
+        once the first number of the answer is settled. `kv_cache`: decode steps after the prompt's pass (else
+        full passes)."""
         from megatron_ext.evaluate.generate import eos_ids
 
         tok = self.tokenizer
         eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=self.hf_config.get("eos_token_id"))), tok)
+        settled = (lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True))) if until_number else None
         return MegatronGreedy(self.model, self.hf_config["vocab_size"], max_new_tokens, eos, device=self.device,
-                              settled=lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True)),
-                              kv_cache=kv_cache)
+                              settled=settled, kv_cache=kv_cache)
 
     def describe(self) -> str:
         l = self.layout

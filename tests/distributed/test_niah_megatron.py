@@ -116,10 +116,32 @@ def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_pat
     assert mg["settings"]["engine"] == "megatron" and (tmp_path / "mg/ppl.png").is_file()
 
 
+def test_cli_generate_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
+    """niah.py generate: a document and a question, greedy on transformers and on the Megatron engine at CP 2 (one
+    pass over the prompt, then a decode step per token through the KV cache): the same tokens."""
+    from megatron_ext.evaluate.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(["the special magic number is hidden in the text below"] * 12))
+    common = ["--document", str(doc), "--question", "what is the special magic number", "--max-new-tokens", "12"]
+    main(["generate", "--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
+    stdout = torchrun(ROOT / "tools/niah.py", 2, "generate", "--megatron", str(checkpoints / "mc"), "--engine",
+                      "megatron", "--cp", "2", "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"),
+                      *common)
+    hf, mg = read_json(tmp_path / "hf/generation.json"), read_json(tmp_path / "mg/generation.json")
+    assert mg["prompt_tokens"] == hf["prompt_tokens"] > 100
+    assert mg["output_ids"] == hf["output_ids"] and hf["output_ids"]
+    assert mg["output"] == hf["output"] and mg["output"] in stdout
+    n = len(mg["output_ids"])
+    assert (mg["settings"]["forward_passes"], mg["settings"]["decode_steps"]) == (1, n - 1)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "HF", "--engine", "megatron"], "give --megatron CKPT_DIR"),
     (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),
     (["--model", "HF", "--no-kv-cache"], "--no-kv-cache belong to --engine megatron"),
+    (["generate", "--model", "HF"], "nothing to ask: give --document FILE"),
+    (["generate", "--model", "HF", "--document", "CKPT/none.txt"], "none.txt: no such file"),
     (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
     (["--megatron", "CKPT/missing", "--engine", "megatron"], "missing does not exist"),
     (["ppl", "--megatron", "CKPT", "--engine", "megatron", "--cp", "2", "--text",
@@ -130,7 +152,8 @@ def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
 
     argv = [a.replace("HF", str(checkpoints / "hf")).replace("CKPT", str(checkpoints / "mc")) for a in argv]
     with pytest.raises(SystemExit) as e:
-        main([*argv, "--out", str(tmp_path / "o"), "--no-progress"] + ([] if argv[0] == "ppl" else ["--lengths", "96"]))
+        main([*argv, "--out", str(tmp_path / "o"), "--no-progress"] + ([] if argv[0] in ("ppl", "generate")
+                                                                         else ["--lengths", "96"]))
     assert message in str(e.value) and str(e.value).startswith("error: ")
 
 
