@@ -171,6 +171,16 @@ def test_engine_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):
     assert rows[3]["forward_passes"] == 2 and rows[3]["decode_steps"] <= 2 * 2
 
 
+def test_kv_cache_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):
+    """bench/kv_cache_bench.py stays runnable; its decode steps predict what full passes over the same tokens do."""
+    out = torchrun(ROOT / "bench/kv_cache_bench.py", 2, "--megatron", str(checkpoints / "mc"), "--cp", "2",
+                   "--lengths", "64,128", "--steps", "3", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("kv_cache-*.json")
+    rows = read_json(path)["rows"]
+    assert [r["length"] for r in rows] == [64, 128] and all(r["same_predictions"] for r in rows) and "wrote" in out
+    assert all(r["full_pass_s"] > 0 and r["decode_step_s"] > 0 for r in rows)
+
+
 def test_out_of_memory_on_one_rank_ends_the_run(checkpoints):
     """run_niah retries a batch that ran out of memory in halves; across ranks that would leave the others inside
     a collective, so the engine turns it into an error naming the rank and the fix."""
