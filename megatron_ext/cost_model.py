@@ -31,16 +31,18 @@ class GPU:
     nvlink_bw: float  # intra-node (TP, and CP/DP inside a node)
     network_bw: float  # inter-node NIC per GPU (CP/DP across nodes)
     source: str
+    hbm_bw: float = 0.0  # memory bandwidth (bytes/s): bounds a decode step (megatron_ext.eval_plan)
 
 
 GPUS: dict[str, GPU] = {
     "h100-80gb": GPU("h100-80gb", 80.0, 989.4, 450e9, 50e9,
-                     "perf.md §4: 989.4 TFLOP/s BF16 dense [S], NVLink4 900 GB/s bidir [V], IB NDR 50 GB/s/GPU [U]"),
+                     "perf.md §4: 989.4 TFLOP/s BF16 dense [S], NVLink4 900 GB/s bidir [V], IB NDR 50 GB/s/GPU [U], "
+                     "HBM3 3.35 TB/s [S]", hbm_bw=3.35e12),
     "h200-141gb": GPU("h200-141gb", 141.0, 989.4, 450e9, 50e9,
-                      "perf.md §4: same die as H100 [D], 141 GB HBM3e [V]"),
+                      "perf.md §4: same die as H100 [D], 141 GB HBM3e [V], 4.8 TB/s [S]", hbm_bw=4.8e12),
     "b200-180gb": GPU("b200-180gb", 180.0, 2250.0, 900e9, 50e9,
                       "NVIDIA DGX B200 datasheet (2.25 PFLOP/s BF16 dense, NVLink5 1.8 TB/s bidir) [U]; "
-                      "180 GB per perf.md §1b"),
+                      "180 GB per perf.md §1b; HBM3e 8 TB/s (same datasheet) [U]", hbm_bw=8e12),
 }
 GPU_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "b200": "b200-180gb"}
 

@@ -1,9 +1,12 @@
 """Does a recipe fit a GPU cluster, and how long will it take?
 
     python tools/plan.py recipes/cpt_4m.yaml [--gpu h100|h200|b200] [--gpus 256] [--mfu 0.35] [--set k=v]
+    python tools/plan.py recipes/cpt_4m.yaml --eval 128K:4M:6 [--gpus 64 --tp 8 --cp 8] [--prompts 11]
 
 Prints the per-GPU memory breakdown, the verdict, tokens/s/GPU and the hours for the recipe's
 steps, the smallest context-parallel size that fits for each recompute mode and a recommendation.
+With --eval: the same for evaluating the recipe's model on the Megatron engine at the recipe's TP x PP x CP
+(`tools/niah.py --engine megatron`): memory per GPU, time of a prompt and of a grid, per length.
 Exits 1 with the reason when the recipe does not fit or the input is wrong.
 """
 
@@ -16,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ext.cost_model import GB, GPUS, RECOMPUTE_MODES, resolve_gpu  # noqa: E402
+from megatron_ext.cost_model import GB, GPUS, RECOMPUTE_MODES, Shape, padded_vocab, resolve_gpu  # noqa: E402
+from megatron_ext.eval_plan import eval_plan, eval_report, min_eval_context  # noqa: E402
 from megatron_ext.plan import PAPER_HOURS, Plan, kernels_of, min_context, plan, recommend  # noqa: E402
 from megatron_ext.recipe import RecipeError, load_recipe  # noqa: E402
 
@@ -86,7 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-ce", action="store_true", help="with train.loss_head=full: assume a fused cross-entropy (2 B x V/TP per token)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted recipe override, e.g. --set parallel.context=8 (repeatable)")
+    evaluation = parser.add_argument_group("evaluation on the Megatron engine (tools/niah.py --engine megatron)")
+    evaluation.add_argument("--eval", metavar="LENGTHS", help="prompt lengths, e.g. 128K,1M,4M or 128K:4M:6")
+    for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context")):
+        evaluation.add_argument(flag, type=int, default=None, help=f"{what} parallel size of the evaluation "
+                                f"(default: the recipe's parallel.{what})")
+    evaluation.add_argument("--prompts", type=int, default=11, help="prompts per length (default 11: NIAH depths "
+                            "0:100:10)")
+    evaluation.add_argument("--new-tokens", type=int, default=16, help="decode steps per prompt (default 16, NIAH's "
+                            "--max-new-tokens; a model that retrieves with the needle as draft needs none)")
     args = parser.parse_args(argv)
+    if args.eval:
+        return _plan_eval(args)
     path = args.recipe_opt or args.recipe_file
     try:
         if path is None:
@@ -113,6 +128,41 @@ def main(argv: list[str] | None = None) -> int:
                      f"{planned.gpus} GPUs; add GPUs, use a larger GPU or shorten train.seq_length{chunked}")
         sets = " ".join(f"--set {o}" for o in f"parallel.context={best.context} {best.recompute_overrides}".split())
         sys.exit(f"error: {path}: {need}; use {sets} (fits in {best.memory.total / GB:.1f} GB){chunked}")
+    return 0
+
+
+def _plan_eval(args) -> int:
+    from megatron_ext.evaluate.cli import parse_lengths
+    from megatron_ext.evaluate.errors import EvalError
+
+    path = args.recipe_opt or args.recipe_file
+    try:
+        if path is None:
+            raise RecipeError("no recipe given; pass RECIPE or --recipe FILE (see recipes/): its model and layout")
+        if min(args.prompts, args.new_tokens + 1) < 1 or (args.gpus is not None and args.gpus < 1):
+            raise RecipeError("--gpus and --prompts must be >= 1, --new-tokens >= 0")
+        try:
+            lengths = parse_lengths(args.eval)
+        except EvalError as e:
+            raise RecipeError(str(e).replace("--lengths", "--eval")) from None
+        recipe = load_recipe(path, args.overrides)  # the training batch rules do not apply to evaluation
+        gpu = resolve_gpu(args.gpu or recipe.cluster.gpu)
+        gpus = args.gpus or recipe.cluster.nodes * recipe.cluster.gpus_per_node
+        shape, par = Shape.from_recipe(recipe), recipe.parallel
+        tp, pp, cp = args.tp or par.tensor, args.pp or par.pipeline, args.cp or par.context
+        layout = {"gpus": gpus, "tensor": tp, "pipeline": pp, "mfu": args.mfu, "kernels": kernels_of(recipe),
+                  "vocab_rows": padded_vocab(shape.vocab, recipe.model.make_vocab_size_divisible_by, tp)}
+        plans = [eval_plan(shape, gpu, n, context=cp, **layout) for n in lengths]
+    except RecipeError as e:
+        sys.exit(f"error: {path}: {e}")
+    print(eval_report(plans, args.prompts, args.new_tokens, args.mfu))
+    if not plans[-1].fits:
+        fit = min_eval_context(shape, gpu, lengths[-1], **layout)
+        need = (f"{lengths[-1]:,} tokens need {plans[-1].memory.total / GB:.1f} GB per GPU at CP {cp}, more "
+                f"than the {gpu.memory_gb:g} GB of {gpu.name}")
+        if fit is None:
+            sys.exit(f"error: {path}: {need}, and no CP fits {gpus} GPUs at TP {tp}: add GPUs or raise --tp")
+        sys.exit(f"error: {path}: {need}; use --cp {fit} (tools/niah.py --cp {fit})")
     return 0
 
 
