@@ -163,7 +163,7 @@ class MegatronGreedy:
                 # this pass's collectives. The job ends, the launcher stops the other ranks.
                 raise RankError(f"rank {dist.get_rank()}: out of memory on a {len(rows[i]):,}-token prompt "
                                 f"({len(rows[i]) // self.cp:,} tokens per rank): raise --cp (or --tp), or use shorter "
-                                "--lengths") from None
+                                "--lengths (tools/plan.py RECIPE --eval LENGTHS shows what fits)") from None
             finally:
                 if self.cache is not None:
                     self.cache.clear()
