@@ -285,6 +285,8 @@ def _run_generate(args) -> None:
 
     if args.document is None and args.question is None:
         raise EvalError("nothing to ask: give --document FILE and/or --question TEXT")
+    if args.max_new_tokens < 1:
+        raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if args.document is not None and not args.document.is_file():
         raise EvalError(f"--document {args.document}: no such file; give a UTF-8 text file")
     try:

@@ -31,6 +31,7 @@ def kv_cache_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 
 
 def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, one decimal)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.speculative import number_settled, speculative_greedy
 
+
 def _padded_length(n: int, cp: int) -> int:
     """Sequences split into 2 x CP chunks: padded at the end, which no earlier position sees (causal)."""
     return -(-n // (2 * cp)) * (2 * cp)
