@@ -141,13 +141,14 @@ class ContextParallelKVCache:
     def reusable_prefix(self, ids: list[int], first: int, max_new: int) -> int | None:
         """Cached positions a pass over `ids` that predicts from position `first` can reuse, or None (prefill):
         the common prefix with the cached ids, at most `first`, leaving at most `max_new` tokens to run."""
-        common = 0
-        for a, b in zip(ids, self.ids):
-            if a != b:
-                break
-            common += 1
-        start = min(common, first)
-        return start if start > 0 and len(ids) - start <= max_new else None
+        lowest = max(1, len(ids) - max_new)  # fewer reusable positions leave too many tokens for a decode step
+        start = min(first, len(self.ids))
+        if start < lowest or ids[:lowest] != self.ids[:lowest]:  # list comparisons: C speed at millions of ids
+            return None
+        for i in range(lowest, start):  # at most `max_new` ids left to compare
+            if ids[i] != self.ids[i]:
+                return i
+        return start
 
     @contextmanager
     def recording(self, prefill_positions: torch.Tensor, length: int) -> Iterator[None]:

@@ -98,3 +98,21 @@ def test_rope_at_given_positions_refuses_a_length_dependent_table(cpu_parallel_s
     with pytest.raises(RopeConfigError, match="dynamic"):
         emb(1)
 
+
+
+def test_reusable_prefix():
+    """The cached positions a decode step reuses: the common prefix with the cached ids, at most `first`, and
+    nothing (a full pass) when more than `max_new` tokens would be left to run."""
+    from megatron_ext.evaluate.kv_cache import ContextParallelKVCache
+
+    cache = ContextParallelKVCache.__new__(ContextParallelKVCache)  # the prefix rule only, no model
+    cache.ids = list(range(100))
+    assert cache.reusable_prefix(list(range(101)), 100, 64) == 100  # one more token: the usual step
+    assert cache.reusable_prefix(list(range(101)), 90, 64) == 90  # predictions wanted from 90: recompute 90..100
+    assert cache.reusable_prefix(list(range(95)) + [7, 8], 96, 64) == 95  # a draft left at 95
+    assert cache.reusable_prefix(list(range(150)), 149, 64) == 100  # 50 new tokens
+    assert cache.reusable_prefix(list(range(200)), 199, 64) is None  # 100 new tokens: a full pass
+    assert cache.reusable_prefix([5] + list(range(1, 101)), 100, 64) is None  # another prompt
+    assert cache.reusable_prefix(list(range(20)) + [0] * 81, 100, 90) == 20
+    cache.ids = []
+    assert cache.reusable_prefix([1, 2, 3], 2, 64) is None  # nothing cached
