@@ -37,7 +37,7 @@ class Generation:
 def document_prompt(tokenizer, document: str, question: str | None = None, chat: bool = False) -> list[int]:
     """Token ids of `document` followed by `question` (a blank line between): the tokenizer's chat template around
     them as one user message with the assistant header after (`chat`), else plain text after BOS."""
-    content = document if not question else f"{document.rstrip()}\n\n{question}"
+    content = "\n\n".join(part for part in (document.rstrip(), question) if part)
     if not content.strip():
         raise EvalError("the prompt is empty: give --document FILE with text in it, or --question TEXT")
     if chat:
