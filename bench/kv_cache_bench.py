@@ -12,7 +12,6 @@ warm-up each), their ratio, and whether the decode steps predict what full passe
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,15 +22,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--megatron", required=True, help="Megatron checkpoint (e.g. demo_out/sft after make demo)")
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--cp", type=int, default=1)
+    from bench.niah_engine_bench import engine_parser
+
+    ap = engine_parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2K,8K,32K")
     ap.add_argument("--steps", type=int, default=8, help="decode steps (and full passes) timed per length")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
 
     import torch

@@ -26,19 +26,25 @@ MODES = {"token_by_token": (False, False), "draft": (True, False), "kv_cache": (
          "draft+kv_cache": (True, True)}  # mode: (draft, KV cache)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def engine_parser(description: str) -> argparse.ArgumentParser:
+    """Arguments of the Megatron engine benches: the checkpoint, its tokenizer and the layout."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--megatron", required=True, help="Megatron checkpoint (e.g. demo_out/sft after make demo)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    return ap
+
+
+def main() -> int:
+    ap = engine_parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--depths", default="0:100:10")
     ap.add_argument("--samples", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--chat", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
 
     import torch
