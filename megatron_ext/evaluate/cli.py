@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -124,6 +125,8 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
                       help="prompt tokens per batch (batch = this // length); hf engine only")
     _no_kv_cache(niah)
     niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
+    niah.add_argument("--resume", action="store_true", help="keep the cells OUT/results.json already scored (a sweep "
+                      "that was stopped, or more lengths/depths/samples): only the others run")
     niah.add_argument("--title", default=None, help="heatmap title")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
                                   "long documents -> ppl.json and ppl.png.")
@@ -190,8 +193,9 @@ def _run_niah(args) -> None:
         return (write_json_atomic(args.out / "results.json", result.to_dict()),
                 plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
 
+    previous = _previous_grid(args) if args.resume else None
     if _megatron_engine(args):
-        _run_niah_megatron(args, lengths, depths, save)
+        _run_niah_megatron(args, lengths, depths, save, previous)
         return
     with _model(args) as (model, tokenizer):
         max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -202,7 +206,8 @@ def _run_niah(args) -> None:
         result = run_niah(model, tokenizer, lengths, depths, haystack=args.haystack, samples=args.samples,
                           seed=args.seed, chat=args.chat, max_new_tokens=args.max_new_tokens,
                           batch_tokens=args.batch_tokens, prefill_chunk=args.chunk,
-                          allow_beyond_max_positions=args.force, on_length_done=save, progress=not args.no_progress)
+                          allow_beyond_max_positions=args.force, on_progress=save, previous=previous,
+                          progress=not args.no_progress)
     js, png = save(result)
     print(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
 
@@ -221,13 +226,32 @@ def _megatron_engine(args) -> bool:
     return False
 
 
-def _run_niah_megatron(args, lengths: list[int], depths: list[float], save) -> None:
+def _previous_grid(args):
+    """The grid an earlier run with this --out wrote (--resume), after checking it is the same model's."""
+    from megatron_ext.evaluate.niah import NiahResult
+
+    path = args.out / "results.json"
+    if not path.is_file():
+        return None  # nothing to resume: a first run
+    try:
+        previous = NiahResult.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError) as e:
+        raise EvalError(f"--resume: {path} is not a NIAH results file ({e}); use another --out") from None
+    model = str(args.model or args.megatron)
+    if previous.settings.get("model") != model:
+        raise EvalError(f"--resume: {path} holds results of {previous.settings.get('model')}, not {model}: use "
+                        "another --out")
+    return previous
+
+
+def _run_niah_megatron(args, lengths: list[int], depths: list[float], save, previous) -> None:
     from megatron_ext.evaluate.parallel import run_niah_megatron
     from megatron_ext.runtime import process_env
 
     result = run_niah_megatron(args.megatron, lengths, depths, tensor=args.tp, pipeline=args.pp, context=args.cp,
                                device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-                               max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache, on_length_done=save,
+                               max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache, on_progress=save,
+                               previous=previous,
                                progress=not args.no_progress, haystack=args.haystack, samples=args.samples,
                                seed=args.seed, chat=args.chat, allow_beyond_max_positions=args.force)
     if process_env().rank == 0:

@@ -137,9 +137,9 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
              task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
              max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
-             max_position_embeddings: int | None = None,
-             on_length_done: Callable[[NiahResult], None] | None = None, progress: bool = True,
-             log=print) -> NiahResult:
+             max_position_embeddings: int | None = None, previous: NiahResult | None = None,
+             on_progress: Callable[[NiahResult], None] | None = None, save_every_s: float = 300.0,
+             progress: bool = True, log=print) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
 
     `haystack`: a Haystack, a text file path, or None for the built-in filler. Prompts of one
@@ -150,7 +150,10 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     `generate` with `takes_drafts = True` is also given each row's expected answer as a draft
     (`generate(ids, drafts)`; `megatron_ext.evaluate.parallel` checks it in the same forward pass).
     A batch that runs out of device memory is retried in halves; a single prompt that does is
-    recorded as not run (score None). `on_length_done` gets the grid so far after each length (tools/niah.py saves it, so a long sweep keeps its results).
+    recorded as not run (score None). `on_progress` gets the grid so far after each length and after a batch
+    once `save_every_s` have passed since the last call (tools/niah.py saves it, so a long sweep keeps what it did).
+    `previous`: the grid of an earlier run with the same prompts (a sweep that was stopped); its scored cells are
+    kept, the others run.
     """
     lengths, depths = _check_grid(lengths, depths)
     if samples < 1:
@@ -203,6 +206,10 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
         p = next(model.parameters())
         settings.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
 
+    kept = _keep_previous(cells, previous, settings) if previous is not None else 0
+    if kept and log:
+        log(f"[niah] {kept} of {len(cells)} cells kept from the earlier run")
+
     def result() -> NiahResult:  # the grid so far; cells not run yet (or out of memory) are None
         scores = []
         for d in depths:
@@ -211,13 +218,16 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
         done = [c for c in cells if "needle_ids" not in c]
         return NiahResult(lengths, depths, scores, done, skipped, dict(settings))
 
+    pending = [c for c in cells if "needle_ids" in c]
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(cells), desc="niah", unit="cell")
-    start_all = time.time()
+        bar = tqdm(total=len(pending), desc="niah", unit="cell")
+    start_all = last_save = time.time()
     for n in todo:
-        row = [c for c in cells if c["length"] == n]
+        row = [c for c in pending if c["length"] == n]
+        if not row:
+            continue
         t0 = time.time()
         per_batch = max(1, batch_tokens // n)
         queue = [row[i:i + per_batch] for i in range(0, len(row), per_batch)]
@@ -253,16 +263,45 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
                     c["score"] = score_output(c["output"], c["value"])
             if bar is not None:
                 bar.update(len(batch))
+            if on_progress is not None and queue and time.time() - last_save >= save_every_s:
+                on_progress(result())
+                last_save = time.time()
         if log:
-            acc = _mean([c["score"] for c in row])
+            everything = [c for c in cells if c["length"] == n]
+            acc = _mean([c["score"] for c in everything])
             acc_text = "n/a" if acc is None else f"{acc:.2f}"
-            log(f"[niah] length {n:>9,}: accuracy {acc_text} over {len(row)} prompts ({time.time() - t0:.1f}s)")
-        if on_length_done is not None:
-            on_length_done(result())
+            log(f"[niah] length {n:>9,}: accuracy {acc_text} over {len(everything)} prompts ({len(row)} run, "
+                f"{time.time() - t0:.1f}s)")
+        if on_progress is not None:
+            on_progress(result())
+            last_save = time.time()
     if bar is not None:
         bar.close()
     settings["seconds"] = round(time.time() - start_all, 2)
     return result()
+
+
+# Settings that decide the prompts and the outputs: an earlier grid's cells count only if they agree.
+_RESUME_SETTINGS = ("haystack", "task", "seed", "chat", "max_new_tokens", "prompt_overhead_tokens")
+
+
+def _keep_previous(cells: list[dict], previous: NiahResult, settings: dict) -> int:
+    """Fill the cells an earlier run scored (same length, depth, sample and needle value) from `previous`; they
+    lose `needle_ids` (done). Returns how many. EvalError when the earlier run made other prompts."""
+    for key in _RESUME_SETTINGS:
+        if previous.settings.get(key) != settings.get(key):
+            raise EvalError(f"the earlier results were made with {key} = {previous.settings.get(key)!r}, this run "
+                            f"has {settings.get(key)!r}: use another --out, or drop --resume")
+    done = {(c["length"], c["depth"], c["sample"], c["value"]): c for c in previous.cells
+            if c.get("score") is not None}
+    kept = 0
+    for c in cells:
+        old = done.get((c["length"], c["depth"], c["sample"], c["value"]))
+        if old is not None:
+            del c["needle_ids"]
+            c.update({k: v for k, v in old.items() if k not in c})
+            kept += 1
+    return kept
 
 
 def _answer_ids(tokenizer, task: NeedleTask, value: str) -> list[int]:

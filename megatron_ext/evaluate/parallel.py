@@ -324,11 +324,11 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
 
 def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
                       device: str | None = None, dtype: str | None = None, tokenizer=None, max_new_tokens: int = 16,
-                      kv_cache: bool = True, on_length_done=None, progress: bool = True, **niah_kwargs):
+                      kv_cache: bool = True, on_progress=None, progress: bool = True, **niah_kwargs):
     """`run_niah` on a Megatron checkpoint over this job's ranks (see `megatron_engine`; `kv_cache`: see
     `MegatronGreedy`).
 
-    Every rank runs it; rank 0 gets `on_length_done`, the progress bar and the log. Returns the grid on
+    Every rank runs it; rank 0 gets `on_progress`, the progress bar and the log. Returns the grid on
     every rank.
     """
     from megatron.core import parallel_state as ps
@@ -351,7 +351,7 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
         result = run_niah(None, engine.tokenizer, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
                           max_position_embeddings=max_pos,
                           batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length
-                          on_length_done=on_length_done if engine.rank0 else None, progress=progress and engine.rank0,
+                          on_progress=on_progress if engine.rank0 else None, progress=progress and engine.rank0,
                           log=print if engine.rank0 else None, prefill_chunk=None, **niah_kwargs)
         counts = torch.tensor([generate.passes, generate.decode_steps], device=engine.device)
         dist.all_reduce(counts, group=ps.get_data_parallel_group())

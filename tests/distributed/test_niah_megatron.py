@@ -97,6 +97,13 @@ def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
         assert b["output"] and a["output"].startswith(b["output"])  # ours stops once the first number is settled
     assert mg["settings"]["engine"] == "megatron" and mg["settings"]["layout"]["context"] == 2
     assert (tmp_path / "mg/heatmap.png").is_file()
+    # --resume with one more depth: the 4 scored cells are kept, the 2 new ones run (one pass each with the cache)
+    out = torchrun(ROOT / "tools/niah.py", 2, "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
+                   "--cp", "2", "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), "--resume",
+                   *common[:2], "--depths", "0,50,100", *common[4:])
+    resumed = read_json(tmp_path / "mg/results.json")
+    assert "4 of 6 cells kept" in out and resumed["settings"]["forward_passes"] == 2
+    assert [c for c in resumed["cells"] if c["depth"] != 50] == mg["cells"]
 
 
 def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):

@@ -317,7 +317,7 @@ def test_out_of_memory_batches_are_halved_then_recorded_as_not_run(tok, tmp_path
     partial = []
     with pytest.warns(UserWarning, match="out of memory even as a batch of 1") as rec:
         res = run_niah(None, tok, [100, 256], [0, 50, 100], samples=2, batch_tokens=10_000, generate=gen,
-                       on_length_done=partial.append, progress=False, log=None)
+                       on_progress=partial.append, progress=False, log=None)
     assert sum("out of memory" in str(w.message) for w in rec) == 6  # one per prompt that never ran
     assert str(rec[0].message).startswith("length 256, depth 0%: out of memory")
     assert [b.shape[0] for b in reader.batches] == [1, 2, 1, 2]  # 6 rows: 6 -> 3 + 3 -> (1 + 2) + (1 + 2)

@@ -1,0 +1,76 @@
+"""Resuming a NIAH sweep (`run_niah(previous=...)`, `tools/niah.py --resume`): the cells an earlier run scored are
+kept, only the others run, and the grid equals one uninterrupted run."""
+
+import json
+
+import pytest
+
+from megatron_ext.evaluate import EvalError, run_niah
+from megatron_ext.evaluate.niah import NiahResult
+from tests.unit.test_evaluate import Recorder, _read_needle, make_tokenizer, save_tiny
+
+LENGTHS, DEPTHS = [96, 200], [0, 50, 100]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def half_right(prompt: str) -> str:
+    """Retrieves at some depths only, so that kept and new scores differ and both matter."""
+    return _read_needle(prompt) if prompt.index("special magic number is") < len(prompt) // 2 else " 1."
+
+
+def test_kept_cells_are_not_run_again_and_the_grid_is_the_uninterrupted_one(tok):
+    whole = run_niah(None, tok, LENGTHS, DEPTHS, samples=2, generate=Recorder(tok, half_right), progress=False,
+                     log=None)
+    assert 0 < whole.accuracy < 1
+    # a run stopped after the first length, saved as tools/niah.py saves it, read back
+    partial = NiahResult.from_dict(json.loads(json.dumps(
+        run_niah(None, tok, LENGTHS[:1], DEPTHS, samples=2, generate=Recorder(tok, half_right), progress=False,
+                 log=None).to_dict())))
+    again = Recorder(tok, half_right)
+    resumed = run_niah(None, tok, LENGTHS, DEPTHS, samples=2, generate=again, previous=partial, progress=False,
+                       log=None)
+    assert sum(b.shape[0] for b in again.batches) == len(DEPTHS) * 2  # the second length only
+    assert {b.shape[1] for b in again.batches} == {200}
+    assert resumed.scores == whole.scores
+    key = lambda c: (c["length"], c["depth"], c["sample"])  # noqa: E731
+    assert sorted(map(key, resumed.cells)) == sorted(map(key, whole.cells))
+    assert all(a["output"] == b["output"] for a, b in zip(sorted(resumed.cells, key=key), sorted(whole.cells, key=key)))
+    # cells the earlier run could not score (out of memory) run again
+    partial.cells[0].update(score=None, output=None, error="out of memory")
+    third = Recorder(tok, half_right)
+    run_niah(None, tok, LENGTHS, DEPTHS, samples=2, generate=third, previous=partial, progress=False, log=None)
+    assert sum(b.shape[0] for b in third.batches) == len(DEPTHS) * 2 + 1
+
+
+@pytest.mark.parametrize("change, key", [({"seed": 1}, "haystack"), ({"chat": True}, "chat"),
+                                         ({"max_new_tokens": 8}, "max_new_tokens")])
+def test_an_earlier_run_with_other_prompts_is_refused(change, key):
+    """(Another seed changes the built-in filler first.)"""
+    from tests.unit.test_evaluate import CHAT_TEMPLATE
+
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    earlier = run_niah(None, tok, LENGTHS[:1], DEPTHS, generate=Recorder(tok, half_right), progress=False, log=None)
+    with pytest.raises(EvalError, match=f"made with {key} = .*use another --out, or drop --resume"):
+        run_niah(None, tok, LENGTHS, DEPTHS, generate=Recorder(tok, half_right), previous=earlier,
+                 progress=False, log=None, **change)
+
+
+def test_cli_resume(tmp_path, capsys):
+    from megatron_ext.evaluate.cli import main
+
+    model = save_tiny(tmp_path / "hf")
+    common = ["--model", str(model), "--depths", "0,100", "--max-new-tokens", "4", "--no-progress"]
+    main([*common, "--lengths", "96", "--out", str(tmp_path / "a")])
+    main([*common, "--lengths", "96,200", "--out", str(tmp_path / "a"), "--resume"])
+    assert "2 of 4 cells kept from the earlier run" in capsys.readouterr().out
+    main([*common, "--lengths", "96,200", "--out", str(tmp_path / "b")])
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
+    assert a["lengths"] == b["lengths"] == [96, 200] and a["scores"] == b["scores"]
+    assert [c["output"] for c in a["cells"]] == [c["output"] for c in b["cells"]]
+    with pytest.raises(SystemExit, match="holds results of .*hf, not .*other: use another --out"):
+        main(["--model", str(tmp_path / "other"), "--lengths", "96", "--out", str(tmp_path / "a"), "--resume"])
