@@ -179,7 +179,7 @@ def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> Non
 
 
 def _run_niah(args) -> None:
-    from megatron_ext.evaluate.io import write_json_atomic
+    from megatron_ext.evaluate.io import model_version, write_json_atomic
     from megatron_ext.evaluate.niah import run_niah
     from megatron_ext.evaluate.plots import plot_niah_heatmap
 
@@ -188,12 +188,14 @@ def _run_niah(args) -> None:
         raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
 
+    version = model_version(args.model or args.megatron)
+
     def save(result) -> tuple[Path, Path]:  # after every length: a long sweep keeps what it has done
-        result.settings["model"] = str(args.model or args.megatron)
+        result.settings.update(model=str(args.model or args.megatron), model_version=version)
         return (write_json_atomic(args.out / "results.json", result.to_dict()),
                 plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
 
-    previous = _previous_grid(args) if args.resume else None
+    previous = _previous_grid(args, version) if args.resume else None
     if _megatron_engine(args):
         _run_niah_megatron(args, lengths, depths, save, previous)
         return
@@ -226,7 +228,7 @@ def _megatron_engine(args) -> bool:
     return False
 
 
-def _previous_grid(args):
+def _previous_grid(args, version: str | None):
     """The grid an earlier run with this --out wrote (--resume), after checking it is the same model's."""
     from megatron_ext.evaluate.niah import NiahResult
 
@@ -241,6 +243,9 @@ def _previous_grid(args):
     if previous.settings.get("model") != model:
         raise EvalError(f"--resume: {path} holds results of {previous.settings.get('model')}, not {model}: use "
                         "another --out")
+    if previous.settings.get("model_version") != version:
+        raise EvalError(f"--resume: {path} holds results of {model} as it was then "
+                        f"({previous.settings.get('model_version')}), not as it is now ({version}): use another --out")
     return previous
 
 

@@ -43,3 +43,21 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
 def save_figure_atomic(fig: Any, path: str | Path) -> Path:
     """Save a matplotlib `Figure` as PNG to `path` atomically; returns the path."""
     return _atomic(path, lambda f: fig.savefig(f, format="png", dpi=fig.get_dpi(), bbox_inches="tight"), "wb")
+
+
+def model_version(path: str | Path) -> str | None:
+    """What tells one save of a model from another at the same path: a Megatron checkpoint's iteration and the time
+    it was written, or an HF directory's weight files with their sizes and modification times. None if unknown."""
+    path = Path(path)
+    try:
+        from megatron_ext.checkpoint import CheckpointError, read_metadata
+
+        try:
+            meta = read_metadata(path)
+            return f"iteration {meta.get('iteration')}, written {meta.get('created')}"
+        except CheckpointError:
+            pass
+        weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+        return "; ".join(f"{w.name} {w.stat().st_size} B {w.stat().st_mtime_ns}" for w in weights) or None
+    except OSError:
+        return None

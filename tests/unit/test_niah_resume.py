@@ -74,3 +74,6 @@ def test_cli_resume(tmp_path, capsys):
     assert [c["output"] for c in a["cells"]] == [c["output"] for c in b["cells"]]
     with pytest.raises(SystemExit, match="holds results of .*hf, not .*other: use another --out"):
         main(["--model", str(tmp_path / "other"), "--lengths", "96", "--out", str(tmp_path / "a"), "--resume"])
+    save_tiny(tmp_path / "hf")  # the same path saved again (another training run): its results are not these
+    with pytest.raises(SystemExit, match=r"as it was then \(model.safetensors .*\), not as it is now"):
+        main([*common, "--lengths", "96", "--out", str(tmp_path / "a"), "--resume"])
