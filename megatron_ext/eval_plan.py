@@ -45,6 +45,8 @@ class EvalMemory:
 
 @dataclass(frozen=True)
 class EvalPlan:
+    """The engine on one prompt length: layout, memory per GPU and times."""
+
     gpu: GPU
     gpus: int
     length: int
