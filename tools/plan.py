@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval:
         return _plan_eval(args)
+    if (args.tp, args.pp, args.cp) != (None, None, None) or (args.prompts, args.new_tokens) != (11, 16):
+        sys.exit("error: --tp, --pp, --cp, --prompts and --new-tokens plan an evaluation: add --eval LENGTHS "
+                 "(for training use --set parallel.context=N)")
     path = args.recipe_opt or args.recipe_file
     try:
         if path is None:

@@ -104,4 +104,6 @@ def test_tool_eval_table_and_advice():
     assert short.stderr.strip().endswith("use --cp 4 (tools/niah.py --cp 4)")
     bad = _tool("recipes/cpt_4m.yaml", "--eval", "4Q")
     assert bad.returncode == 1 and "--eval: '4Q' is not a token count" in bad.stderr
-    assert "Traceback" not in bad.stderr + short.stderr
+    stray = _tool("recipes/cpt_4m.yaml", "--cp", "8")
+    assert stray.returncode == 1 and "plan an evaluation: add --eval LENGTHS" in stray.stderr
+    assert "Traceback" not in bad.stderr + short.stderr + stray.stderr
