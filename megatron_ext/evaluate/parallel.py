@@ -364,26 +364,41 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
 def run_ppl_megatron(checkpoint, *, texts=None, documents=None, tensor: int = 1, pipeline: int = 1, context: int = 1,
                      device: str | None = None, dtype: str | None = None, tokenizer=None, progress: bool = True,
                      **ppl_kwargs):
-    """`perplexity_by_position` of a Megatron checkpoint over this job's ranks, TP x PP x CP of them (DP 1).
+    """`perplexity_by_position` of a Megatron checkpoint over this job's ranks; the data-parallel replicas share
+    the documents (replica d takes documents d, d + DP, ...).
 
     `documents`: token-id documents (e.g. `indexed_documents(...)`), else `texts` with the tokenizer. Returns the
     result on every rank.
     """
     from megatron_ext.evaluate.perplexity import perplexity_by_position
-    from megatron_ext.runtime import process_env
 
-    world = process_env().world_size
-    if world != tensor * pipeline * context:
-        raise EvalError(f"ppl with --engine megatron runs one replica: start TP x PP x CP = "
-                        f"{tensor * pipeline * context} processes, not {world}")
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer, needs_tokenizer=documents is None) as engine:
         if engine.rank0:
             print(f"[ppl] {engine.describe()}", flush=True)
         source = documents if documents is not None else engine.tokenizer
-        result = perplexity_by_position(None, source, texts=texts, progress=progress and engine.rank0,
-                                        token_losses_fn=MegatronTokenLosses(engine.model, engine.device),
+        losses = MegatronTokenLosses(engine.model, engine.device)
+        result = perplexity_by_position(None, source, texts=texts, progress=False,
+                                        documents_losses_fn=lambda docs: _replica_losses(losses, docs, progress),
                                         max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
                                         chunk=None, **ppl_kwargs)
         result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision)
         return result
+
+
+def _replica_losses(losses: MegatronTokenLosses, docs: list[torch.Tensor], progress: bool) -> list[torch.Tensor]:
+    """Every document's token losses on every rank, each document run by one data-parallel replica."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = range(dp_rank, len(docs), dp)
+    if progress and dist.get_rank() == 0:
+        from tqdm.auto import tqdm
+        mine = tqdm(mine, desc="ppl", unit="doc")
+    done = {i: losses(docs[i]) for i in mine}
+    if dp == 1:
+        return [done[i] for i in range(len(docs))]
+    everyone: list[dict] = [{} for _ in range(dp)]
+    dist.all_gather_object(everyone, done, group=ps.get_data_parallel_group())
+    merged = {i: t for part in everyone for i, t in part.items()}
+    return [merged[i] for i in range(len(docs))]

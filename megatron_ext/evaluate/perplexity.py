@@ -134,7 +134,9 @@ def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
 def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence[str | Path] | None = None,
                            seq_len: int | None = None, per_octave: int = 2, chunk: int | str | None = "auto",
                            progress: bool = True, token_losses_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                           max_position_embeddings: int | None = None) -> PerplexityResult:
+                           max_position_embeddings: int | None = None,
+                           documents_losses_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+                           ) -> PerplexityResult:
     """Per-token loss of `model` averaged in log-spaced position buckets over long documents.
 
     Second argument: a tokenizer (then `texts`: strings, or `Path`s of text files, one document each) or
@@ -142,6 +144,8 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     `seq_len` tokens (default: the model's max_position_embeddings). Buckets span the longest
     document; shorter ones add to the buckets they reach. `token_losses_fn` (document ids [T] -> losses
     [T-1]) replaces `token_losses(model, ...)`; `model` may then be None, with `max_position_embeddings`.
+    `documents_losses_fn` (all documents -> their losses, in order) replaces both: replicas of the Megatron engine
+    share the documents that way.
     """
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
     if seq_len is None:
@@ -155,12 +159,16 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     edges = np.array([s for s, _ in buckets] + [buckets[-1][1]])
     sums = np.zeros(len(buckets))
     counts = np.zeros(len(buckets), dtype=np.int64)
-    docs_iter = docs
-    if progress:
-        from tqdm.auto import tqdm
-        docs_iter = tqdm(docs, desc="ppl", unit="doc")
-    for d in docs_iter:
-        loss = (token_losses_fn(d) if token_losses_fn is not None else token_losses(model, d, chunk))
+    if documents_losses_fn is not None:
+        losses = documents_losses_fn(docs)
+    else:
+        docs_iter = docs
+        if progress:
+            from tqdm.auto import tqdm
+            docs_iter = tqdm(docs, desc="ppl", unit="doc")
+        losses = (token_losses_fn(d) if token_losses_fn is not None else token_losses(model, d, chunk)
+                  for d in docs_iter)
+    for d, loss in zip(docs, losses):
         loss = loss.double().cpu().numpy()  # [T-1], entry t-1 = position t
         pos = np.arange(1, len(d))
         which = np.searchsorted(edges, pos, side="right") - 1

@@ -106,21 +106,26 @@ def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
     assert [c for c in resumed["cells"] if c["depth"] != 50] == mg["cells"]
 
 
-def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
+@pytest.mark.parametrize("layout", [("--cp", "2"), ()], ids=["cp2", "dp2"])
+def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path, layout):
+    """Loss by position over three documents of different lengths; with DP 2 the replicas share them."""
     from megatron_ext.evaluate.cli import main
 
-    doc = tmp_path / "doc.txt"
-    doc.write_text(" ".join(["the special magic number is hidden in the text below"] * 30))
-    common = ["--text", str(doc), "--no-progress"]
+    docs = []
+    for i, repeat in enumerate((30, 12, 21)):
+        docs.append(tmp_path / f"doc{i}.txt")
+        docs[-1].write_text(" ".join(["the special magic number is hidden in the text below"] * repeat))
+    common = ["--text", *map(str, docs), "--no-progress"]
     main(["ppl", "--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
     torchrun(ROOT / "tools/niah.py", 2, "ppl", "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
-             "--cp", "2", "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
+             *layout, "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
     hf, mg = read_json(tmp_path / "hf/ppl.json"), read_json(tmp_path / "mg/ppl.json")
-    assert hf["doc_tokens"] == mg["doc_tokens"] and hf["doc_tokens"][0] > 200
+    assert hf["doc_tokens"] == mg["doc_tokens"] and hf["doc_tokens"][0] > 200 and len(hf["doc_tokens"]) == 3
     for a, b in zip(hf["buckets"], mg["buckets"]):
         assert (a["start"], a["end"], a["tokens"]) == (b["start"], b["end"], b["tokens"])
         assert abs(a["mean_loss"] - b["mean_loss"]) < 1e-4
     assert mg["settings"]["engine"] == "megatron" and (tmp_path / "mg/ppl.png").is_file()
+    assert mg["settings"]["layout"]["data"] == (2 if not layout else 1)
 
 
 def test_cli_generate_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
@@ -152,8 +157,6 @@ def test_cli_generate_megatron_engine_equals_hf_engine(checkpoints, torchrun, tm
     (["generate", "--model", "HF", "--question", "why", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
     (["--megatron", "CKPT/missing", "--engine", "megatron"], "missing does not exist"),
-    (["ppl", "--megatron", "CKPT", "--engine", "megatron", "--cp", "2", "--text",
-      "CKPT/latest_checkpointed_iteration.txt"], "runs one replica"),
 ])
 def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
     from megatron_ext.evaluate.cli import main
