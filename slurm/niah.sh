@@ -4,8 +4,9 @@
 #   sbatch slurm/niah.sh --megatron runs/cpt_1m --cp 8 --lengths 128K:1M:4 --out runs/niah_1m
 #   sbatch --nodes=8 slurm/niah.sh --megatron runs/cpt_4m --tp 8 --cp 8 --lengths 4M --chat --out runs/niah_4m
 #   sbatch slurm/niah.sh ppl --megatron runs/cpt_1m --cp 8 --indexed data/cpt_text_document --out runs/ppl_1m
-# Arguments are tools/niah.py's (`python tools/niah.py --help`); TP x PP x CP must divide the task count (NIAH
-# splits prompts over the remaining data-parallel replicas; ppl needs exactly TP x PP x CP tasks).
+# Arguments are tools/niah.py's (`python tools/niah.py --help`); TP x PP x CP must divide the task count (the
+# remaining data-parallel replicas share the prompts or documents). With --resume, a job resubmitted after its
+# time limit keeps the cells its results.json already has.
 # Every #SBATCH line below can be overridden on the sbatch command line; slurm/common.sh documents the rest.
 #SBATCH --job-name=niah
 #SBATCH --nodes=1
