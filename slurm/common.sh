@@ -149,8 +149,17 @@ stage_main() {
   exit "$rc"
 }
 
-# eval_main [tools/niah.py arguments]: NIAH (or `ppl ...`) of a Megatron checkpoint with --engine megatron on
-# every task of the job. Each task reads its rank from Slurm's env; rank 0 writes the results and the log.
+# eval_main [tools/niah.py arguments]: NIAH (or `ppl ...`, `generate ...`) of a Megatron checkpoint with --engine
+# megatron on every task of the job. Each task reads its rank from Slurm's env; rank 0 writes the results and the
+# log. A NIAH grid saves its results after each length and every 5 minutes; on the warning signal (USR1) before
+# the time limit this script stops the tasks and requeues the job, and the requeued job adds --resume, so it runs
+# only the cells its results.json lacks. ppl and generate run to the end (nothing to resume).
+stop_evaluation() {
+  SIGNALLED=USR1
+  log "received USR1: stopping the evaluation (results.json keeps what is done)"
+  scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM failed"
+}
+
 eval_main() {
   set -euo pipefail
   PYTHON=${PYTHON:-python}
@@ -159,9 +168,33 @@ eval_main() {
   export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
   nccl_defaults
   build_launcher
-  log_job "$@"
-  local rc=0
-  "${LAUNCH[@]}" "$PYTHON" "$PROJECT_ROOT/tools/niah.py" "$@" --engine megatron || rc=$?
+  local args=("$@") grid=1
+  [[ $1 == ppl || $1 == generate ]] && grid=0
+  if ((grid)) && ((${SLURM_RESTART_COUNT:-0} > 0)) && [[ " $* " != *" --resume "* ]]; then
+    args+=(--resume)
+  fi
+  log_job "${args[@]}"
+  trap 'SIGNALLED=USR1' USR1 # bash's default for USR1 would end this shell
+  "${LAUNCH[@]}" "$PYTHON" "$PROJECT_ROOT/tools/niah.py" "${args[@]}" --engine megatron &
+  local pid=$! rc
+  if ((grid)); then
+    trap stop_evaluation USR1
+    [[ -n ${SIGNALLED:-} ]] && stop_evaluation # the signal came while srun was starting
+  fi
+  while :; do
+    rc=0
+    wait "$pid" || rc=$?
+    if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then continue; fi # a trap ran; srun still runs
+    break
+  done
+  trap - USR1
   log "evaluation exited with $rc"
+  if ((grid)) && [[ ${SIGNALLED:-} == USR1 ]] && ((rc != 0)); then
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
+    log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it goes on with --resume"
+    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
+    exit 0
+  fi
   exit "$rc"
 }

@@ -5,8 +5,8 @@
 #   sbatch --nodes=8 slurm/niah.sh --megatron runs/cpt_4m --tp 8 --cp 8 --lengths 4M --chat --out runs/niah_4m
 #   sbatch slurm/niah.sh ppl --megatron runs/cpt_1m --cp 8 --indexed data/cpt_text_document --out runs/ppl_1m
 # Arguments are tools/niah.py's (`python tools/niah.py --help`); TP x PP x CP must divide the task count (the
-# remaining data-parallel replicas share the prompts or documents). With --resume, a job resubmitted after its
-# time limit keeps the cells its results.json already has.
+# remaining data-parallel replicas share the prompts or documents). A NIAH grid that reaches the time limit is
+# requeued and goes on with --resume (slurm/common.sh, eval_main); --resume also works on a resubmitted job.
 # Every #SBATCH line below can be overridden on the sbatch command line; slurm/common.sh documents the rest.
 #SBATCH --job-name=niah
 #SBATCH --nodes=1
@@ -16,6 +16,8 @@
 #SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time=04:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 

@@ -1,12 +1,16 @@
 """sbatch slurm/niah.sh on the local 2-node Slurm cluster: the Megatron evaluation engine with one Slurm task per
-rank (CP 2 across the two nodes) writes what torchrun on this machine writes."""
+rank (CP 2 across the two nodes) writes what torchrun on this machine writes; stopped by the time-limit warning, the
+job requeues itself and the rerun finishes the grid with --resume."""
 
 from __future__ import annotations
+
+import subprocess
+import time
 
 import pytest
 
 from tests.conftest import ROOT, read_json
-from tests.slurm.conftest import NODES, TASKS_PER_NODE, job_env, sbatch
+from tests.slurm.conftest import NODES, SBATCH_SIZE, TASKS_PER_NODE, RequeueNow, job_env, sbatch, wait_job
 
 ARGS = ["--cp", "2", "--lengths", "96,160", "--depths", "0,100", "--max-new-tokens", "4", "--no-progress"]
 
@@ -43,3 +47,40 @@ def test_sbatch_niah_user_error_is_one_line(slurm_cluster, checkpoint, tmp_path)
     assert proc.returncode != 0
     assert log.count("error: --tp 1 x --pp 1 x --cp 4 must divide the 2 processes") == 1, log[-3000:]
     assert "Traceback" not in log
+
+
+def test_usr1_requeues_and_the_rerun_resumes(slurm_cluster, checkpoint, tmp_path):
+    from megatron_ext.evaluate.cli import main
+
+    out, log = tmp_path / "o", tmp_path / "job.log"
+    grid = ["--cp", "2", "--lengths", "128,512,1024,2048", "--depths", "0:100:10", "--max-new-tokens", "4", "--force",
+            "--no-progress"]
+    with RequeueNow() as requeue:
+        cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={log}", str(ROOT / "slurm/niah.sh"),
+               "--megatron", str(checkpoint / "mc"), "--out", str(out), *grid]
+        job_id = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
+                                env=job_env()).stdout.strip().split(";")[0]
+        deadline = time.time() + 300
+        while not (out / "results.json").exists():  # the first length is done and saved
+            assert time.time() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
+            time.sleep(0.05)
+        # What Slurm does at --signal=B:USR1@300 before the time limit: USR1 to the batch shell only.
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+        state, exit_code = wait_job(job_id)
+    text = log.read_text()
+    assert (state, exit_code) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "received USR1: stopping the evaluation" in text and f"requeueing job {job_id} (restart 1)" in text
+    assert f"job {job_id} (niah) restart 1" in text and job_id in requeue.released
+    assert " of 44 cells kept from the earlier run" in text, "the requeued job did not resume:\n" + text[-3000:]
+    kept = int(text.split(" of 44 cells kept from the earlier run")[0].rsplit(" ", 1)[1])
+    assert 11 <= kept < 44, f"USR1 arrived after {kept} cells; the grid must be longer"
+    ours = read_json(out / "results.json")
+    assert len(ours["cells"]) == 44 and all(c["score"] is not None for c in ours["cells"])
+    # the same grid in one go on the transformers engine
+    main(["--model", str(checkpoint / "hf"), "--out", str(tmp_path / "hf"), *grid[2:]])
+    ref = read_json(tmp_path / "hf/results.json")
+    key = lambda c: (c["length"], c["depth"])  # noqa: E731
+    for a, b in zip(sorted(ref["cells"], key=key), sorted(ours["cells"], key=key)):
+        assert (a["length"], a["depth"], a["value"]) == (b["length"], b["depth"], b["value"])
+        assert a["output"].startswith(b["output"])
+    assert ours["scores"] == ref["scores"]
