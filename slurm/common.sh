@@ -99,6 +99,27 @@ preflight() {
   fi
 }
 
+# wait_step PID: wait for the srun step PID; its exit status in STEP_RC. `wait` returns early (> 128) when a
+# trap ran while srun still runs: then wait again.
+wait_step() {
+  while :; do
+    STEP_RC=0
+    wait "$1" || STEP_RC=$?
+    if ((STEP_RC > 128)) && kill -0 "$1" 2>/dev/null; then continue; fi
+    return 0
+  done
+}
+
+# requeue_job PREFIX SUFFIX: `scontrol requeue` this job (up to MAX_REQUEUES restarts), logging
+# "PREFIXrequeueing job ID (restart N)SUFFIX", and end the batch shell.
+requeue_job() {
+  local restarts=${SLURM_RESTART_COUNT:-0}
+  ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
+  log "${1}requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))${2}"
+  scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
+  exit 0
+}
+
 on_signal() {
   SIGNALLED=$1
   log "received $1: asking the tasks to save a checkpoint and exit"
@@ -128,23 +149,14 @@ stage_main() {
   trap 'on_signal TERM' TERM
   # A signal that came during the preflight goes to the tasks now.
   [[ -n ${SIGNALLED:-} ]] && on_signal "$SIGNALLED"
-  while :; do
-    rc=0
-    wait "$pid" || rc=$?
-    # wait returns early (> 128) when a trap ran; srun still runs then, so wait again.
-    if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then continue; fi
-    break
-  done
+  wait_step "$pid"
+  rc=$STEP_RC
   trap - USR1 TERM
   log "training exited with $rc"
   # 128 + 10: the tasks got USR1 before the trainer's handler was installed (still starting up),
   # so nothing new was saved; requeueing resumes from the previous checkpoint.
   if ((rc == EXIT_REQUEUE)) || [[ ${SIGNALLED:-} == USR1 && $rc -eq 138 ]]; then
-    local restarts=${SLURM_RESTART_COUNT:-0}
-    ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
-    log "checkpoint saved; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
-    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
-    exit 0
+    requeue_job "checkpoint saved; " ""
   fi
   exit "$rc"
 }
@@ -181,20 +193,12 @@ eval_main() {
     trap stop_evaluation USR1
     [[ -n ${SIGNALLED:-} ]] && stop_evaluation # the signal came while srun was starting
   fi
-  while :; do
-    rc=0
-    wait "$pid" || rc=$?
-    if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then continue; fi # a trap ran; srun still runs
-    break
-  done
+  wait_step "$pid"
+  rc=$STEP_RC
   trap - USR1
   log "evaluation exited with $rc"
   if ((grid)) && [[ ${SIGNALLED:-} == USR1 ]] && ((rc != 0)); then
-    local restarts=${SLURM_RESTART_COUNT:-0}
-    ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
-    log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it goes on with --resume"
-    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
-    exit 0
+    requeue_job "" "; it goes on with --resume"
   fi
   exit "$rc"
 }
