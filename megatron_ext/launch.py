@@ -215,7 +215,7 @@ class EvalStage:
 
 def niah_job(args, recipes: list[Recipe]) -> tuple[list[str], dict]:
     """`tools/niah.py` arguments and submitit parameters of the evaluation after the last stage (`--niah`)."""
-    from megatron_ext.evaluate.cli import parse_lengths
+    from megatron_ext.evaluate.cli_args import parse_lengths
 
     try:  # a bad value fails before anything is submitted
         parse_lengths(args.niah)

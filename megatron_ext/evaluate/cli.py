@@ -1,4 +1,5 @@
-"""Command line of `tools/niah.py`: NIAH grids and perplexity by position on an HF or Megatron checkpoint.
+"""Command line of `tools/niah.py`: NIAH grids, perplexity by position, generation and RULER-style tasks on an HF
+or Megatron checkpoint (the arguments: `cli_args.py`).
 
     python tools/niah.py --model HF_DIR --lengths 1K:128K:8 --depths 0:100:10 --out runs/niah
     python tools/niah.py --megatron CKPT_DIR --lengths 4K,16K --out runs/niah     # via tools/convert.py
@@ -7,148 +8,21 @@
     python tools/niah.py ppl --model HF_DIR --indexed data/cpt_text_document --documents 8 --out runs/ppl
     torchrun --nproc-per-node 8 tools/niah.py generate --megatron CKPT_DIR --engine megatron --cp 8 \
         --document book.txt --question "How does it end?" --chat
+    python tools/niah.py ruler --model HF_DIR --tasks all --lengths 4K:128K:6 --samples 10 --out runs/ruler
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 import sys
 import tempfile
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
+from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers
 from megatron_ext.evaluate.errors import EvalError, RankError
-
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_LENGTH_HELP = "use e.g. 4096, 32K, 1M (K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11"
-
-
-def _token_count(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGkmg]?)\s*", text)
-    if not m:
-        raise EvalError(f"--lengths: {text!r} is not a token count; {_LENGTH_HELP}")
-    n = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
-    if n < 1 or n != int(n):
-        raise EvalError(f"--lengths: {text!r} is not a positive whole number of tokens; {_LENGTH_HELP}")
-    return int(n)
-
-
-def parse_lengths(spec: str) -> list[int]:
-    """'1K,4K,1M' -> [1024, 4096, 1048576]; '1K:1M:11' -> 11 log-spaced lengths from 1K to 1M (sorted, unique)."""
-    out: list[int] = []
-    for part in spec.split(","):
-        if ":" in part:
-            bits = part.split(":")
-            if len(bits) != 3 or not bits[2].strip().isdigit() or int(bits[2]) < 2:
-                raise EvalError(f"--lengths: range {part!r} must be START:END:COUNT with COUNT >= 2; {_LENGTH_HELP}")
-            lo, hi = _token_count(bits[0]), _token_count(bits[1])
-            if hi <= lo:
-                raise EvalError(f"--lengths: range {part!r} ends at or below its start; {_LENGTH_HELP}")
-            out += [int(round(x)) for x in np.geomspace(lo, hi, int(bits[2]))]
-        else:
-            out.append(_token_count(part))
-    return sorted(set(out))
-
-
-def parse_depths(spec: str) -> list[float]:
-    """'0:100:10' -> 0, 10, ..., 100 (START:END:STEP, END included); '0,50,100' -> [0, 50, 100]. Percent, 0..100."""
-    try:
-        values = [float(x) for x in spec.split(":" if ":" in spec else ",")]
-    except ValueError:
-        raise EvalError(f"--depths: {spec!r} is not a list of percentages (e.g. 0,50,100 or 0:100:10)") from None
-    depths = values
-    if ":" in spec:
-        if len(values) != 3 or values[2] <= 0 or values[1] < values[0]:
-            raise EvalError(f"--depths: {spec!r} must be START:END:STEP with START <= END and STEP > 0 (e.g. 0:100:10)")
-        lo, hi, step = values
-        depths = [round(x, 6) for x in np.arange(lo, hi + step / 2, step)]
-    bad = [d for d in depths if not 0 <= d <= 100]
-    if bad:
-        raise EvalError(f"--depths: {bad} are outside 0..100 (depth is the needle's position in percent of the haystack)")
-    return sorted(set(depths))
-
-
-def _chunk(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count or 'auto'")
-    return int(text)
-
-
-def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
-    src.add_argument("--megatron", type=Path, help="Megatron checkpoint; converted with tools/convert.py to-hf first")
-    p.add_argument("--out", type=Path, required=out_required,
-                   help="output directory (created; files written atomically)")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
-                   "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB); hf engine only")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    engine = p.add_argument_group("Megatron engine (--megatron CKPT --engine megatron, under torchrun or srun)")
-    engine.add_argument("--engine", choices=("hf", "megatron"), default="hf",
-                        help="hf: convert to Hugging Face and run transformers on one device (default); megatron: "
-                        "run the checkpoint on all ranks of the job with TP x PP x CP, for contexts one GPU cannot "
-                        "hold")
-    engine.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    engine.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    engine.add_argument("--cp", type=int, default=1,
-                        help="context parallel size (each sequence split over this many ranks)")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
-
-
-def _no_kv_cache(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-kv-cache", action="store_true", help="megatron engine: run each decoding step over the "
-                   "whole sequence instead of over the new token with the prompt's keys and values kept")
-
-
-def _parsers() -> dict[str, argparse.ArgumentParser]:
-    niah = argparse.ArgumentParser(prog="niah.py", description="Needle-in-a-haystack grid (lengths x depths) -> "
-                                   "results.json and heatmap.png. `niah.py ppl --help`: perplexity by position; "
-                                   "`niah.py generate --help`: ask the model about a document.")
-    _common(niah)
-    niah.add_argument("--lengths", default="1K,2K,4K,8K", help=f"context lengths in tokens; {_LENGTH_HELP}")
-    niah.add_argument("--depths", default="0:100:10", help="needle depths in percent: 0:100:10 or 0,50,100")
-    niah.add_argument("--haystack", type=Path, default=None, help="UTF-8 text file for the filler (default: built-in)")
-    niah.add_argument("--samples", type=int, default=1, help="needles (random values) per cell")
-    niah.add_argument("--seed", type=int, default=0, help="seed of the values and the built-in filler")
-    niah.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    niah.add_argument("--max-new-tokens", type=int, default=16)
-    niah.add_argument("--batch-tokens", type=int, default=65536,
-                      help="prompt tokens per batch (batch = this // length); hf engine only")
-    _no_kv_cache(niah)
-    niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
-    niah.add_argument("--resume", action="store_true", help="keep the cells OUT/results.json already scored (a sweep "
-                      "that was stopped, or more lengths/depths/samples): only the others run")
-    niah.add_argument("--title", default=None, help="heatmap title")
-    ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
-                                  "long documents -> ppl.json and ppl.png.")
-    _common(ppl)
-    docs = ppl.add_mutually_exclusive_group(required=True)
-    docs.add_argument("--text", type=Path, nargs="+", help="text files, one document each")
-    docs.add_argument("--indexed", default=None, help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
-    ppl.add_argument("--documents", type=int, default=None, help="with --indexed: the N longest documents")
-    ppl.add_argument("--seq-len", type=int, default=None, help="cut documents to this many tokens "
-                     "(default: max_position_embeddings)")
-    ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")
-    ppl.add_argument("--label", default=None, help="curve label (default: the model directory name)")
-    gen = argparse.ArgumentParser(prog="niah.py generate", description="Greedy answer of the model to a document "
-                                  "and a question, printed (and written to OUT/generation.json with --out).")
-    _common(gen, out_required=False)
-    gen.add_argument("--document", type=Path, default=None, help="UTF-8 text file: the long context")
-    gen.add_argument("--question", default=None, help="text after the document (a blank line between)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    _no_kv_cache(gen)
-    gen.add_argument("--force", action="store_true", help="also run a prompt longer than max_position_embeddings")
-    return {"niah": niah, "ppl": ppl, "generate": gen}
+from megatron_ext.evaluate.ruler_tasks import task_names
 
 
 @contextmanager
@@ -228,17 +102,17 @@ def _megatron_engine(args) -> bool:
     return False
 
 
-def _previous_grid(args, version: str | None):
-    """The grid an earlier run with this --out wrote (--resume), after checking it is the same model's."""
+def _previous_grid(args, version: str | None, name: str = "results.json", kind=None):
+    """The results an earlier run with this --out wrote (--resume), after checking they are the same model's."""
     from megatron_ext.evaluate.niah import NiahResult
 
-    path = args.out / "results.json"
+    path = args.out / name
     if not path.is_file():
         return None  # nothing to resume: a first run
     try:
-        previous = NiahResult.from_dict(json.loads(path.read_text()))
+        previous = (kind or NiahResult).from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError, KeyError) as e:
-        raise EvalError(f"--resume: {path} is not a NIAH results file ({e}); use another --out") from None
+        raise EvalError(f"--resume: {path} is not a {name} of this command ({e}); use another --out") from None
     model = str(args.model or args.megatron)
     if previous.settings.get("model") != model:
         raise EvalError(f"--resume: {path} holds results of {previous.settings.get('model')}, not {model}: use "
@@ -264,6 +138,43 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save, prev
         counts = result.settings
         print(f"[niah] accuracy {result.accuracy:.1%} ({counts['forward_passes']} forward passes, "
               f"{counts['decode_steps']} decode steps); wrote {js} and {png}")
+
+
+def _run_ruler(args) -> None:
+    from megatron_ext.evaluate.io import model_version, write_json_atomic, write_text_atomic
+    from megatron_ext.evaluate.ruler import RulerResult, run_ruler, run_ruler_megatron
+
+    tasks, lengths = task_names(args.tasks), parse_lengths(args.lengths)
+    if args.haystack is not None and not args.haystack.is_file():
+        raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
+                        "to use the built-in filler")
+    version = model_version(args.model or args.megatron)
+
+    def save(result) -> tuple[Path, Path]:
+        result.settings.update(model=str(args.model or args.megatron), model_version=version)
+        return (write_json_atomic(args.out / "ruler.json", result.to_dict()),
+                write_text_atomic(args.out / "ruler.md", result.table() + "\n"))
+
+    previous = _previous_grid(args, version, "ruler.json", RulerResult) if args.resume else None
+    common = dict(samples=args.samples, seed=args.seed, chat=args.chat, haystack=args.haystack,
+                  max_new_tokens=args.max_new_tokens, allow_beyond_max_positions=args.force, previous=previous,
+                  on_progress=save, progress=not args.no_progress)
+    if _megatron_engine(args):
+        from megatron_ext.runtime import process_env
+
+        result = run_ruler_megatron(args.megatron, tasks, lengths, tensor=args.tp, pipeline=args.pp, context=args.cp,
+                                    device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                                    kv_cache=not args.no_kv_cache, **common)
+        if process_env().rank != 0:
+            return
+    else:
+        with _model(args) as (model, tokenizer):
+            result = run_ruler(model, tokenizer, tasks, lengths, batch_tokens=args.batch_tokens,
+                               prefill_chunk=args.chunk, **common)
+    js, md = save(result)
+    print(result.table())
+    print(f"[ruler] average {100 * result.accuracy:.1f} over {len(tasks)} tasks x {len(result.lengths)} lengths; "
+          f"wrote {js} and {md}")
 
 
 def _run_ppl(args) -> None:
@@ -348,10 +259,10 @@ def _run_generate(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parsers = _parsers()
-    command = argv.pop(0) if argv and argv[0] in parsers else "niah"
-    args = parsers[command].parse_args(argv)
-    run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate}[command]
+    by_command = parsers()
+    command = argv.pop(0) if argv and argv[0] in by_command else "niah"
+    args = by_command[command].parse_args(argv)
+    run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate, "ruler": _run_ruler}[command]
     with warnings.catch_warnings():  # our warnings (lengths skipped, ...) as plain "warning: ..." lines
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")

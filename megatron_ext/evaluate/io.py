@@ -40,6 +40,11 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     return _atomic(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), "w")
 
 
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically; returns the path."""
+    return _atomic(path, lambda f: f.write(text), "w")
+
+
 def save_figure_atomic(fig: Any, path: str | Path) -> Path:
     """Save a matplotlib `Figure` as PNG to `path` atomically; returns the path."""
     return _atomic(path, lambda f: fig.savefig(f, format="png", dpi=fig.get_dpi(), bbox_inches="tight"), "wb")

@@ -133,6 +133,21 @@ def _check_grid(lengths, depths) -> tuple[list[int], list[float]]:
     return lengths, depths
 
 
+def lengths_within(lengths: list[int], max_pos: int | None, force: bool) -> tuple[list[int], list[int]]:
+    """(to run, skipped): lengths above the model's `max_position_embeddings` are skipped with a warning unless
+    `force`; EvalError when none is left."""
+    over = [n for n in lengths if max_pos is not None and n > max_pos]
+    if over:
+        what = "running them anyway (forced)" if force else "skipping them (use --force to run)"
+        warnings.warn(f"lengths {over} exceed the model's max_position_embeddings={max_pos}: {what}", stacklevel=3)
+    skipped = [] if force else over
+    todo = [n for n in lengths if n not in skipped]
+    if not todo:
+        raise EvalError(f"every length {lengths} exceeds the model's max_position_embeddings={max_pos}: "
+                        "use shorter lengths or --force")
+    return todo, skipped
+
+
 def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Path | None = None,
              task: NeedleTask = NeedleTask(), samples: int = 1, seed: int = 0, chat: bool = False,
              max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
@@ -158,19 +173,8 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     lengths, depths = _check_grid(lengths, depths)
     if samples < 1:
         raise EvalError(f"samples must be >= 1, got {samples}")
-    skipped: list[int] = []
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
-    if max_pos is not None:
-        over = [n for n in lengths if n > max_pos]
-        if over:
-            what = "running them anyway (forced)" if allow_beyond_max_positions else "skipping them (use --force to run)"
-            warnings.warn(f"lengths {over} exceed the model's max_position_embeddings={max_pos}: {what}", stacklevel=2)
-            if not allow_beyond_max_positions:
-                skipped = over
-    todo = [n for n in lengths if n not in skipped]
-    if not todo:
-        raise EvalError(f"every length {lengths} exceeds the model's max_position_embeddings={max_pos}: "
-                        "use shorter lengths or --force")
+    todo, skipped = lengths_within(lengths, max_pos, allow_beyond_max_positions)
 
     head, tail = prompt_parts(tokenizer, task, chat)
     cells = []  # one per (length, depth, sample), in run order

@@ -151,8 +151,9 @@ class MegatronGreedy:
         return (preds - 1).tolist()
 
     def __call__(self, prompts: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
-        """New ids per row of `prompts` `[B, L]`, greedy (draft i checked against row i when given)."""
-        rows = prompts.tolist()
+        """New ids per row of `prompts` (`[B, L]`, or rows of any lengths), greedy (draft i checked against row i when
+        given)."""
+        rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(r) for r in prompts]  # any lengths
         drafts = drafts or [[] for _ in rows]
         mine = {}
         for i in range(self.dp_rank, len(rows), self.dp):

@@ -1,0 +1,222 @@
+"""RULER-style tasks (megatron_ext.evaluate.ruler_tasks, ruler): prompts, answers, scoring, the runner, the CLI.
+
+Outside oracle for the prompts: a reader written here that sees only the decoded prompt text and solves each task by
+its rule (look the asked keys up among all needle sentences; follow VAR chains; count words). It must score 100% on
+every task, length and seed: each prompt holds its answer and no other answer. Negative controls: the same reader
+with one rule broken (the first needle instead of the asked key's, direct assignments only, the first words instead
+of the most frequent) must score less, so the tasks tell a reader that follows the rule from one that does not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_ext.evaluate import EvalError
+from megatron_ext.evaluate.haystack import builtin_haystack
+from megatron_ext.evaluate.ruler import RulerResult, run_ruler
+from megatron_ext.evaluate.ruler_tasks import (TASKS, SampleBuilder, match_all, noise_haystack, pseudo_words,
+                                               task_names, zipf_counts)
+
+LENGTHS = [1536, 4096, 12000]
+
+
+@pytest.fixture(scope="module")
+def tok(toy_tokenizer):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(toy_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def builder(tok):
+    n = max(LENGTHS)
+    return SampleBuilder(tok, {"filler": builtin_haystack(tok, n), "noise": noise_haystack(tok, n)})
+
+
+def read_answer(text: str, broken: bool = False) -> str:
+    """Solve a prompt from its text alone; `broken`: with one rule of the task left out (the negative control)."""
+    body, question = text.rsplit("\n\n", 1)
+    if "secret" in question:
+        names = re.search(r"secret (?:number|code)s? of (.+?) in the text above", question).group(1)
+        asked = re.split(r", | and ", names)
+        needles = re.findall(r"The secret (?:number|code) of ([\w-]+) is ([\w-]+)\.", body)
+        if broken:  # the first needle sentence, whoever's it is
+            return needles[0][1]
+        return ", ".join(v for key in asked for k, v in needles if k == key)
+    if "VAR" in body:
+        value = re.search(r"hold the value (\d+)", question).group(1)
+        holds = {a: b for a, b in re.findall(r"VAR (\w+) = ([\w ]+?)\.", body)}
+        found = {k for k, v in holds.items() if v == value}
+        while not broken and (more := {k for k, v in holds.items() if v.startswith("VAR ") and v[4:] in found} - found):
+            found |= more
+        return ", ".join(sorted(found))
+    if "numbered list" in body:
+        words, top = re.findall(r"\d+\. (\w+)", body), 10
+    else:
+        words, top = re.findall(r"[a-z]+", body.split("\n\n", 1)[1]), 3
+    if broken:  # the first distinct words of the list
+        return ", ".join(list(dict.fromkeys(words))[:top])
+    ranked = Counter(words).most_common(top + 1)
+    assert ranked[top - 1][1] > ranked[top][1], "the most frequent words tie: the task has no single answer"
+    return ", ".join(w for w, _ in ranked[:top])
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_prompt_holds_its_answer_and_no_other(tok, builder, name, length):
+    task, exact = TASKS[name], TASKS[name].kind in ("niah", "variable_tracking") and TASKS[name].haystack != "needles"
+    for sample_no in range(3):
+        sample = builder.build(task, length, random.Random(f"7:{name}:{length}:{sample_no}"))
+        assert len(sample.ids) == length if exact else 0.97 * length <= len(sample.ids) <= length
+        text = tok.decode(sample.ids, skip_special_tokens=True)
+        assert match_all(read_answer(text), sample.answers) == 1.0, (name, length, sample_no)
+        for at in sample.needle_tokens:  # recorded needle positions are where the needle sentences start
+            assert re.match(r" ?(The secret|VAR )", tok.decode(sample.ids[at:at + 8])), at
+        needles = task.keys - task.queries + task.queries * task.values  # distractors + the asked keys' values
+        assert len(sample.needle_tokens) == {"niah": needles, "variable_tracking": 5}.get(task.kind, 0)
+
+
+@pytest.mark.parametrize("name", ["niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue",
+                                  "vt", "cwe"])
+def test_a_reader_that_breaks_the_rule_scores_less(tok, builder, name):
+    scores = []
+    for sample_no in range(6):
+        sample = builder.build(TASKS[name], 4096, random.Random(f"3:{name}:{sample_no}"))
+        scores.append(match_all(read_answer(tok.decode(sample.ids, skip_special_tokens=True), broken=True),
+                                sample.answers))
+    assert sum(scores) / len(scores) < 0.6, scores
+
+
+def test_fwe_answers_are_the_three_most_frequent_not_the_next(tok, builder):
+    """fwe has no broken reader that fails reliably: under Zipf(2) the most frequent word holds 61% of the text, so
+    even the first distinct words are mostly the top three. Control instead: ranks 2-4 are not the answer."""
+    for sample_no in range(4):
+        sample = builder.build(TASKS["fwe"], 4096, random.Random(f"5:{sample_no}"))
+        text = tok.decode(sample.ids, skip_special_tokens=True)
+        ranked = [w for w, _ in Counter(re.findall(r"[a-z]+", text.rsplit("\n\n", 1)[0].split("\n\n", 1)[1]))
+                  .most_common(4)]
+        assert sample.answers == ranked[:3]
+        assert match_all(", ".join(ranked[1:]), sample.answers) < 1
+
+
+def test_prompts_are_deterministic_and_differ_by_sample(builder):
+    a = builder.build(TASKS["niah_multikey_1"], 2048, random.Random("0:a"))
+    b = builder.build(TASKS["niah_multikey_1"], 2048, random.Random("0:a"))
+    c = builder.build(TASKS["niah_multikey_1"], 2048, random.Random("0:b"))
+    assert a.ids == b.ids and a.answers == b.answers and a.ids != c.ids
+
+
+def test_chat_prompts_use_the_template(tok):
+    from tests.unit.test_evaluate import CHAT_TEMPLATE
+
+    tok.chat_template = CHAT_TEMPLATE
+    try:
+        chat = SampleBuilder(tok, {"filler": builtin_haystack(tok, 2048)}, chat=True)
+        text = tok.decode(chat.build(TASKS["niah_single_2"], 2048, random.Random(0)).ids)
+    finally:
+        tok.chat_template = None
+    assert text.startswith("<s>[user]\nSecret numbers") and "\n[assistant]\nThe secret number of" in text
+
+
+def test_scoring_pieces():
+    assert match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert match_all("ABC", ["abc"]) == 1.0
+    assert zipf_counts(36, 2.0) == [36, 9, 4, 2, 1, 1]
+    words = pseudo_words(random.Random(0), 500)
+    assert len(set(words)) == 500 and all(re.fullmatch(r"[a-z]{4,6}", w) for w in words)
+    assert task_names("vt,niah") == [n for n in TASKS if n.startswith("niah_")] + ["vt"]
+    assert task_names("all") == list(TASKS)
+    with pytest.raises(EvalError, match="--tasks: qa_1 is not a task"):
+        task_names("vt,qa_1")
+
+
+@pytest.mark.parametrize("name,length,message", [
+    ("niah_single_2", 40, "niah_single_2: length 40 is shorter than its prompt"),
+    ("niah_multikey_2", 40, "niah_multikey_2: length 40 is too short"),
+    ("cwe", 300, "cwe: length 300 is too short for its smallest list"),
+    ("fwe", 150, "fwe: length 150 is too short for its smallest list"),
+])
+def test_lengths_too_short_are_user_errors(builder, name, length, message):
+    with pytest.raises(EvalError, match=message):
+        builder.build(TASKS[name], length, random.Random(0))
+
+
+def test_cwe_lowers_the_common_count_only_when_it_must(builder):
+    assert builder.build(TASKS["cwe"], 12000, random.Random(0)).details["common_word_count"] == 30
+    assert 3 < builder.build(TASKS["cwe"], 1536, random.Random(0)).details["common_word_count"] < 30
+
+
+def oracle_generate(tok):
+    """A `generate` that answers by `read_answer` (any lengths in one call)."""
+    def generate(prompts, max_new_tokens):
+        return [tok(" " + read_answer(tok.decode(p, skip_special_tokens=True)), add_special_tokens=False)["input_ids"]
+                for p in prompts]
+    generate.ragged = True
+    return generate
+
+
+def test_run_ruler_scores_the_reader_100_and_resumes(tok):
+    tasks, saved = ["niah_single_1", "niah_multiquery", "vt", "cwe", "fwe"], []
+    result = run_ruler(None, tok, tasks, [1536, 3000], samples=2, generate=oracle_generate(tok),
+                       max_position_embeddings=4096, on_progress=saved.append, progress=False, log=None)
+    assert result.accuracy == 1.0 and result.averages() == [1.0, 1.0] and len(result.cells) == 20
+    assert len(saved) == 10 and len(saved[0].cells) == 2  # after each task and length
+    assert "| **average** | 100.0 | 100.0 |" in result.table()
+    again = RulerResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    calls = []
+
+    def counting(prompts, n):
+        calls.append(len(prompts))
+        return oracle_generate(tok)(prompts, n)
+    counting.ragged = True
+    more = run_ruler(None, tok, tasks, [1536, 3000, 4000], samples=2, generate=counting, max_position_embeddings=4096,
+                     previous=again, progress=False, log=None)
+    assert sum(calls) == 10 and more.accuracy == 1.0  # only the new length ran
+    assert [c for c in more.cells if c["length"] != 4000] == result.cells
+    with pytest.raises(EvalError, match="max_new_tokens = None, this run has 5"):
+        run_ruler(None, tok, tasks, [1536], samples=2, max_new_tokens=5, generate=counting, max_position_embeddings=4096,
+                  previous=again, progress=False, log=None)
+
+
+def test_run_ruler_on_a_tiny_llama_with_transformers(tok):
+    """The default generator: greedy decoding on an HF model, batches of equal-length prompts."""
+    from megatron_ext.evaluate import greedy_generate
+    from tests.unit.test_evaluate import make_model
+
+    model = make_model()
+    model.config.max_position_embeddings = 2048  # the preset's 256 (no effect on its llama3 RoPE)
+    result = run_ruler(model, tok, ["niah_single_2", "cwe"], [1536], samples=3, max_new_tokens=4,
+                       batch_tokens=3 * 1536, progress=False, log=None)
+    cell = result.cells[0]
+    again = greedy_generate(model, torch.tensor([_prompt(tok, "niah_single_2", 1536, 0)]), 4, prefill_chunk=None)
+    assert cell["output"] == tok.decode(again[0], skip_special_tokens=True)
+    assert all(0.0 <= c["score"] <= 1.0 and c["prompt_tokens"] <= 1536 for c in result.cells)
+    assert result.settings["dtype"] == "float32" and result.settings["max_new_tokens"] == 4
+    with pytest.warns(UserWarning, match="exceed the model's max_position_embeddings"):
+        skipped = run_ruler(model, tok, ["vt"], [1536, 4096], samples=1, max_new_tokens=2, progress=False, log=None)
+    assert skipped.skipped_lengths == [4096] and skipped.scores["vt"][1] is None
+
+
+def _prompt(tok, name: str, length: int, sample: int, seed: int = 0) -> list[int]:
+    hay = {"filler": builtin_haystack(tok, length, seed=seed), "noise": noise_haystack(tok, length)}
+    return SampleBuilder(tok, hay).build(TASKS[name], length, random.Random(f"{seed}:{name}:{length}:{sample}")).ids
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tasks", "vt,qa"], "--tasks: qa is not a task"),
+    (["--haystack", "/nonexistent.txt"], "--haystack /nonexistent.txt does not exist"),
+    (["--cp", "2"], "belong to --engine megatron"),
+    (["--lengths", "4K,x"], "--lengths: 'x' is not a token count"),
+])
+def test_cli_user_errors(tmp_path, capsys, argv, message):
+    from megatron_ext.evaluate.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["ruler", "--model", str(tmp_path), "--out", str(tmp_path / "o"), *argv])
+    assert message in str(e.value)
