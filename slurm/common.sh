@@ -161,11 +161,11 @@ stage_main() {
   exit "$rc"
 }
 
-# eval_main [tools/niah.py arguments]: NIAH (or `ppl ...`, `generate ...`) of a Megatron checkpoint with --engine
-# megatron on every task of the job. Each task reads its rank from Slurm's env; rank 0 writes the results and the
-# log. A NIAH grid saves its results after each length and every 5 minutes; on the warning signal (USR1) before
-# the time limit this script stops the tasks and requeues the job, and the requeued job adds --resume, so it runs
-# only the cells its results.json lacks. ppl and generate run to the end (nothing to resume).
+# eval_main [tools/niah.py arguments]: NIAH (or `ruler ...`, `ppl ...`, `generate ...`) of a Megatron checkpoint
+# with --engine megatron on every task of the job. Each task reads its rank from Slurm's env; rank 0 writes the
+# results and the log. A NIAH grid or RULER run saves its results after each length (and task) and every 5 minutes;
+# on the warning signal (USR1) before the time limit this script stops the tasks and requeues the job, and the
+# requeued job adds --resume, so it runs only the cells its results lack. ppl and generate run to the end.
 stop_evaluation() {
   SIGNALLED=USR1
   log "received USR1: stopping the evaluation (results.json keeps what is done)"

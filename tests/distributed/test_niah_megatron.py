@@ -148,6 +148,26 @@ def test_cli_generate_megatron_engine_equals_hf_engine(checkpoints, torchrun, tm
     assert (mg["settings"]["forward_passes"], mg["settings"]["decode_steps"]) == (1, n - 1)
 
 
+@pytest.mark.parametrize("layout", [("--cp", "2"), ()], ids=["cp2", "dp2"])
+def test_cli_ruler_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path, layout):
+    """niah.py ruler: the same prompts and greedy outputs on transformers and on the Megatron engine (CP 2, or DP 2
+    replicas sharing prompts of different lengths in one call); with the KV cache one full pass per prompt."""
+    from megatron_ext.evaluate.cli import main
+
+    common = ["--tasks", "niah_single_1,niah_multikey_2,vt,fwe", "--lengths", "180,240", "--samples", "2",
+              "--max-new-tokens", "4", "--no-progress"]
+    main(["ruler", "--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
+    out = torchrun(ROOT / "tools/niah.py", 2, "ruler", "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
+                   *layout, "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
+    hf, mg = read_json(tmp_path / "hf/ruler.json"), read_json(tmp_path / "mg/ruler.json")
+    key = lambda c: (c["task"], c["length"], c["sample"], c["answers"], c["prompt_tokens"], c["output"])  # noqa: E731
+    assert [key(c) for c in mg["cells"]] == [key(c) for c in hf["cells"]] and len(hf["cells"]) == 16
+    assert len({c["prompt_tokens"] for c in hf["cells"]}) > 2  # needle-haystack and fwe prompts: other lengths
+    assert mg["scores"] == hf["scores"] and "| **average** |" in out
+    assert mg["settings"]["forward_passes"] == 16 and (tmp_path / "mg/ruler.md").read_text() == \
+        (tmp_path / "hf/ruler.md").read_text()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "HF", "--engine", "megatron"], "give --megatron CKPT_DIR"),
     (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),

@@ -1,6 +1,6 @@
 """sbatch slurm/niah.sh on the local 2-node Slurm cluster: the Megatron evaluation engine with one Slurm task per
-rank (CP 2 across the two nodes) writes what torchrun on this machine writes; stopped by the time-limit warning, the
-job requeues itself and the rerun finishes the grid with --resume."""
+rank (CP 2 across the two nodes) writes what torchrun on this machine writes (NIAH) or transformers does (RULER-style
+tasks); stopped by the time-limit warning, the job requeues itself and the rerun finishes the grid with --resume."""
 
 from __future__ import annotations
 
@@ -38,6 +38,22 @@ def test_sbatch_niah_matches_torchrun(slurm_cluster, checkpoint, torchrun, tmp_p
     ours, ref = read_json(tmp_path / "sbatch/results.json"), read_json(tmp_path / "torchrun/results.json")
     assert [c["output"] for c in ours["cells"]] == [c["output"] for c in ref["cells"]]
     assert ours["scores"] == ref["scores"] and len(ours["cells"]) == 4
+
+
+def test_sbatch_ruler_matches_the_hf_engine(slurm_cluster, checkpoint, tmp_path):
+    """`sbatch slurm/niah.sh ruler ...`: RULER-style tasks at CP 2 across the two nodes, the outputs of transformers."""
+    from megatron_ext.evaluate.cli import main
+
+    args = ["--tasks", "niah_multikey_2,vt", "--lengths", "200", "--samples", "2", "--max-new-tokens", "4",
+            "--no-progress"]
+    main(["ruler", "--model", str(checkpoint / "hf"), "--out", str(tmp_path / "hf"), *args])
+    proc = sbatch("niah.sh", "ruler", "--megatron", str(checkpoint / "mc"), "--cp", "2",
+                  "--out", str(tmp_path / "sbatch"), *args, out=tmp_path / "job.log")
+    log = (tmp_path / "job.log").read_text()
+    assert proc.returncode == 0 and "evaluation exited with 0" in log, log[-4000:]
+    ours, ref = read_json(tmp_path / "sbatch/ruler.json"), read_json(tmp_path / "hf/ruler.json")
+    assert [c["output"] for c in ours["cells"]] == [c["output"] for c in ref["cells"]] and len(ours["cells"]) == 4
+    assert ours["settings"]["layout"]["context"] == 2 and "| **average** |" in log
 
 
 def test_sbatch_niah_user_error_is_one_line(slurm_cluster, checkpoint, tmp_path):
