@@ -33,7 +33,7 @@ def main() -> int:
 
     from bench.report import write_json_atomic
     from megatron_ext.evaluate.cli import parse_lengths
-    from megatron_ext.evaluate.parallel import megatron_engine
+    from megatron_ext.evaluate.engine import megatron_engine
 
     lengths = parse_lengths(args.lengths)
     rows = []

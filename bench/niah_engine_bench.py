@@ -52,7 +52,7 @@ def main() -> int:
     from bench.report import write_json_atomic
     from megatron_ext.evaluate.cli import parse_depths, parse_lengths
     from megatron_ext.evaluate.niah import run_niah
-    from megatron_ext.evaluate.parallel import megatron_engine
+    from megatron_ext.evaluate.engine import megatron_engine
 
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     rows = []

@@ -76,7 +76,7 @@ def generate_megatron(checkpoint, document: str, question: str | None = None, *,
                       force: bool = False) -> Generation:
     """Greedy answer of a Megatron checkpoint over this job's ranks (`megatron_engine`); every rank calls it and
     gets the result."""
-    from megatron_ext.evaluate.parallel import megatron_engine
+    from megatron_ext.evaluate.engine import megatron_engine
 
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer) as engine:

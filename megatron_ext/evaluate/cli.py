@@ -52,15 +52,19 @@ def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> Non
     print(f"[{tag}] " + memory_note(model.config, length, batch, p.element_size(), n_params, free))
 
 
+def _check_haystack(args) -> None:
+    if args.haystack is not None and not args.haystack.is_file():
+        raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
+                        "to use the built-in filler")
+
+
 def _run_niah(args) -> None:
     from megatron_ext.evaluate.io import model_version, write_json_atomic
     from megatron_ext.evaluate.niah import run_niah
     from megatron_ext.evaluate.plots import plot_niah_heatmap
 
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
-    if args.haystack is not None and not args.haystack.is_file():
-        raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
-                        "to use the built-in filler")
+    _check_haystack(args)
 
     version = model_version(args.model or args.megatron)
 
@@ -145,9 +149,7 @@ def _run_ruler(args) -> None:
     from megatron_ext.evaluate.ruler import RulerResult, run_ruler, run_ruler_megatron
 
     tasks, lengths = task_names(args.tasks), parse_lengths(args.lengths)
-    if args.haystack is not None and not args.haystack.is_file():
-        raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
-                        "to use the built-in filler")
+    _check_haystack(args)
     version = model_version(args.model or args.megatron)
 
     def save(result) -> tuple[Path, Path]:

@@ -133,6 +133,23 @@ def _check_grid(lengths, depths) -> tuple[list[int], list[float]]:
     return lengths, depths
 
 
+class PeriodicSave:
+    """Hands `result()` to `on_progress` (None: nothing) when told (`now`), or when asked (`due`) once `every_s`
+    have passed since the last time: a long sweep keeps what it did."""
+
+    def __init__(self, on_progress: Callable | None, result: Callable, every_s: float):
+        self.on_progress, self.result, self.every_s, self.last = on_progress, result, every_s, time.time()
+
+    def now(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.result())
+            self.last = time.time()
+
+    def due(self) -> None:
+        if time.time() - self.last >= self.every_s:
+            self.now()
+
+
 def lengths_within(lengths: list[int], max_pos: int | None, force: bool) -> tuple[list[int], list[int]]:
     """(to run, skipped): lengths above the model's `max_position_embeddings` are skipped with a warning unless
     `force`; EvalError when none is left."""
@@ -227,7 +244,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(pending), desc="niah", unit="cell")
-    start_all = last_save = time.time()
+    start_all, saver = time.time(), PeriodicSave(on_progress, result, save_every_s)
     for n in todo:
         row = [c for c in pending if c["length"] == n]
         if not row:
@@ -267,18 +284,15 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
                     c["score"] = score_output(c["output"], c["value"])
             if bar is not None:
                 bar.update(len(batch))
-            if on_progress is not None and queue and time.time() - last_save >= save_every_s:
-                on_progress(result())
-                last_save = time.time()
+            if queue:
+                saver.due()
         if log:
             everything = [c for c in cells if c["length"] == n]
             acc = _mean([c["score"] for c in everything])
             acc_text = "n/a" if acc is None else f"{acc:.2f}"
             log(f"[niah] length {n:>9,}: accuracy {acc_text} over {len(everything)} prompts ({len(row)} run, "
                 f"{time.time() - t0:.1f}s)")
-        if on_progress is not None:
-            on_progress(result())
-            last_save = time.time()
+        saver.now()
     if bar is not None:
         bar.close()
     settings["seconds"] = round(time.time() - start_all, 2)

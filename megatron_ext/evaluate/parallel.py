@@ -17,18 +17,15 @@ through the chunked loss head (`MegatronTokenLosses`).
 
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.evaluate.errors import EvalError, RankError
-from megatron_ext.evaluate.speculative import number_settled, speculative_greedy
+from megatron_ext.evaluate.engine import megatron_engine
+from megatron_ext.evaluate.errors import RankError
+from megatron_ext.evaluate.speculative import speculative_greedy
 
 
 def _padded_length(n: int, cp: int) -> int:
@@ -216,149 +213,27 @@ class MegatronTokenLosses:
         return losses[:n - 1].cpu()
 
 
-def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str = "cpu",
-                           precision: str = "fp32", attention: str = "auto", cp_comm_type: str = "p2p"):
-    """(model for this rank in eval mode, HF config, tokenizer location or None) from a Megatron checkpoint.
-
-    The process group and Megatron's parallel state must already be set up with this layout.
-    """
-    from megatron_ext.checkpoint import CheckpointError, load_checkpoint, read_metadata
-    from megatron_ext.model import BuildOptions, build_model
-
-    try:
-        meta = read_metadata(checkpoint)
-    except CheckpointError as e:
-        raise EvalError(str(e)) from None
-    hf_cfg = meta.get("hf_config")
-    if not hf_cfg:
-        raise EvalError(f"{checkpoint}: its metadata has no hf_config; it was not written by megatron_ext")
-    opts = BuildOptions(tensor=tensor, pipeline=pipeline, context=context, device=device, precision=precision,
-                        attention=attention, cp_comm_type=cp_comm_type,
-                        seq_length=int(hf_cfg.get("max_position_embeddings") or 4096), loss_head="chunked")
-    model = build_model(hf_cfg, opts)
-    try:
-        load_checkpoint(checkpoint, [model], weights_only=True)
-    except CheckpointError as e:
-        raise EvalError(str(e)) from None
-    return model.eval(), hf_cfg, meta.get("tokenizer")
-
-
-def _tokenizer(location):
-    from transformers import AutoTokenizer
-
-    if not location:
-        raise EvalError("the checkpoint records no tokenizer: give --tokenizer DIR_OR_NAME")
-    try:
-        return AutoTokenizer.from_pretrained(location)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"tokenizer {location}: cannot load it ({e}); give --tokenizer DIR_OR_NAME") from None
-
-
-@dataclass
-class Engine:
-    """The model of this rank and what the evaluations need around it."""
-
-    model: object
-    hf_config: dict
-    tokenizer: object
-    device: torch.device
-    precision: str
-    layout: dict  # tensor, pipeline, context, data
-    rank0: bool
-
-    def greedy(self, max_new_tokens: int, kv_cache: bool = True, until_number: bool = True) -> MegatronGreedy:
-        """The greedy `generate` of this engine: stops at the tokenizer's or the model's EOS, or (`until_number`, NIAH)
-        once the first number of the answer is settled. `kv_cache`: decode steps after the prompt's pass (else
-        full passes)."""
-        from megatron_ext.evaluate.generate import eos_ids
-
-        tok = self.tokenizer
-        eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=self.hf_config.get("eos_token_id"))), tok)
-        settled = (lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True))) if until_number else None
-        return MegatronGreedy(self.model, self.hf_config["vocab_size"], max_new_tokens, eos, device=self.device,
-                              settled=settled, kv_cache=kv_cache)
-
-    def describe(self) -> str:
-        l = self.layout
-        return (f"Megatron engine: TP {l['tensor']} x PP {l['pipeline']} x CP {l['context']}, DP {l['data']} "
-                f"({dist.get_world_size()} ranks, {self.precision})")
-
-
-@contextmanager
-def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str | None = None,
-                    dtype: str | None = None, tokenizer=None, needs_tokenizer: bool = True) -> Iterator[Engine]:
-    """Start the process group for this job's ranks (torchrun or srun; DP = world / (TP x PP x CP)), load the
-    checkpoint at that layout, and end the group on exit. `tokenizer`: a directory or name (default: the one
-    the checkpoint records)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ext.evaluate.loading import resolve_dtype
-    from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
-
-    if not Path(checkpoint).is_dir():
-        raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
-                        "the output of tools/convert.py to-megatron")
-    world = process_env().world_size
-    if min(tensor, pipeline, context) < 1 or world % (tensor * pipeline * context):
-        raise EvalError(f"--tp {tensor} x --pp {pipeline} x --cp {context} must divide the {world} processes "
-                        "(start as many as TP x PP x CP x DP with torchrun --nproc-per-node or srun)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(resolve_dtype(dtype, torch.device(device)))
-    if precision is None:
-        raise EvalError(f"--dtype {dtype}: the Megatron engine runs bf16 or fp32")
-    init_distributed(device, tensor=tensor, pipeline=pipeline, context=context)
-    try:
-        model, hf_cfg, recorded = load_megatron_for_eval(checkpoint, tensor=tensor, pipeline=pipeline, context=context,
-                                                         device=device, precision=precision)
-        layout = {"tensor": tensor, "pipeline": pipeline, "context": context,
-                  "data": ps.get_data_parallel_world_size()}
-        where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        tok = _tokenizer(tokenizer or recorded) if needs_tokenizer else None
-        engine = Engine(model, hf_cfg, tok, where, precision, layout, dist.get_rank() == 0)
-        with warnings.catch_warnings():
-            if not engine.rank0:  # one copy of each warning
-                warnings.simplefilter("ignore")
-            yield engine
-    finally:
-        destroy_distributed()
-
-
 def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
                       device: str | None = None, dtype: str | None = None, tokenizer=None, max_new_tokens: int = 16,
                       kv_cache: bool = True, on_progress=None, progress: bool = True, **niah_kwargs):
-    """`run_niah` on a Megatron checkpoint over this job's ranks (see `megatron_engine`; `kv_cache`: see
+    """`run_niah` on a Megatron checkpoint over this job's ranks (see `engine.megatron_engine`; `kv_cache`: see
     `MegatronGreedy`).
 
     Every rank runs it; rank 0 gets `on_progress`, the progress bar and the log. Returns the grid on
     every rank.
     """
-    from megatron.core import parallel_state as ps
-
-    from megatron_ext.evaluate.loading import human_bytes, kv_cache_bytes_per_token
     from megatron_ext.evaluate.niah import run_niah
 
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer) as engine:
         generate = engine.greedy(max_new_tokens, kv_cache=kv_cache)
-        max_pos = engine.hf_config.get("max_position_embeddings")
-        longest = max(n for n in lengths if niah_kwargs.get("allow_beyond_max_positions") or not max_pos
-                      or n <= max_pos or n == min(lengths))
-        if engine.rank0:
-            per_token = kv_cache_bytes_per_token(engine.hf_config, 2 if engine.precision == "bf16" else 4)
-            per_rank = longest * per_token / (tensor * pipeline * context)  # split over a replica's ranks
-            cache = f", KV cache {human_bytes(per_rank)} per rank" if generate.cache is not None else ", no KV cache"
-            print(f"[niah] {engine.describe()}; {longest // context:,} tokens per rank at {longest:,}{cache}",
-                  flush=True)
+        longest = engine.announce("niah", lengths, generate, niah_kwargs.get("allow_beyond_max_positions", False))
         result = run_niah(None, engine.tokenizer, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
-                          max_position_embeddings=max_pos,
+                          max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
                           batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length
                           on_progress=on_progress if engine.rank0 else None, progress=progress and engine.rank0,
                           log=print if engine.rank0 else None, prefill_chunk=None, **niah_kwargs)
-        counts = torch.tensor([generate.passes, generate.decode_steps], device=engine.device)
-        dist.all_reduce(counts, group=ps.get_data_parallel_group())
-        result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision,
-                               kv_cache=generate.cache is not None, forward_passes=int(counts[0]),
-                               decode_steps=int(counts[1]))
+        engine.record(result.settings, generate)
         return result
 
 

@@ -22,7 +22,7 @@ import torch
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
-from megatron_ext.evaluate.niah import _free_device_memory, _mean, _model_name, lengths_within
+from megatron_ext.evaluate.niah import PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within
 from megatron_ext.evaluate.ruler_tasks import TASKS, SampleBuilder, match_all, noise_haystack
 
 RulerGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
@@ -72,7 +72,8 @@ class RulerResult:
 
 def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *, samples: int = 4, seed: int = 0,
               chat: bool = False, haystack: Haystack | str | Path | None = None, max_new_tokens: int | None = None,
-              generate: RulerGenerate | None = None, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
+              generate: RulerGenerate | None = None, batch_tokens: int = 65536,
+              prefill_chunk: int | str | None = "auto",
               allow_beyond_max_positions: bool = False, max_position_embeddings: int | None = None,
               previous: RulerResult | None = None, on_progress: Callable[[RulerResult], None] | None = None,
               save_every_s: float = 300.0, progress: bool = True, log=print) -> RulerResult:
@@ -146,7 +147,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(pending), desc="ruler", unit="prompt")
-    start_all = last_save = time.time()
+    start_all, saver = time.time(), PeriodicSave(on_progress, result, save_every_s)
     for n in todo:
         for t in tasks:
             group = [c for c in pending if c["task"] == t and c["length"] == n]
@@ -166,16 +167,12 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
                         c["score"] = match_all(c["output"], c["answers"])
                 if bar is not None:
                     bar.update(len(batch))
-                if on_progress is not None and time.time() - last_save >= save_every_s:
-                    on_progress(result())
-                    last_save = time.time()
+                saver.due()
             if log:
                 score = _mean([c.get("score") for c in cells if c["task"] == t and c["length"] == n])
                 log(f"[ruler] {t:<16} {n:>9,} tokens: {'n/a' if score is None else f'{100 * score:5.1f}'} over "
                     f"{samples} samples ({len(group)} run, {time.time() - t0:.1f}s)")
-            if on_progress is not None:
-                on_progress(result())
-                last_save = time.time()
+            saver.now()
     if bar is not None:
         bar.close()
     settings["seconds"] = round(time.time() - start_all, 2)
@@ -234,12 +231,9 @@ def _keep_previous(cells: list[dict], previous: RulerResult, settings: dict) -> 
 def run_ruler_megatron(checkpoint, tasks, lengths, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
                        device: str | None = None, dtype: str | None = None, tokenizer=None, kv_cache: bool = True,
                        on_progress=None, progress: bool = True, **ruler_kwargs) -> RulerResult:
-    """`run_ruler` on a Megatron checkpoint over this job's ranks (see `parallel.megatron_engine`). Every rank runs
+    """`run_ruler` on a Megatron checkpoint over this job's ranks (see `engine.megatron_engine`). Every rank runs
     it; rank 0 gets `on_progress`, the progress bar and the log. The DP replicas share each batch's prompts."""
-    from megatron.core import parallel_state as ps
-    import torch.distributed as dist
-
-    from megatron_ext.evaluate.parallel import megatron_engine
+    from megatron_ext.evaluate.engine import megatron_engine
 
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer) as engine:
@@ -250,17 +244,11 @@ def run_ruler_megatron(checkpoint, tasks, lengths, *, tensor: int = 1, pipeline:
             return greedy(prompts)
 
         generate.ragged = True  # each row runs alone through the engine: any lengths in one call
-        longest = max(lengths)
-        if engine.rank0:
-            print(f"[ruler] {engine.describe()}; {longest // context:,} tokens per rank at {longest:,}", flush=True)
+        longest = engine.announce("ruler", lengths, greedy, ruler_kwargs.get("allow_beyond_max_positions", False))
         result = run_ruler(None, engine.tokenizer, tasks, lengths, generate=generate,
                            max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
                            batch_tokens=engine.layout["data"] * longest,  # a row per replica at the longest length
                            on_progress=on_progress if engine.rank0 else None, progress=progress and engine.rank0,
                            log=print if engine.rank0 else None, prefill_chunk=None, **ruler_kwargs)
-        counts = torch.tensor([greedy.passes, greedy.decode_steps], device=engine.device)
-        dist.all_reduce(counts, group=ps.get_data_parallel_group())
-        result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision,
-                               kv_cache=greedy.cache is not None, forward_passes=int(counts[0]),
-                               decode_steps=int(counts[1]))
+        engine.record(result.settings, greedy)
         return result

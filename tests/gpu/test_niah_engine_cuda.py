@@ -40,7 +40,8 @@ def gpu_state():
 
 def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
     from megatron_ext.evaluate import load_hf
-    from megatron_ext.evaluate.parallel import MegatronGreedy, MegatronTokenLosses, load_megatron_for_eval
+    from megatron_ext.evaluate.engine import load_megatron_for_eval
+    from megatron_ext.evaluate.parallel import MegatronGreedy, MegatronTokenLosses
     from megatron_ext.evaluate.perplexity import token_losses
 
     hf, _ = load_hf(checkpoint / "hf", "cuda", "fp32")

@@ -180,8 +180,8 @@ def test_run_ruler_scores_the_reader_100_and_resumes(tok):
     assert sum(calls) == 10 and more.accuracy == 1.0  # only the new length ran
     assert [c for c in more.cells if c["length"] != 4000] == result.cells
     with pytest.raises(EvalError, match="max_new_tokens = None, this run has 5"):
-        run_ruler(None, tok, tasks, [1536], samples=2, max_new_tokens=5, generate=counting, max_position_embeddings=4096,
-                  previous=again, progress=False, log=None)
+        run_ruler(None, tok, tasks, [1536], samples=2, max_new_tokens=5, generate=counting,
+                  max_position_embeddings=4096, previous=again, progress=False, log=None)
 
 
 def test_run_ruler_on_a_tiny_llama_with_transformers(tok):

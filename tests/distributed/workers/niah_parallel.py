@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1)
     args = ap.parse_args()
 
-    from megatron_ext.evaluate.parallel import MegatronGreedy, MegatronTokenLosses, load_megatron_for_eval
+    from megatron_ext.evaluate.engine import load_megatron_for_eval
+    from megatron_ext.evaluate.parallel import MegatronGreedy, MegatronTokenLosses
     from megatron_ext.runtime import destroy_distributed, init_distributed
 
     spec = json.loads(open(args.inputs).read())

@@ -1,0 +1,159 @@
+"""The Megatron evaluation engine: start this job's process groups (torchrun or srun), load a checkpoint at a TP x PP
+x CP layout (weights only) and hand the evaluations (`parallel.py`, `ruler.py`, `ask.py`) the model, its HF config
+and tokenizer, with the greedy decoder and the bookkeeping they share.
+
+    with megatron_engine("runs/cpt_1m", context=8) as engine:
+        new_ids = engine.greedy(16)(prompts)
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.evaluate.errors import EvalError
+
+if TYPE_CHECKING:
+    from megatron_ext.evaluate.parallel import MegatronGreedy
+
+
+def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str = "cpu",
+                           precision: str = "fp32", attention: str = "auto", cp_comm_type: str = "p2p"):
+    """(model for this rank in eval mode, HF config, tokenizer location or None) from a Megatron checkpoint.
+
+    The process group and Megatron's parallel state must already be set up with this layout.
+    """
+    from megatron_ext.checkpoint import CheckpointError, load_checkpoint, read_metadata
+    from megatron_ext.model import BuildOptions, build_model
+
+    try:
+        meta = read_metadata(checkpoint)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    hf_cfg = meta.get("hf_config")
+    if not hf_cfg:
+        raise EvalError(f"{checkpoint}: its metadata has no hf_config; it was not written by megatron_ext")
+    opts = BuildOptions(tensor=tensor, pipeline=pipeline, context=context, device=device, precision=precision,
+                        attention=attention, cp_comm_type=cp_comm_type,
+                        seq_length=int(hf_cfg.get("max_position_embeddings") or 4096), loss_head="chunked")
+    model = build_model(hf_cfg, opts)
+    try:
+        load_checkpoint(checkpoint, [model], weights_only=True)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    return model.eval(), hf_cfg, meta.get("tokenizer")
+
+
+def _tokenizer(location):
+    from transformers import AutoTokenizer
+
+    if not location:
+        raise EvalError("the checkpoint records no tokenizer: give --tokenizer DIR_OR_NAME")
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"tokenizer {location}: cannot load it ({e}); give --tokenizer DIR_OR_NAME") from None
+
+
+@dataclass
+class Engine:
+    """The model of this rank and what the evaluations need around it."""
+
+    model: object
+    hf_config: dict
+    tokenizer: object
+    device: torch.device
+    precision: str
+    layout: dict  # tensor, pipeline, context, data
+    rank0: bool
+
+    def greedy(self, max_new_tokens: int, kv_cache: bool = True, until_number: bool = True) -> "MegatronGreedy":
+        """The greedy `generate` of this engine: stops at the tokenizer's or the model's EOS, or (`until_number`, NIAH)
+        once the first number of the answer is settled. `kv_cache`: decode steps after the prompt's pass (else
+        full passes)."""
+        from megatron_ext.evaluate.generate import eos_ids
+        from megatron_ext.evaluate.parallel import MegatronGreedy
+        from megatron_ext.evaluate.speculative import number_settled
+
+        tok = self.tokenizer
+        eos = eos_ids(SimpleNamespace(config=SimpleNamespace(eos_token_id=self.hf_config.get("eos_token_id"))), tok)
+        settled = (lambda ids: number_settled(tok.decode(ids, skip_special_tokens=True))) if until_number else None
+        return MegatronGreedy(self.model, self.hf_config["vocab_size"], max_new_tokens, eos, device=self.device,
+                              settled=settled, kv_cache=kv_cache)
+
+    def announce(self, tag: str, lengths, greedy: "MegatronGreedy", force: bool) -> int:
+        """Print (rank 0) the layout, the tokens per rank and the KV cache per rank at the longest length that will
+        run (the shortest when none is within max_position_embeddings: that error comes later); return it."""
+        from megatron_ext.evaluate.loading import human_bytes, kv_cache_bytes_per_token
+
+        max_pos = self.hf_config.get("max_position_embeddings")
+        longest = max(n for n in lengths if force or not max_pos or n <= max_pos or n == min(lengths))
+        if self.rank0:
+            per_token = kv_cache_bytes_per_token(self.hf_config, 2 if self.precision == "bf16" else 4)
+            l = self.layout
+            per_rank = longest * per_token / (l["tensor"] * l["pipeline"] * l["context"])  # split over a replica
+            cache = f", KV cache {human_bytes(per_rank)} per rank" if greedy.cache is not None else ", no KV cache"
+            print(f"[{tag}] {self.describe()}; {longest // l['context']:,} tokens per rank at {longest:,}{cache}",
+                  flush=True)
+        return longest
+
+    def record(self, settings: dict, greedy: "MegatronGreedy") -> None:
+        """Put the engine, its layout and precision, and the full passes and decode steps of all replicas into a
+        result's `settings` (a collective: every rank calls it)."""
+        from megatron.core import parallel_state as ps
+
+        counts = torch.tensor([greedy.passes, greedy.decode_steps], device=self.device)
+        dist.all_reduce(counts, group=ps.get_data_parallel_group())
+        settings.update(engine="megatron", layout=self.layout, dtype=self.precision, kv_cache=greedy.cache is not None,
+                        forward_passes=int(counts[0]), decode_steps=int(counts[1]))
+
+    def describe(self) -> str:
+        l = self.layout
+        return (f"Megatron engine: TP {l['tensor']} x PP {l['pipeline']} x CP {l['context']}, DP {l['data']} "
+                f"({dist.get_world_size()} ranks, {self.precision})")
+
+
+@contextmanager
+def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str | None = None,
+                    dtype: str | None = None, tokenizer=None, needs_tokenizer: bool = True) -> Iterator[Engine]:
+    """Start the process group for this job's ranks (torchrun or srun; DP = world / (TP x PP x CP)), load the
+    checkpoint at that layout, and end the group on exit. `tokenizer`: a directory or name (default: the one
+    the checkpoint records)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.evaluate.loading import resolve_dtype
+    from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
+
+    if not Path(checkpoint).is_dir():
+        raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
+                        "the output of tools/convert.py to-megatron")
+    world = process_env().world_size
+    if min(tensor, pipeline, context) < 1 or world % (tensor * pipeline * context):
+        raise EvalError(f"--tp {tensor} x --pp {pipeline} x --cp {context} must divide the {world} processes "
+                        "(start as many as TP x PP x CP x DP with torchrun --nproc-per-node or srun)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(resolve_dtype(dtype, torch.device(device)))
+    if precision is None:
+        raise EvalError(f"--dtype {dtype}: the Megatron engine runs bf16 or fp32")
+    init_distributed(device, tensor=tensor, pipeline=pipeline, context=context)
+    try:
+        model, hf_cfg, recorded = load_megatron_for_eval(checkpoint, tensor=tensor, pipeline=pipeline, context=context,
+                                                         device=device, precision=precision)
+        layout = {"tensor": tensor, "pipeline": pipeline, "context": context,
+                  "data": ps.get_data_parallel_world_size()}
+        where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        tok = _tokenizer(tokenizer or recorded) if needs_tokenizer else None
+        engine = Engine(model, hf_cfg, tok, where, precision, layout, dist.get_rank() == 0)
+        with warnings.catch_warnings():
+            if not engine.rank0:  # one copy of each warning
+                warnings.simplefilter("ignore")
+            yield engine
+    finally:
+        destroy_distributed()
