@@ -1,7 +1,8 @@
 """Submit training stages to Slurm from Python (a login node) through submitit.
 
     python -m megatron_ext.launch --recipe recipes/cpt_1m.yaml --stages cpt_1m,sft \
-        [--nodes N --gpus-per-node G --partition P --account A --time T] [--niah LENGTHS] [--dry-run] [--wait] \
+        [--nodes N --gpus-per-node G --partition P --account A --time T] [--niah LENGTHS] [--ruler LENGTHS] \
+        [--dry-run] [--wait] \
         [dotted.key=value ...] [STAGE:dotted.key=value ...]
 
 Each stage is one recipe, run as one Slurm job of `nodes x gpus_per_node` tasks (one per GPU);
@@ -11,7 +12,8 @@ one `--recipe` runs. Overrides apply to every stage; `STAGE:key=value` only to t
 Nodes and GPUs per node default to the recipe's `cluster` block (the recipe is the source of truth).
 `--niah 128K:1M:4` adds one more job after the last stage: NIAH of its checkpoint on the Megatron engine
 (`tools/niah.py --engine megatron`, what slurm/pipeline.sh --niah runs) at the TP x CP of the stage with the
-longest sequences, chat prompts after an SFT stage, results in `<checkpoint.dir>_niah/`.
+longest sequences, chat prompts after an SFT stage, results in `<checkpoint.dir>_niah/`; `--ruler LENGTHS` one
+more for the RULER-style tasks (`launch_eval.py`).
 
 Preemption and time limits: the jobs are sent USR1 `signal_delay_s` before the limit (and on
 `scancel --signal=USR1`); the trainer saves a checkpoint and returns `EXIT_REQUEUE`, and rank 0 then
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -196,46 +199,6 @@ class TrainStage:
         return submitit.helpers.DelayedSubmission(TrainStage(self.recipe, self.overrides))
 
 
-class EvalStage:
-    """The callable each task of the evaluation job runs: `tools/niah.py` with these arguments."""
-
-    def __init__(self, argv: list[str]):
-        self.argv = list(argv)
-
-    def __call__(self) -> dict:
-        import json
-
-        from megatron_ext.evaluate.cli import main
-
-        main(self.argv)  # a mistake ends in SystemExit("error: ..."), which submitit reports
-        out = Path(self.argv[self.argv.index("--out") + 1])
-        result = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
-        return {"stage": "niah", "out": str(out), "accuracy": result.get("accuracy")}
-
-
-def niah_job(args, recipes: list[Recipe]) -> tuple[list[str], dict]:
-    """`tools/niah.py` arguments and submitit parameters of the evaluation after the last stage (`--niah`)."""
-    from megatron_ext.evaluate.cli_args import parse_lengths
-
-    try:  # a bad value fails before anything is submitted
-        parse_lengths(args.niah)
-    except EvalError as e:
-        raise RecipeError(f"--niah {args.niah!r}: {str(e).removeprefix('--lengths: ')}") from None
-    last, longest = recipes[-1], max(recipes, key=lambda r: r.train.seq_length)
-    tp, cp = longest.parallel.tensor, longest.parallel.context
-    per_node = min(tp * cp, longest.cluster.gpus_per_node)
-    out = str(last.checkpoint.dir).rstrip("/") + "_niah"
-    argv = ["--megatron", str(last.checkpoint.dir), "--engine", "megatron", "--tp", str(tp), "--cp", str(cp),
-            "--lengths", args.niah, "--depths", "0:100:10", "--out", out, "--no-progress"]
-    argv += ["--chat"] if last.train.stage == "sft" else []
-    params = slurm_parameters(args, longest, Stage("niah", ""))
-    params.update(job_name="niah", nodes=-(-tp * cp // per_node), ntasks_per_node=per_node, additional_parameters={})
-    params.pop("signal_delay_s")  # nothing to save: no early warning before the time limit
-    if "gpus_per_node" in params:
-        params["gpus_per_node"] = per_node
-    return argv, params
-
-
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -255,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--folder", default="logs/submitit/%j", help="submitit logs and pickles (%%j: job id)")
     p.add_argument("--niah", metavar="LENGTHS", help="after the last stage, NIAH of its checkpoint at these lengths "
                    "(e.g. 128K:1M:4) on the Megatron engine, at the TP x CP of the longest-sequence stage")
+    p.add_argument("--ruler", metavar="LENGTHS", help="then the RULER-style tasks (tools/niah.py ruler --tasks all) "
+                   "at these lengths, the same way")
     p.add_argument("--dry-run", action="store_true", help="validate and print what would be submitted")
     p.add_argument("--wait", action="store_true", help="wait for the last stage and print every stage's result")
     p.add_argument("--check", action="store_true", help="only validate the recipe for --world-size tasks "
@@ -323,7 +288,7 @@ def submit(args, plan: list[Stage]) -> int:
         # Later stages read what earlier ones write: their paths are checked when they start.
         recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
-    niah = niah_job(args, [r for r, _ in jobs_params]) if args.niah else None
+    evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 
     if args.dry_run:
         for i, (stage, (recipe, params)) in enumerate(zip(plan, jobs_params)):
@@ -340,13 +305,13 @@ def submit(args, plan: list[Stage]) -> int:
                 print(f"  setup: {line.replace(str(PROJECT_ROOT), '<project>')}")
             run = ["python", "-m", "megatron_ext.train", "--recipe", stage.recipe, *stage.overrides]
             print(f"  run per task: {shlex.join(run)}")
-        if niah is not None:
-            argv, params = niah
-            print(f"then niah: {params['nodes'] * params['ntasks_per_node']} processes, after stage {len(plan)}")
-            shown = dict(params, additional_parameters={"dependency": f"afterok:<job of stage {len(plan)}>"})
+        for i, (stage, params) in enumerate(evals):
+            after = evals[i - 1][0].name if i else f"stage {len(plan)}"
+            print(f"then {stage.name}: {params['nodes'] * params['ntasks_per_node']} processes, after {after}")
+            shown = dict(params, additional_parameters={"dependency": f"afterok:<job of {after}>"})
             for key in sorted(k for k in shown if k != "setup"):
                 print(f"  sbatch {key}: {shown[key]}")
-            print(f"  run per task: {shlex.join(['python', 'tools/niah.py', *argv])}")
+            print(f"  run per task: {shlex.join(['python', 'tools/niah.py', *stage.argv])}")
         return 0
 
     os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", PREEMPT_SIGNAL)
@@ -364,13 +329,13 @@ def submit(args, plan: list[Stage]) -> int:
         print(f"submitted {stage.name}: job {job.job_id} ({describe(recipe, params['nodes'] * params['ntasks_per_node'])})",
               flush=True)
         jobs.append(job)
-    if niah is not None:
+    for stage, params in evals:  # one after the other, like slurm/pipeline.sh
         executor = submitit.SlurmExecutor(folder=args.folder)
-        argv, params = niah
         executor.update_parameters(**dict(params, additional_parameters={"dependency": f"afterok:{jobs[-1].job_id}"}))
-        jobs.append(executor.submit(EvalStage(argv)))
-        plan = [*plan, Stage("niah", "")]
-        print(f"submitted niah: job {jobs[-1].job_id} ({shlex.join(['tools/niah.py', *argv])})", flush=True)
+        jobs.append(executor.submit(stage))
+        plan = [*plan, Stage(stage.name, "")]
+        print(f"submitted {stage.name}: job {jobs[-1].job_id} ({shlex.join(['tools/niah.py', *stage.argv])})",
+              flush=True)
     if args.wait:
         for i, (stage, job) in enumerate(zip(plan, jobs)):
             try:

@@ -163,7 +163,7 @@ stage_main() {
 
 # eval_main [tools/niah.py arguments]: NIAH (or `ruler ...`, `ppl ...`, `generate ...`) of a Megatron checkpoint
 # with --engine megatron on every task of the job. Each task reads its rank from Slurm's env; rank 0 writes the
-# results and the log. A NIAH grid or RULER run saves its results after each length (and task) and every 5 minutes;
+# results and the log. A NIAH grid or RULER run saves its results after each length (and task) and every minute;
 # on the warning signal (USR1) before the time limit this script stops the tasks and requeues the job, and the
 # requeued job adds --resume, so it runs only the cells its results lack. ppl and generate run to the end.
 stop_evaluation() {

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Submit the whole UltraLong run as a chain of Slurm jobs, each starting after the previous one
 # succeeded (--dependency=afterok):
-#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> NIAH -> export (to-hf)
+#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> NIAH -> RULER -> export (to-hf)
 #
 #   bash slurm/pipeline.sh [--cpt cpt_1m|cpt_2m|cpt_4m] [--hf DIR] [--export DIR] [--sft-recipe FILE]
-#                          [--no-sft] [--niah LENGTHS] [--dry-run] [dotted.key=value ...]
+#                          [--no-sft] [--niah LENGTHS] [--ruler LENGTHS] [--dry-run] [dotted.key=value ...]
 #
 #   --cpt      CPT stage script/recipe (default cpt_1m)
 #   --hf       HF model folder to convert first (default: no conversion job; the CPT recipe's
@@ -15,6 +15,8 @@
 #   --niah     evaluate the last stage's checkpoint at these lengths (e.g. 128K:1M:4) with slurm/niah.sh on the
 #              Megatron engine, at the CPT recipe's TP x CP, before the export (default: no evaluation job);
 #              chat prompts after SFT; results in <checkpoint.dir>_niah/
+#   --ruler    the same for the RULER-style tasks (tools/niah.py ruler --tasks all), e.g. 128K,512K,1M; results in
+#              <checkpoint.dir>_ruler/
 #   --dry-run  print the sbatch commands instead of submitting
 # Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>.
 # SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
@@ -24,7 +26,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-CPT=cpt_1m HF="" EXPORT="" SFT_RECIPE="" SFT=1 DRY=0 NIAH=""
+CPT=cpt_1m HF="" EXPORT="" SFT_RECIPE="" SFT=1 DRY=0 NIAH="" RULER=""
 OVERRIDES=()
 while (($#)); do
   case $1 in
@@ -34,6 +36,7 @@ while (($#)); do
     --sft-recipe) SFT_RECIPE=$2; shift 2 ;;
     --no-sft) SFT=0; shift ;;
     --niah) NIAH=$2; shift 2 ;;
+    --ruler) RULER=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
     --*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;;
@@ -102,6 +105,8 @@ CPT_RECIPE=recipes/$CPT.yaml
 CPT_DIR=$(field "$CPT_RECIPE" checkpoint.dir "${OVERRIDES[@]}")
 [[ -n $HF ]] && INIT=$(field "$CPT_RECIPE" checkpoint.init_from "${OVERRIDES[@]}")
 LAST_DIR=$CPT_DIR
+[[ -n $NIAH ]] && { "$PYTHON" -m megatron_ext.launch_eval --niah "$NIAH" || exit 1; }
+[[ -n $RULER ]] && { "$PYTHON" -m megatron_ext.launch_eval --ruler "$RULER" || exit 1; }
 ((SFT)) && LAST_DIR=$(field "$SFT_RECIPE" checkpoint.dir "checkpoint.init_from=$CPT_DIR")
 
 if [[ -n $HF ]]; then
@@ -110,16 +115,24 @@ if [[ -n $HF ]]; then
 fi
 submit "$CPT" "slurm/$CPT.sh" "${OVERRIDES[@]}"
 ((SFT)) && submit sft --export="ALL,RECIPE=$SFT_RECIPE" slurm/sft.sh "checkpoint.init_from=$CPT_DIR"
-if [[ -n $NIAH ]]; then
-  # The CPT layout holds the longest sequences; NIAH's forward passes need less memory than its training steps.
+# eval_job NAME COMMAND [tools/niah.py arguments]: slurm/niah.sh [COMMAND] on the last stage's checkpoint at the CPT
+# layout, results in <checkpoint.dir>_NAME/, chat prompts after SFT.
+eval_job() {
+  local name=$1 command=$2
+  shift 2
+  local -a args=(${command:+"$command"} --megatron "$LAST_DIR" --tp "$TP" --cp "$CP" "$@" --out "${LAST_DIR%/}_$name"
+    --no-progress)
+  ((SFT)) && args+=(--chat)
+  submit "$name" --job-name="$name" "--nodes=$(((RANKS + PER_NODE - 1) / PER_NODE))" "--ntasks-per-node=$PER_NODE" \
+    "--gpus-per-node=$PER_NODE" slurm/niah.sh "${args[@]}"
+}
+if [[ -n $NIAH || -n $RULER ]]; then
+  # The CPT layout holds the longest sequences; evaluation passes need less memory than its training steps.
   TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
   CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
   RANKS=$((TP * CP)) PER_NODE=$((TP * CP < 8 ? TP * CP : 8))
-  NIAH_ARGS=(--megatron "$LAST_DIR" --tp "$TP" --cp "$CP" --lengths "$NIAH" --depths 0:100:10
-    --out "${LAST_DIR%/}_niah" --no-progress)
-  ((SFT)) && NIAH_ARGS+=(--chat)
-  submit niah "--nodes=$(((RANKS + PER_NODE - 1) / PER_NODE))" "--ntasks-per-node=$PER_NODE" \
-    "--gpus-per-node=$PER_NODE" slurm/niah.sh "${NIAH_ARGS[@]}"
+  [[ -n $NIAH ]] && eval_job niah "" --lengths "$NIAH" --depths 0:100:10
+  [[ -n $RULER ]] && eval_job ruler ruler --lengths "$RULER" --tasks all
 fi
 if [[ -n $EXPORT ]]; then
   need_convert_tool --export

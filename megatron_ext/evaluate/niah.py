@@ -170,7 +170,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
              max_new_tokens: int = 16, batch_tokens: int = 65536, prefill_chunk: int | str | None = "auto",
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
              max_position_embeddings: int | None = None, previous: NiahResult | None = None,
-             on_progress: Callable[[NiahResult], None] | None = None, save_every_s: float = 300.0,
+             on_progress: Callable[[NiahResult], None] | None = None, save_every_s: float = 60.0,
              progress: bool = True, log=print) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
 

@@ -76,7 +76,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
               prefill_chunk: int | str | None = "auto",
               allow_beyond_max_positions: bool = False, max_position_embeddings: int | None = None,
               previous: RulerResult | None = None, on_progress: Callable[[RulerResult], None] | None = None,
-              save_every_s: float = 300.0, progress: bool = True, log=print) -> RulerResult:
+              save_every_s: float = 60.0, progress: bool = True, log=print) -> RulerResult:
     """Run `tasks` (names in `ruler_tasks.TASKS`) at `lengths` (tokens) with `samples` prompts each.
 
     `haystack`: the filler of the retrieval tasks (a Haystack, a text file, or None for the built-in one).

@@ -51,6 +51,22 @@ def test_dry_run_niah_job_after_the_last_stage():
     assert bad.returncode == 1 and bad.stderr.startswith("error: --niah '1Q': '1Q' is not a token count")
 
 
+def test_dry_run_ruler_job_after_the_niah_job():
+    proc = launch("--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--niah", "1M", "--ruler", "128K,1M",
+                  "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    ruler = proc.stdout.split("then ruler: ")[1]
+    assert ruler.startswith("32 processes, after niah") and "dependency': 'afterok:<job of niah>'" in ruler
+    assert "sbatch job_name: ruler\n" in ruler and "sbatch nodes: 4\n" in ruler
+    assert ("run per task: python tools/niah.py ruler --megatron checkpoints/sft_1m --engine megatron --tp 8 --cp 4 "
+            "--lengths 128K,1M --tasks all --out checkpoints/sft_1m_ruler --no-progress --chat") in ruler
+    alone = launch("--recipe", "recipes/cpt_1m.yaml", "--ruler", "128K", "--dry-run")
+    assert "then ruler: 32 processes, after stage 1" in alone.stdout and "then niah" not in alone.stdout
+    assert "--out checkpoints/cpt_1m_ruler --no-progress\n" in alone.stdout  # no --chat after a CPT stage
+    bad = launch("--recipe", "recipes/cpt_1m.yaml", "--ruler", "1Q", "--dry-run")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: --ruler '1Q': '1Q' is not a token count")
+
+
 def test_plan_stages_and_stage_overrides():
     plan = plan_stages("recipes/tiny/cpt.yaml", "cpt,sft", ["a.b=1", "sft:c.d=2"])
     assert [(s.name, s.recipe, s.overrides) for s in plan] == [

@@ -220,3 +220,19 @@ def test_cli_user_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(["ruler", "--model", str(tmp_path), "--out", str(tmp_path / "o"), *argv])
     assert message in str(e.value)
+
+
+def test_the_launchers_evaluation_stage_reports_the_ruler_average(tmp_path):
+    """launch_eval.EvalStage (what each task of `launch --ruler` runs) runs tools/niah.py ruler and returns the
+    average it wrote to ruler.json."""
+    from megatron_ext.launch_eval import EVALUATIONS, EvalStage
+    from tests.unit.test_evaluate import save_tiny
+
+    hf = save_tiny(tmp_path / "hf")
+    ruler = {e.name: e for e in EVALUATIONS}["ruler"]
+    argv = [*ruler.command, "--model", str(hf), "--tasks", "niah_single_1,vt", "--lengths", "200",
+            "--samples", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "out"), "--no-progress"]
+    got = EvalStage("ruler", argv, ruler.results)()
+    written = json.loads((tmp_path / "out/ruler.json").read_text())
+    assert got == {"stage": "ruler", "out": str(tmp_path / "out"), "accuracy": written["accuracy"]}
+    assert len(written["cells"]) == 2

@@ -1,0 +1,97 @@
+"""The evaluation jobs `python -m megatron_ext.launch --niah LENGTHS --ruler LENGTHS` adds after the last stage:
+`tools/niah.py` (NIAH grid) and `tools/niah.py ruler` (RULER-style tasks) on the Megatron engine, one Slurm task
+per rank, at the TP x CP of the stage with the longest sequences, chat prompts after an SFT stage, results in
+`<checkpoint.dir>_niah/` and `<checkpoint.dir>_ruler/`. slurm/pipeline.sh --niah/--ruler submit the same."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.recipe import Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One kind of evaluation job: its tools/niah.py command, fixed arguments and results file."""
+
+    name: str
+    command: tuple[str, ...]
+    arguments: tuple[str, ...]
+    results: str
+
+
+EVALUATIONS = (Evaluation("niah", (), ("--depths", "0:100:10"), "results.json"),
+               Evaluation("ruler", ("ruler",), ("--tasks", "all"), "ruler.json"))
+
+
+class EvalStage:
+    """The callable each task of an evaluation job runs: `tools/niah.py` with these arguments."""
+
+    def __init__(self, name: str, argv: list[str], results: str):
+        self.name, self.argv, self.results = name, list(argv), results
+
+    def __call__(self) -> dict:
+        from megatron_ext.evaluate.cli import main
+
+        main(self.argv)  # a mistake ends in SystemExit("error: ..."), which submitit reports
+        out = Path(self.argv[self.argv.index("--out") + 1])
+        path = out / self.results
+        result = json.loads(path.read_text()) if path.is_file() else {}
+        return {"stage": self.name, "out": str(out), "accuracy": result.get("accuracy")}
+
+
+def check_lengths(option: str, spec: str) -> None:
+    """RecipeError naming `option` when `spec` is not a list of lengths (before anything is submitted)."""
+    from megatron_ext.evaluate.cli_args import parse_lengths
+
+    try:
+        parse_lengths(spec)
+    except EvalError as e:
+        raise RecipeError(f"{option} {spec!r}: {str(e).removeprefix('--lengths: ')}") from None
+
+
+def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalStage, dict]]:
+    """(what each task runs, submitit parameters) of the evaluations asked for (`--niah`, `--ruler`), each after the
+    last stage. `slurm_parameters(args, recipe, name)` sizes a job like the stage's."""
+    jobs = []
+    last, longest = recipes[-1], max(recipes, key=lambda r: r.train.seq_length)
+    tp, cp = longest.parallel.tensor, longest.parallel.context
+    per_node = min(tp * cp, longest.cluster.gpus_per_node)
+    for ev in EVALUATIONS:
+        lengths = getattr(args, ev.name)
+        if not lengths:
+            continue
+        check_lengths(f"--{ev.name}", lengths)
+        out = str(last.checkpoint.dir).rstrip("/") + f"_{ev.name}"
+        argv = [*ev.command, "--megatron", str(last.checkpoint.dir), "--engine", "megatron", "--tp", str(tp),
+                "--cp", str(cp), "--lengths", lengths, *ev.arguments, "--out", out, "--no-progress"]
+        argv += ["--chat"] if last.train.stage == "sft" else []
+        params = slurm_parameters(args, longest, ev.name)
+        params.update(job_name=ev.name, nodes=-(-tp * cp // per_node), ntasks_per_node=per_node,
+                      additional_parameters={})
+        params.pop("signal_delay_s")  # no early warning: a stopped evaluation is resubmitted with --resume
+        if "gpus_per_node" in params:
+            params["gpus_per_node"] = per_node
+        jobs.append((EvalStage(ev.name, argv, ev.results), params))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_ext.launch_eval OPTION LENGTHS`: one error line and status 1 when LENGTHS is not a list of
+    lengths (slurm/pipeline.sh checks --niah and --ruler before it submits anything)."""
+    import sys
+
+    option, spec = argv if argv is not None else sys.argv[1:3]
+    try:
+        check_lengths(option, spec)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
