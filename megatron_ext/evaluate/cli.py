@@ -154,8 +154,10 @@ def _run_ruler(args) -> None:
 
     def save(result) -> tuple[Path, Path]:
         result.settings.update(model=str(args.model or args.megatron), model_version=version)
+        title = (f"# RULER-style tasks: {args.model or args.megatron}\n\n{args.samples} prompts per task and "
+                 f"length, scores in percent ({'chat' if args.chat else 'plain'} prompts).\n\n")
         return (write_json_atomic(args.out / "ruler.json", result.to_dict()),
-                write_text_atomic(args.out / "ruler.md", result.table() + "\n"))
+                write_text_atomic(args.out / "ruler.md", title + result.table() + "\n"))
 
     previous = _previous_grid(args, version, "ruler.json", RulerResult) if args.resume else None
     common = dict(samples=args.samples, seed=args.seed, chat=args.chat, haystack=args.haystack,

@@ -64,7 +64,7 @@ FWE_ALPHA, FWE_TOP = 2.0, 3      # Zipf exponent of the coded words; how many ar
 
 _NOISE = ("The sky is clear and the air is still. The path goes on and the day goes by. "
           "Here we are, and here we stay. Back and forth the water moves.")  # digit-free, like the filler
-_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+_CONSONANTS, _VOWELS = "bdfghjklmnprstvwz", "aeiou"  # 85 syllables: 614,125 words of three
 _NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
@@ -85,11 +85,12 @@ def match_all(output: str, answers: list[str]) -> float:
 
 
 def pseudo_words(rng: random.Random, n: int, taken: set[str] | None = None) -> list[str]:
-    """`n` distinct pronounceable non-words of 2-3 syllables (`bolami`), none in `taken` (which they join)."""
+    """`n` distinct pronounceable non-words of three syllables (`bolami`), none in `taken` (which they join). All of
+    one length, so no answer word is part of another (the score looks for substrings)."""
     taken = set() if taken is None else taken
     out: list[str] = []
     while len(out) < n:
-        w = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.choice((2, 3, 3))))
+        w = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(3))
         if w not in taken:
             taken.add(w)
             out.append(w)

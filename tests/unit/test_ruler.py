@@ -87,7 +87,8 @@ def test_every_prompt_holds_its_answer_and_no_other(tok, builder, name, length):
 def test_a_reader_that_breaks_the_rule_scores_less(tok, builder, name):
     scores = []
     for sample_no in range(6):
-        sample = builder.build(TASKS[name], 4096, random.Random(f"3:{name}:{sample_no}"))
+        length = 12000 if name == "cwe" else 4096  # at 4K this tokenizer fits few rare words: the first are common
+        sample = builder.build(TASKS[name], length, random.Random(f"3:{name}:{sample_no}"))
         scores.append(match_all(read_answer(tok.decode(sample.ids, skip_special_tokens=True), broken=True),
                                 sample.answers))
     assert sum(scores) / len(scores) < 0.6, scores
@@ -129,7 +130,7 @@ def test_scoring_pieces():
     assert match_all("ABC", ["abc"]) == 1.0
     assert zipf_counts(36, 2.0) == [36, 9, 4, 2, 1, 1]
     words = pseudo_words(random.Random(0), 500)
-    assert len(set(words)) == 500 and all(re.fullmatch(r"[a-z]{4,6}", w) for w in words)
+    assert len(set(words)) == 500 and all(re.fullmatch(r"([bdfghjklmnprstvwz][aeiou]){3}", w) for w in words)
     assert task_names("vt,niah") == [n for n in TASKS if n.startswith("niah_")] + ["vt"]
     assert task_names("all") == list(TASKS)
     with pytest.raises(EvalError, match="--tasks: qa_1 is not a task"):
