@@ -308,7 +308,8 @@ def submit(args, plan: list[Stage]) -> int:
         for i, (stage, params) in enumerate(evals):
             after = evals[i - 1][0].name if i else f"stage {len(plan)}"
             print(f"then {stage.name}: {params['nodes'] * params['ntasks_per_node']} processes, after {after}")
-            shown = dict(params, additional_parameters={"dependency": f"afterok:<job of {after}>"})
+            shown = dict(params, additional_parameters=dict(params["additional_parameters"],
+                                                            dependency=f"afterok:<job of {after}>"))
             for key in sorted(k for k in shown if k != "setup"):
                 print(f"  sbatch {key}: {shown[key]}")
             print(f"  run per task: {shlex.join(['python', 'tools/niah.py', *stage.argv])}")
@@ -330,8 +331,9 @@ def submit(args, plan: list[Stage]) -> int:
               flush=True)
         jobs.append(job)
     for stage, params in evals:  # one after the other, like slurm/pipeline.sh
-        executor = submitit.SlurmExecutor(folder=args.folder)
-        executor.update_parameters(**dict(params, additional_parameters={"dependency": f"afterok:{jobs[-1].job_id}"}))
+        executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
+        executor.update_parameters(**dict(params, additional_parameters=dict(
+            params["additional_parameters"], dependency=f"afterok:{jobs[-1].job_id}")))
         jobs.append(executor.submit(stage))
         plan = [*plan, Stage(stage.name, "")]
         print(f"submitted {stage.name}: job {jobs[-1].job_id} ({shlex.join(['tools/niah.py', *stage.argv])})",

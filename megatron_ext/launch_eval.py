@@ -28,7 +28,12 @@ EVALUATIONS = (Evaluation("niah", (), ("--depths", "0:100:10"), "results.json"),
 
 
 class EvalStage:
-    """The callable each task of an evaluation job runs: `tools/niah.py` with these arguments."""
+    """The callable each task of an evaluation job runs: `tools/niah.py` with these arguments.
+
+    Checkpointable: on the time-limit warning or a preemption (USR1) submitit asks rank 0 for `checkpoint` and
+    requeues the job with what it returns, the same evaluation with `--resume`: it keeps the cells the results file
+    has (saved after each length and every minute) and runs the others.
+    """
 
     def __init__(self, name: str, argv: list[str], results: str):
         self.name, self.argv, self.results = name, list(argv), results
@@ -41,6 +46,12 @@ class EvalStage:
         path = out / self.results
         result = json.loads(path.read_text()) if path.is_file() else {}
         return {"stage": self.name, "out": str(out), "accuracy": result.get("accuracy")}
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        argv = self.argv if "--resume" in self.argv else [*self.argv, "--resume"]
+        return submitit.helpers.DelayedSubmission(EvalStage(self.name, argv, self.results))
 
 
 def check_lengths(option: str, spec: str) -> None:
@@ -69,10 +80,8 @@ def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalS
         argv = [*ev.command, "--megatron", str(last.checkpoint.dir), "--engine", "megatron", "--tp", str(tp),
                 "--cp", str(cp), "--lengths", lengths, *ev.arguments, "--out", out, "--no-progress"]
         argv += ["--chat"] if last.train.stage == "sft" else []
-        params = slurm_parameters(args, longest, ev.name)
-        params.update(job_name=ev.name, nodes=-(-tp * cp // per_node), ntasks_per_node=per_node,
-                      additional_parameters={})
-        params.pop("signal_delay_s")  # no early warning: a stopped evaluation is resubmitted with --resume
+        params = slurm_parameters(args, longest, ev.name)  # with the USR1 warning and requeue: see EvalStage
+        params.update(job_name=ev.name, nodes=-(-tp * cp // per_node), ntasks_per_node=per_node)
         if "gpus_per_node" in params:
             params["gpus_per_node"] = per_node
         jobs.append((EvalStage(ev.name, argv, ev.results), params))

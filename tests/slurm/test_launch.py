@@ -44,7 +44,8 @@ def test_dry_run_niah_job_after_the_last_stage():
     niah = proc.stdout.split("then niah: ")[1]
     assert niah.startswith("32 processes, after stage 2")  # cpt_1m's TP 8 x CP 4
     assert "sbatch nodes: 4\n" in niah and "sbatch ntasks_per_node: 8\n" in niah
-    assert "dependency': 'afterok:<job of stage 2>'" in niah and "signal_delay_s" not in niah
+    assert "dependency': 'afterok:<job of stage 2>'" in niah and "'requeue': True" in niah
+    assert "sbatch signal_delay_s: 600\n" in niah  # the USR1 warning: the evaluation requeues with --resume
     assert ("run per task: python tools/niah.py --megatron checkpoints/sft_1m --engine megatron --tp 8 --cp 4 "
             "--lengths 128K:1M:4 --depths 0:100:10 --out checkpoints/sft_1m_niah --no-progress --chat") in niah
     bad = launch("--recipe", "recipes/cpt_1m.yaml", "--niah", "1Q", "--dry-run")
@@ -135,25 +136,38 @@ def test_submitit_chain_cpt_then_sft(slurm_cluster, tmp_path, token_data, sft_da
     assert rows[jobs[1]][1] >= rows[jobs[0]][2], acct  # ISO times compare as strings
 
 
-def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data):
-    """submitit path: USR1 to the tasks -> the trainer saves -> rank 0 requeues -> the rerun resumes."""
+def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data, toy_tokenizer):
+    """submitit path: USR1 to the tasks -> the trainer saves -> rank 0 requeues -> the rerun resumes. Then the NIAH
+    job after it: USR1 -> submitit requeues it with --resume -> the rerun keeps the saved cells and runs the rest."""
     run = tmp_path / "run"
     args = ["--recipe", "recipes/tiny/cpt.yaml", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
             "--time", "30", "--folder", str(tmp_path / "submitit/%j"), "--wait", f"data.prefix={token_data}",
-            *TINY_OVERRIDES, "train.steps=24", f"checkpoint.dir={run}"]
+            *TINY_OVERRIDES, "train.steps=24", f"checkpoint.dir={run}", f"model.tokenizer={toy_tokenizer}",
+            "--niah", "256,512,1024,2048"]
+
+    def usr1_once(name: str, ready) -> str:
+        deadline = time.time() + 300
+        while not ready():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        job = subprocess.run(["squeue", "-h", "-o", "%i", "-n", name], capture_output=True,
+                             text=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@T does
+        return job
+
     with RequeueNow() as requeue:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_ext.launch", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=ROOT, env=job_env())
-        deadline = time.time() + 300
-        while len(metrics(run)) < 2:
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.05)
-        job = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "cpt"], capture_output=True,
-                             text=True).stdout.split()[0]
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@T does
-        stdout, stderr = proc.communicate(timeout=400)
+        job = usr1_once("cpt", lambda: len(metrics(run)) >= 2)
+        niah_job = usr1_once("niah", lambda: (tmp_path / "run_niah/results.json").is_file())
+        stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert job in requeue.released
+    assert job in requeue.released and niah_job in requeue.released
     logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.out"))
     assert f"requeueing job {job}" in logs and "resumed from" in logs, logs[-3000:]
     assert [m["step"] for m in metrics(run)] == list(range(1, 25))
+    kept = [line for line in logs.splitlines() if " of 44 cells kept from the earlier run" in line]
+    assert len(kept) == 1 and 11 <= int(kept[0].split("[niah] ")[1].split()[0]) < 44, logs[-3000:]
+    niah = json.loads((tmp_path / "run_niah/results.json").read_text())
+    assert len(niah["cells"]) == 44 and all(c["score"] is not None for c in niah["cells"])
+    assert "done niah" in stdout
