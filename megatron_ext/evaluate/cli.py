@@ -173,6 +173,10 @@ def _run_ruler(args) -> None:
             return
     else:
         with _model(args) as (model, tokenizer):
+            max_pos = getattr(model.config, "max_position_embeddings", None)
+            ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
+            if ran:
+                _print_memory_note(model, max(ran), min(args.samples, max(1, args.batch_tokens // max(ran))), "ruler")
             result = run_ruler(model, tokenizer, tasks, lengths, batch_tokens=args.batch_tokens,
                                prefill_chunk=args.chunk, **common)
     js, md = save(result)
