@@ -152,7 +152,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
                        "(default: built-in)")
     ruler.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ruler.add_argument("--max-new-tokens", type=int, default=None, help="answer budget of every task (default: "
-                       "RULER's per task: 128 retrieval, 30 vt, 120 cwe, 50 fwe)")
+                       "per task: 128 retrieval, 50 vt, 120 cwe, 50 fwe)")
     ruler.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch; hf engine only")
     _no_kv_cache(ruler)
     ruler.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
