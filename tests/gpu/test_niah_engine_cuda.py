@@ -4,7 +4,7 @@ The CPU tests cover TP/PP/CP/DP on gloo; this one covers the CUDA path of one ra
 (TE's spec where TE imports, else torch SDPA), NCCL collectives of size 1, tensors on the device. Oracle:
 transformers' LlamaForCausalLM on the same GPU, fp32 (greedy token after every position, token losses, and the
 same through the KV cache: a prefill of 150 tokens, then decode steps of one token and one of ten); bf16 losses
-within 0.05 of fp32.
+within 0.05 of fp32; rows of different lengths in one call (RULER-style runs) decoded as transformers does.
 """
 
 import subprocess
@@ -68,3 +68,21 @@ def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
         del model
     assert (losses["fp32"] - want_losses).abs().max() < 1e-3
     assert (losses["bf16"] - want_losses).abs().mean() < 0.05
+
+
+def test_rows_of_different_lengths_on_cuda(checkpoint, gpu_state):
+    """What the RULER-style runs send the engine: one call with prompts of different lengths; each row's greedy
+    continuation (KV cache on) equals transformers' on the GPU."""
+    from megatron_ext.evaluate import greedy_generate, load_hf
+    from megatron_ext.evaluate.engine import load_megatron_for_eval
+    from megatron_ext.evaluate.parallel import MegatronGreedy
+
+    hf, _ = load_hf(checkpoint / "hf", "cuda", "fp32")
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 500, (n,), generator=gen) for n in (77, 120, 201)]
+    want = [greedy_generate(hf, row[None].cuda(), 6, eos_token_ids=(2,), prefill_chunk=None)[0] for row in rows]
+    model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision="fp32")
+    engine = MegatronGreedy(model, cfg["vocab_size"], 6, eos_token_ids=(2,),
+                            device=torch.device("cuda", torch.cuda.current_device()))
+    assert engine([row.tolist() for row in rows]) == want
+    assert engine.passes == 3
