@@ -104,6 +104,13 @@ class Engine:
                   flush=True)
         return longest
 
+    def run_arguments(self, longest: int, on_progress, progress: bool) -> dict:
+        """What `run_niah` and `run_ruler` take from the engine: rank 0 alone saves, shows progress and logs, and a
+        batch holds a row per data-parallel replica at the longest length."""
+        return dict(max_position_embeddings=self.hf_config.get("max_position_embeddings"),
+                    batch_tokens=self.layout["data"] * longest, on_progress=on_progress if self.rank0 else None,
+                    progress=progress and self.rank0, log=print if self.rank0 else None, prefill_chunk=None)
+
     def record(self, settings: dict, greedy: "MegatronGreedy") -> None:
         """Put the engine, its layout and precision, and the full passes and decode steps of all replicas into a
         result's `settings` (a collective: every rank calls it)."""

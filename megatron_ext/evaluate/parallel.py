@@ -229,10 +229,7 @@ def run_niah_megatron(checkpoint, lengths, depths, *, tensor: int = 1, pipeline:
         generate = engine.greedy(max_new_tokens, kv_cache=kv_cache)
         longest = engine.announce("niah", lengths, generate, niah_kwargs.get("allow_beyond_max_positions", False))
         result = run_niah(None, engine.tokenizer, lengths, depths, generate=generate, max_new_tokens=max_new_tokens,
-                          max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
-                          batch_tokens=engine.layout["data"] * longest,  # one row per replica at the longest length
-                          on_progress=on_progress if engine.rank0 else None, progress=progress and engine.rank0,
-                          log=print if engine.rank0 else None, prefill_chunk=None, **niah_kwargs)
+                          **engine.run_arguments(longest, on_progress, progress), **niah_kwargs)
         engine.record(result.settings, generate)
         return result
 

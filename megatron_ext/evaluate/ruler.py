@@ -246,9 +246,6 @@ def run_ruler_megatron(checkpoint, tasks, lengths, *, tensor: int = 1, pipeline:
         generate.ragged = True  # each row runs alone through the engine: any lengths in one call
         longest = engine.announce("ruler", lengths, greedy, ruler_kwargs.get("allow_beyond_max_positions", False))
         result = run_ruler(None, engine.tokenizer, tasks, lengths, generate=generate,
-                           max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
-                           batch_tokens=engine.layout["data"] * longest,  # a row per replica at the longest length
-                           on_progress=on_progress if engine.rank0 else None, progress=progress and engine.rank0,
-                           log=print if engine.rank0 else None, prefill_chunk=None, **ruler_kwargs)
+                           **engine.run_arguments(longest, on_progress, progress), **ruler_kwargs)
         engine.record(result.settings, greedy)
         return result

@@ -164,8 +164,11 @@ def test_cli_ruler_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_p
     assert [key(c) for c in mg["cells"]] == [key(c) for c in hf["cells"]] and len(hf["cells"]) == 16
     assert len({c["prompt_tokens"] for c in hf["cells"]}) > 2  # needle-haystack and fwe prompts: other lengths
     assert mg["scores"] == hf["scores"] and "| **average** |" in out
-    assert mg["settings"]["forward_passes"] == 16 and (tmp_path / "mg/ruler.md").read_text() == \
-        (tmp_path / "hf/ruler.md").read_text()
+
+    def table(run: str) -> list[str]:  # ruler.md without its title (which names the model)
+        return [line for line in (tmp_path / run / "ruler.md").read_text().splitlines() if line.startswith("|")]
+
+    assert mg["settings"]["forward_passes"] == 16 and table("mg") == table("hf") and len(table("hf")) == 7
 
 
 @pytest.mark.parametrize("argv, message", [
