@@ -116,8 +116,14 @@ class SampleBuilder:
     def __init__(self, tokenizer, haystacks: dict[str, Haystack], chat: bool = False):
         self.tok, self.haystacks, self.chat = tokenizer, haystacks, chat
         self._number_ids: list[list[int]] = [[]]  # entry i: the ids of " i."
+        self._number_tokens: list[int] = [0]  # entry i: len of entries 1..i together
 
     def enc(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens. Straight through the Rust tokenizer where there is one: the
+        transformers wrapper costs ~18 us a text in Python, 30 s for the million numbers of a 4M-token list."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
     def build(self, task: RulerTask, length: int, rng: random.Random) -> RulerSample:
@@ -243,9 +249,9 @@ class SampleBuilder:
         # A length too short for 10 words x 30 and as many rare words lowers the common words' count (down to one more
         # than the rare ones')
         for freq in range(CWE_FREQ, CWE_RARE_FREQ, -1):
-            def words(n_rare: int) -> list[str]:  # the first n_rare of one stream of rare words
+            def words(n_rare: int) -> list[tuple[str, int]]:  # the first n_rare of one stream of rare words
                 rare.extend(pseudo_words(rare_stream, n_rare - len(rare), taken))
-                return common * freq + rare[:n_rare] * CWE_RARE_FREQ
+                return [(w, freq) for w in common] + [(w, CWE_RARE_FREQ) for w in rare[:n_rare]]
 
             try:
                 sample = self._fit_list(task.name, length, rng, head, tail, words, common, lo=CWE_COMMON,
@@ -262,10 +268,10 @@ class SampleBuilder:
         vocab_rng = random.Random(rng.random())
         vocab: list[str] = []
 
-        def words(top_count: int) -> list[str]:
+        def words(top_count: int) -> list[tuple[str, int]]:
             counts = zipf_counts(top_count, FWE_ALPHA)
             vocab.extend(pseudo_words(vocab_rng, len(counts) - len(vocab), set(vocab)))
-            return [w for w, c in zip(vocab, counts) for _ in range(c)]
+            return list(zip(vocab, counts))
 
         head, tail = self._parts(
             "Below is a text of coded words. Keep count of how often each coded word appears.\n\n",
@@ -276,28 +282,27 @@ class SampleBuilder:
         sample.answers = vocab[:FWE_TOP]
         return sample
 
-    def _fit_list(self, name: str, length: int, rng: random.Random, head, tail, words_for, answers, lo: int,
+    def _fit_list(self, name: str, length: int, rng: random.Random, head, tail, counts_for, answers, lo: int,
                   numbered: bool) -> RulerSample:
-        """The prompt whose body is the shuffled `words_for(n)` for the largest `n >= lo` that fits in `length`
-        tokens: numbered items " 1. word 2. word" (`numbered`) or words with a period after every 12th. Items are
-        put together from each word's and number's own tokens, so a size costs no tokenizer call past the first."""
+        """The prompt whose body is the words of `counts_for(n)` ([(word, times)]) shuffled, for the largest
+        `n >= lo` that fits in `length` tokens: numbered items " 1. word 2. word" (`numbered`) or words with a period
+        after every 12th. Items are put together from each word's and number's own tokens, so a size is arithmetic
+        on cached token counts (a 4M-token list is found in seconds)."""
         budget = length - len(head) - len(tail)
         word_ids: dict[str, list[int]] = {}
         period = self.enc(["."])[0]
 
-        def item_ids(words: list[str]) -> list[list[int]]:
-            new = [w for w in dict.fromkeys(words) if w not in word_ids]
+        def size(n: int) -> int:
+            pairs = counts_for(n)
+            new = [w for w, _ in pairs if w not in word_ids]
             if new:
                 word_ids.update(zip(new, self.enc([" " + w for w in new])))
+            items = sum(c for _, c in pairs)
+            total = sum(c * len(word_ids[w]) for w, c in pairs)
             if numbered:
-                self._numbers(len(words))
-            return [word_ids[w] for w in words]
-
-        def size(n: int) -> int:
-            words = words_for(n)
-            total = sum(map(len, item_ids(words)))
-            return total + (sum(map(len, self._number_ids[1:len(words) + 1])) if numbered
-                            else len(period) * (len(words) // 12))
+                self._numbers(items)
+                return total + self._number_tokens[items]
+            return total + len(period) * (items // 12)
 
         if size(lo) > budget:
             raise EvalError(f"{name}: length {length} is too short for its smallest list "
@@ -308,22 +313,26 @@ class SampleBuilder:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
-        words = words_for(lo)
+        words = [w for w, c in counts_for(lo) for _ in range(c)]
         rng.shuffle(words)
         body: list[int] = []
-        for i, ids in enumerate(item_ids(words)):
+        for i, w in enumerate(words):
             if numbered:
                 body += self._number_ids[i + 1]
-            body += ids
+            body += word_ids[w]
             if not numbered and i % 12 == 11:
                 body += period
         return RulerSample(list(head) + body + list(tail), list(answers), [])
 
     def _numbers(self, n: int) -> None:
-        """Token ids of " 1." .. " n." in `self._number_ids[1..n]` (kept across samples)."""
+        """Token ids of " 1." .. " n." in `self._number_ids[1..n]`, and in `self._number_tokens[i]` how many tokens
+        " 1." .. " i." take together (kept across samples)."""
         have = len(self._number_ids)
         if have <= n:
-            self._number_ids += self.enc([f" {i}." for i in range(have, max(n + 1, 2 * have))])
+            more = self.enc([f" {i}." for i in range(have, max(n + 1, 2 * have))])
+            self._number_ids += more
+            for ids in more:
+                self._number_tokens.append(self._number_tokens[-1] + len(ids))
 
 
 def zipf_counts(top_count: int, alpha: float) -> list[int]:

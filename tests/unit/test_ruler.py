@@ -125,6 +125,15 @@ def test_chat_prompts_use_the_template(tok):
     assert text.startswith("<s>[user]\nSecret numbers") and "\n[assistant]\nThe secret number of" in text
 
 
+def test_the_fast_encoding_path_is_the_tokenizers_own(tok):
+    """SampleBuilder.enc goes straight to the Rust tokenizer; it must give what the transformers call gives."""
+    from tests.unit.test_evaluate import make_tokenizer
+
+    texts = [" 1.", " 12345.", " bolami", " The secret number of bolami-tuveko is 4817263.", "\n\nWhat is it?"]
+    for tokenizer in (tok, make_tokenizer()):
+        assert SampleBuilder(tokenizer, {}).enc(texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
 def test_scoring_pieces():
     assert match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
     assert match_all("ABC", ["abc"]) == 1.0
