@@ -95,11 +95,55 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         logits = model(input_ids=nxt[:, None], **_forward_kwargs(model, cache, last_only=True)).logits
-    rows = []
-    for row in out.tolist():
-        hit = [i for i, t in enumerate(row) if t in set(eos_token_ids)]
-        rows.append(row[: hit[0] + 1] if hit else row)
-    return rows
+    return [_cut_at_eos(row, eos_token_ids) for row in out.tolist()]
+
+
+@torch.inference_mode()
+def greedy_generate_rows(model, rows: list[list[int]], max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = (),
+                         prefill_chunk: int | str | None = "auto", pad_token_id: int = 0) -> list[list[int]]:
+    """`greedy_generate` for rows of any lengths in one batch. Rows of one length go to `greedy_generate`; others are
+    left-padded, with an attention mask and positions counted from each row's first token, so each row decodes as it
+    would alone (the mask means a [batch, chunk, length] tensor in every pass: "auto" chunks to keep it under 1 GiB)."""
+    if len({len(r) for r in rows}) == 1:
+        return greedy_generate(model, torch.tensor(rows, dtype=torch.long), max_new_tokens,
+                               eos_token_ids=eos_token_ids, prefill_chunk=prefill_chunk)
+    device = next(model.parameters()).device
+    batch, longest = len(rows), max(map(len, rows))
+    ids = torch.full((batch, longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(batch, longest, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, longest - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, longest - len(row):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]; pads sit at 0 and are masked
+    if prefill_chunk == "auto":
+        prefill_chunk = auto_prefill_chunk(longest, batch, one_pass_up_to=0)
+    chunk = prefill_chunk or longest
+    cache = _cache(model)
+    kwargs = _forward_kwargs(model, cache, last_only=True)
+    for start in range(0, longest, chunk):
+        end = min(start + chunk, longest)
+        logits = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                       **kwargs).logits
+    out = torch.empty(batch, 0, dtype=torch.long, device=device)
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    position = positions[:, -1:]
+    for step in range(max_new_tokens):
+        nxt = logits[:, -1].argmax(-1)  # [B]
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        done |= torch.isin(nxt, eos)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
+        position = position + 1
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, **kwargs).logits
+    return [_cut_at_eos(row, eos_token_ids) for row in out.tolist()]
+
+
+def _cut_at_eos(row: list[int], eos_token_ids) -> list[int]:
+    hit = [i for i, t in enumerate(row) if t in set(eos_token_ids)]
+    return row[: hit[0] + 1] if hit else row
 
 
 GenerateFn = Callable[[torch.Tensor], list[list[int]]]

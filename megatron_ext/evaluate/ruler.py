@@ -26,7 +26,8 @@ from megatron_ext.evaluate.niah import PeriodicSave, _free_device_memory, _mean,
 from megatron_ext.evaluate.ruler_tasks import TASKS, SampleBuilder, match_all, noise_haystack
 
 RulerGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
-"""prompts (rows of token ids; equal lengths unless the function has `ragged = True`), max new tokens -> new ids."""
+"""prompts (rows of token ids; equal lengths unless the function has `ragged = True`), max new tokens -> new ids.
+The default (transformers) and the Megatron engine's take rows of any lengths."""
 
 
 @dataclass
@@ -117,13 +118,13 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
         builder.build(TASKS[t], min(todo), random.Random(f"{seed}:{t}:{min(todo)}:0"))
 
     if generate is None:
-        from megatron_ext.evaluate.generate import eos_ids, greedy_generate
+        from megatron_ext.evaluate.generate import eos_ids, greedy_generate_rows
 
         eos = eos_ids(model, tokenizer)
 
-        def generate(prompts, n_new):
-            return greedy_generate(model, torch.tensor(prompts, dtype=torch.long), n_new, eos_token_ids=eos,
-                                   prefill_chunk=prefill_chunk)
+        def generate(prompts, n_new):  # the list-filled tasks' prompts differ by a few tokens: left-padded together
+            return greedy_generate_rows(model, prompts, n_new, eos_token_ids=eos, prefill_chunk=prefill_chunk)
+        generate.ragged = True
     ragged = getattr(generate, "ragged", False)
     settings = {"model": _model_name(model), "haystack": haystacks["filler"].source if "filler" in haystacks else None,
                 "samples": samples, "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens,

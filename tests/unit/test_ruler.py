@@ -194,8 +194,25 @@ def test_run_ruler_scores_the_reader_100_and_resumes(tok):
                   max_position_embeddings=4096, previous=again, progress=False, log=None)
 
 
+@pytest.mark.parametrize("chunk", ["auto", None, 64])
+def test_rows_of_different_lengths_decode_as_each_alone(chunk):
+    """greedy_generate_rows (the HF engine's RULER batches): left padding and the attention mask give each row
+    the continuation it gets alone, also when a prefill chunk is all padding for a short row, and EOS cuts a row."""
+    from megatron_ext.evaluate.generate import greedy_generate, greedy_generate_rows
+    from tests.unit.test_evaluate import make_model
+
+    model = make_model()
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (50, 97, 200, 130)]
+    alone = [greedy_generate(model, torch.tensor([r]), 8, prefill_chunk=None)[0] for r in rows]
+    assert greedy_generate_rows(model, rows, 8, prefill_chunk=chunk) == alone
+    eos = (alone[1][2],)
+    cut = greedy_generate_rows(model, rows, 8, eos_token_ids=eos, prefill_chunk=chunk)
+    assert cut[1] == alone[1][:alone[1].index(eos[0]) + 1]
+
+
 def test_run_ruler_on_a_tiny_llama_with_transformers(tok):
-    """The default generator: greedy decoding on an HF model, batches of equal-length prompts."""
+    """The default generator: greedy decoding on an HF model, prompts of different lengths in one batch."""
     from megatron_ext.evaluate import greedy_generate
     from tests.unit.test_evaluate import make_model
 
@@ -203,9 +220,11 @@ def test_run_ruler_on_a_tiny_llama_with_transformers(tok):
     model.config.max_position_embeddings = 2048  # the preset's 256 (no effect on its llama3 RoPE)
     result = run_ruler(model, tok, ["niah_single_2", "cwe"], [1536], samples=3, max_new_tokens=4,
                        batch_tokens=3 * 1536, progress=False, log=None)
-    cell = result.cells[0]
-    again = greedy_generate(model, torch.tensor([_prompt(tok, "niah_single_2", 1536, 0)]), 4, prefill_chunk=None)
-    assert cell["output"] == tok.decode(again[0], skip_special_tokens=True)
+    for cell in (result.cells[0], result.cells[4]):  # niah_single_2 (exactly 1,536 tokens), cwe (the list that fits)
+        again = greedy_generate(model, torch.tensor([_prompt(tok, cell["task"], 1536, cell["sample"])]), 4,
+                                prefill_chunk=None)
+        assert cell["output"] == tok.decode(again[0], skip_special_tokens=True)
+    assert len({c["prompt_tokens"] for c in result.cells if c["task"] == "cwe"}) > 1  # one batch of 3 lengths
     assert all(0.0 <= c["score"] <= 1.0 and c["prompt_tokens"] <= 1536 for c in result.cells)
     assert result.settings["dtype"] == "float32" and result.settings["max_new_tokens"] == 4
     with pytest.warns(UserWarning, match="exceed the model's max_position_embeddings"):
