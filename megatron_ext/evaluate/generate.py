@@ -85,17 +85,30 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_
     logits = cache = None
     for _, logits, cache in chunked_forward(model, input_ids, prefill_chunk, logits_for_all=False):
         pass
+    return _decode(logits, max_new_tokens, eos_token_ids,
+                   lambda nxt: model(input_ids=nxt[:, None], **_forward_kwargs(model, cache, last_only=True)).logits)
+
+
+def _decode(logits: torch.Tensor, max_new_tokens: int, eos_token_ids, step: Callable) -> list[list[int]]:
+    """Greedy tokens after the prefill's logits `[B, *, V]`: `step(next_ids [B])` runs them through the model and
+    returns its logits. Stops once every row has written an EOS, or at `max_new_tokens`; rows are cut after their
+    first EOS (kept)."""
+    batch, device = logits.shape[0], logits.device
     out = torch.empty(batch, 0, dtype=torch.long, device=device)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
+    for n in range(max_new_tokens):
         nxt = logits[:, -1].argmax(-1)  # [B]
         out = torch.cat([out, nxt[:, None]], dim=1)
         done |= torch.isin(nxt, eos)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if bool(done.all()) or n == max_new_tokens - 1:
             break
-        logits = model(input_ids=nxt[:, None], **_forward_kwargs(model, cache, last_only=True)).logits
-    return [_cut_at_eos(row, eos_token_ids) for row in out.tolist()]
+        logits = step(nxt)
+    rows = []
+    for row in out.tolist():
+        hit = [i for i, t in enumerate(row) if t in set(eos_token_ids)]
+        rows.append(row[: hit[0] + 1] if hit else row)
+    return rows
 
 
 @torch.inference_mode()
@@ -125,25 +138,15 @@ def greedy_generate_rows(model, rows: list[list[int]], max_new_tokens: int, *, e
         end = min(start + chunk, longest)
         logits = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
                        **kwargs).logits
-    out = torch.empty(batch, 0, dtype=torch.long, device=device)
-    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    position = positions[:, -1:]
-    for step in range(max_new_tokens):
-        nxt = logits[:, -1].argmax(-1)  # [B]
-        out = torch.cat([out, nxt[:, None]], dim=1)
-        done |= torch.isin(nxt, eos)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        position = position + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, **kwargs).logits
-    return [_cut_at_eos(row, eos_token_ids) for row in out.tolist()]
+    state = {"mask": mask, "position": positions[:, -1:]}
 
+    def step(nxt: torch.Tensor) -> torch.Tensor:  # one more unmasked column, one position further
+        state["mask"] = torch.cat([state["mask"], torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
+        state["position"] = state["position"] + 1
+        return model(input_ids=nxt[:, None], attention_mask=state["mask"], position_ids=state["position"],
+                     **kwargs).logits
 
-def _cut_at_eos(row: list[int], eos_token_ids) -> list[int]:
-    hit = [i for i, t in enumerate(row) if t in set(eos_token_ids)]
-    return row[: hit[0] + 1] if hit else row
+    return _decode(logits, max_new_tokens, eos_token_ids, step)
 
 
 GenerateFn = Callable[[torch.Tensor], list[list[int]]]
