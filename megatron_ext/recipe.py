@@ -138,6 +138,9 @@ class TrainConfig:
     loss_chunk_tokens: int = _f(2048, "Tokens per logits chunk of the chunked loss head.")
     distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
     log_interval: int = _f(1, "Print a progress line every this many steps.")
+    eval_interval: int = _f(0, "Validation loss on data.split's valid documents every this many steps and at the "
+                               "last one (0: never).")
+    eval_iters: int = _f(1, "Global batches per validation: the valid split's first ones, the same each time.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +148,8 @@ class DataConfig:
     """Training data: a Megatron indexed dataset written by `tools/prepare_data.py`."""
 
     prefix: str | None = _f(None, "Indexed dataset prefix (PREFIX.bin/.idx/.json).")
-    split: str = _f("100,0,0", "Train/valid/test split weights of the documents.")
+    split: str = _f("100,0,0", "Train/valid/test weights of the documents (SFT: conversations), e.g. 98,2,0: "
+                               "consecutive ranges, as Megatron-Core splits; valid feeds train.eval_interval.")
 
 
 @dataclass(frozen=True, kw_only=True)

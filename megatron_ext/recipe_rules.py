@@ -45,6 +45,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                  f"train.recompute_layers = {t.recompute_layers}: must be between 1 and the layers of a pipeline "
                  f"stage ({stage_layers} = model.num_hidden_layers / parallel.pipeline)")
     _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
+    _validate_split(recipe)
 
     heads = m.num_attention_heads
     kv_heads = m.num_key_value_heads or heads
@@ -114,6 +115,22 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                  f"parallel.context = {p.context} with train.stage = 'sft': packed sequences under context "
                  "parallelism need Transformer Engine; SFT samples are short, use parallel.context=1")
     _validate_rope_block(recipe)
+
+
+def _validate_split(recipe: Recipe) -> None:
+    """data.split parses, and validation has a valid split to read."""
+    from megatron_ext.data.common import DataError, split_fractions
+
+    t = recipe.train
+    try:
+        valid = split_fractions(recipe.data.split)[1]
+    except DataError as e:
+        raise RecipeError(str(e)) from None
+    _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval}: must be >= 0 (0 = no validation)")
+    _require(t.eval_iters >= 1, f"train.eval_iters = {t.eval_iters}: must be >= 1")
+    _require(t.eval_interval == 0 or valid > 0,
+             f"train.eval_interval = {t.eval_interval}: data.split = {recipe.data.split!r} holds no documents out "
+             "for validation; give the valid split a weight (e.g. data.split=98,2,0) or set train.eval_interval=0")
 
 
 def _validate_rope_block(recipe: Recipe) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -116,13 +117,37 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def reduce_loss(reports: list, group) -> tuple[float, int]:
-    """Global token-mean loss of a step from the per-microbatch `[sum, count]` reports."""
+def reduce_loss(reports: list) -> tuple[float, int]:
+    """Global token-mean loss of a step from the per-microbatch `[sum, count]` reports (which only the last
+    pipeline stage has): summed over DP x CP, then sent to every pipeline stage (rank 0 writes the metrics)."""
+    from megatron.core import parallel_state as ps
+
     total = torch.zeros(2, dtype=torch.float64)
     for report in reports:
         total += report["lm loss"].double()
-    torch.distributed.all_reduce(total, group=group)
+    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
     return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+
+
+@torch.no_grad()
+def validation_loss(forward_backward, model, batches, recipe: Recipe, num_microbatches: int) -> tuple[float, int]:
+    """Token-mean loss over the first `train.eval_iters` global batches of the valid split (forward only, the
+    training step's layout and loss), and the number of tokens it counts."""
+    t = recipe.train
+    model.eval()
+    try:
+        reports = []
+        for k in range(t.eval_iters):
+            reports += forward_backward(
+                forward_step_func=forward_step, data_iterator=batches.iterator(k, num_microbatches), model=[model],
+                num_microbatches=num_microbatches, seq_length=t.seq_length // recipe.parallel.context,
+                micro_batch_size=t.micro_batch_size, forward_only=True)
+    finally:
+        model.train()
+    return reduce_loss(reports)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -177,7 +202,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
     from megatron_ext.resume import plan_resume
-    from megatron_ext.training_data import TrainBatches
+    from megatron_ext.training_data import build_batches
 
     t, p = recipe.train, recipe.parallel
     root = Path(recipe.checkpoint.dir)
@@ -231,14 +256,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 pass
         log(f"[train] initialised weights from {recipe.checkpoint.init_from} (fresh optimizer)")
 
-    data = TrainBatches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
-                        cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
-                        first_step=start, consumed_samples=consumed_samples)
+    data, valid = build_batches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
+                                cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
+                                first_step=start, consumed_samples=consumed_samples)
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = stop or StopFlag()
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     forward_backward = get_forward_backward_func()
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
@@ -256,13 +280,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         step += 1
-        loss, n_tokens = reduce_loss(reports, dp_cp_group)  # reports are empty off the last PP stage
-        if p.pipeline > 1:  # rank 0 (first stage) writes the metrics: give it the last stage's numbers
-            pair = torch.tensor([loss if parallel_state.is_pipeline_last_stage() else 0.0, n_tokens],
-                                dtype=torch.float64)
-            torch.distributed.broadcast(pair, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                        group=parallel_state.get_pipeline_model_parallel_group())
-            loss, n_tokens = pair[0].item(), int(pair[1].item())
+        loss, n_tokens = reduce_loss(reports)
         elapsed = time.time() - step_start
         step_tokens = t.global_batch_size * t.seq_length
         tokens_seen += step_tokens
@@ -273,12 +291,19 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
             "memory_gib": _memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
         }
-        metrics.write(record)
         if step % t.log_interval == 0 or step == t.steps:
             log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
                 f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
                 f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB")
         stopping = stop.agreed()
+        # not on the way out after a signal: the checkpoint comes first, the requeued run validates later
+        if valid is not None and (step == t.steps or (step % t.eval_interval == 0 and not stopping)):
+            eval_start = time.time()
+            val_loss, val_tokens = validation_loss(forward_backward, ddp_model, valid, recipe, num_microbatches)
+            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=val_tokens)
+            log(f"[train] step {step}/{t.steps} validation loss {val_loss:.4f} ppl {record['val_ppl']:.4g} "
+                f"({t.eval_iters} batch(es), {val_tokens} tokens, {time.time() - eval_start:.1f} s)")
+        metrics.write(record)
         interval = recipe.checkpoint.interval
         if stopping or step == t.steps or (interval and step % interval == 0):
             position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen}

@@ -26,30 +26,21 @@ from megatron_ext.recipe import Recipe
 
 
 class TrainBatches:
-    """Deterministic per-step microbatch iterators for one (DP rank, CP rank)."""
+    """Deterministic per-step microbatch iterators for one (DP rank, CP rank).
+
+    `dataset`: the samples to read (default: the train split of `recipe.data`, `build_datasets`).
+    """
 
     def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int,
-                 first_step: int = 0, consumed_samples: int = 0):
+                 first_step: int = 0, consumed_samples: int = 0, dataset=None):
         t = recipe.train
         self.global_batch, self.micro_batch = t.global_batch_size, t.micro_batch_size
         self.first_step, self.consumed_samples = first_step, consumed_samples
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
         self.stage = t.stage
-        prefix = recipe.data.prefix
-        if t.stage == "cpt":
-            manifest = read_manifest(prefix, "cpt")
-            needed = t.global_batch_size * t.seq_length
-            if manifest["tokens"] < needed:
-                raise DataError(f"data.prefix = {prefix!r}: {manifest['tokens']} tokens, fewer than one global "
-                                f"batch ({t.global_batch_size} x {t.seq_length} = {needed}); prepare more data")
-            self.dataset = build_cpt_datasets(prefix, t.seq_length, seed=t.seed, split=recipe.data.split,
-                                              num_samples=(self.samples_before(t.steps), None, None))[0]
-        else:
-            self.dataset = SFTPackedDataset(prefix, t.seq_length, seed=t.seed)
-            if len(self.dataset) < t.global_batch_size:
-                raise DataError(f"data.prefix = {prefix!r}: {len(self.dataset)} packed sequences of "
-                                f"{t.seq_length} tokens, fewer than train.global_batch_size = {t.global_batch_size}; "
-                                "prepare more SFT data or lower the global batch")
+        if dataset is None:
+            dataset = build_datasets(recipe, self.samples_before(t.steps), validation=False)[0]
+        self.dataset = dataset
 
     def samples_before(self, step: int) -> int:
         """Samples of the run read before 0-based step `step` (`step` >= the first step of this process)."""
@@ -77,3 +68,39 @@ class TrainBatches:
     def iterator(self, step: int, num_microbatches: int) -> Iterator[dict[str, torch.Tensor]]:
         return (self.microbatch(step, m) for m in range(num_microbatches))
 
+
+
+def build_datasets(recipe: Recipe, train_samples: int, validation: bool):
+    """(train, valid) datasets of `recipe.data`: train with at least `train_samples` samples (CPT; SFT goes round
+    its packs), valid (None without `validation`) with `train.eval_iters` global batches (CPT: GPTDataset repeats
+    a small valid split; SFT goes round its packs)."""
+    t, prefix, split = recipe.train, recipe.data.prefix, recipe.data.split
+    valid_samples = t.eval_iters * t.global_batch_size if validation else None
+    if t.stage == "cpt":
+        manifest = read_manifest(prefix, "cpt")
+        needed = t.global_batch_size * t.seq_length
+        if manifest["tokens"] < needed:
+            raise DataError(f"data.prefix = {prefix!r}: {manifest['tokens']} tokens, fewer than one global "
+                            f"batch ({t.global_batch_size} x {t.seq_length} = {needed}); prepare more data")
+        train, valid, _ = build_cpt_datasets(prefix, t.seq_length, seed=t.seed, split=split,
+                                             num_samples=(train_samples, valid_samples, None))
+        return train, valid if validation else None
+    train = SFTPackedDataset(prefix, t.seq_length, seed=t.seed, split=split, part=0)
+    if len(train) < t.global_batch_size:
+        raise DataError(f"data.prefix = {prefix!r}: {len(train)} packed sequences of {t.seq_length} tokens, fewer "
+                        f"than train.global_batch_size = {t.global_batch_size}; prepare more SFT data or lower the "
+                        "global batch")
+    return train, SFTPackedDataset(prefix, t.seq_length, seed=t.seed, split=split, part=1) if validation else None
+
+
+def build_batches(recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int, first_step: int = 0,
+                  consumed_samples: int = 0) -> tuple[TrainBatches, TrainBatches | None]:
+    """The training batches from `first_step` on, and the validation batches (None when train.eval_interval
+    is 0): validation "step" k reads the valid split's samples k x G .. (k + 1) x G - 1, split over the ranks
+    as training steps are."""
+    t = recipe.train
+    train_samples = consumed_samples + (t.steps - first_step) * t.global_batch_size
+    train, valid = build_datasets(recipe, train_samples, validation=t.eval_interval > 0)
+    ranks = (dp_rank, dp_size, cp_rank, cp_size)
+    return (TrainBatches(recipe, *ranks, first_step, consumed_samples, dataset=train),
+            None if valid is None else TrainBatches(recipe, *ranks, dataset=valid))

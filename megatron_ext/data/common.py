@@ -107,3 +107,30 @@ def length_histogram(lengths: np.ndarray) -> dict[str, int]:
     for b, c in zip(*np.unique(bins, return_counts=True)):
         hist[f"[{2 ** int(b)}, {2 ** (int(b) + 1)})"] = int(c)
     return hist
+
+
+def split_fractions(split: str) -> tuple[float, float, float]:
+    """`data.split` ("98,2,0", "98/2/0"; missing weights are 0) as train/valid/test fractions summing to 1.
+
+    DataError (naming data.split) unless it is 1 to 3 non-negative numbers with a positive train weight.
+    """
+    parts = [s.strip() for s in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(s) for s in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or weights[0] <= 0:
+        raise DataError(f"data.split = {split!r}: expected train,valid,test weights such as '98,2,0' "
+                        "(non-negative numbers, the train weight above 0)")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
+
+
+def split_range(num_documents: int, split: str, part: int) -> range:
+    """Documents of split `part` (0 train, 1 valid, 2 test): consecutive ranges in document order, bounded
+    as Megatron-Core's GPTDataset bounds its splits (round(cumulative fraction x documents)), so CPT and SFT
+    data split alike."""
+    fractions = split_fractions(split)
+    begin = sum(fractions[:part])
+    return range(int(round(begin * num_documents)), int(round((begin + fractions[part]) * num_documents)))

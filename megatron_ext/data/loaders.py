@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_ext.data.common import DataError
+from megatron_ext.data.common import DataError, split_fractions, split_range
 from megatron_ext.data.sft import pack_samples
 
 
@@ -105,6 +105,9 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
         if m["tokens"] < seq_length + 1:
             raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
                             f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
+    if split is not None:
+        for p in prefixes:
+            _check_split_sizes(p, seq_length, split)
     if weights is not None and len(weights) != len(prefixes):
         raise DataError(f"data weights {list(weights)}: {len(weights)} weights for {len(prefixes)} prefixes")
     if weights is not None and num_samples[0] is None:
@@ -124,14 +127,35 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
 
 
+def _check_split_sizes(prefix: str, seq_length: int, split: str) -> None:
+    """Every split of a positive weight holds one sequence's tokens: Megatron-Core's GPTDataset loops forever
+    over a split without tokens (epochs of 0 tokens never reach a sample) and has no sample in one too short."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    index = IndexedDataset(prefix)
+    lengths = np.array(index.sequence_lengths, dtype=np.int64)  # a copy: the index's memory map closes with it
+    for part, (name, fraction) in enumerate(zip(("train", "valid", "test"), split_fractions(split))):
+        docs = split_range(lengths.size, split, part)
+        tokens = int(lengths[docs.start:docs.stop].sum())
+        if fraction > 0 and tokens < seq_length + 1:
+            raise DataError(f"data.split = {split!r}: the {name} split of data prefix {prefix} holds {len(docs)} of "
+                            f"{lengths.size} documents, {tokens} tokens, fewer than one sequence of seq_length "
+                            f"{seq_length} needs ({seq_length + 1}); give it a larger weight"
+                            + (f" or set its weight to 0{' and train.eval_interval=0' if part == 1 else ''}"
+                               if part else ""))
+
+
 class SFTPackedDataset(torch.utils.data.Dataset):
     """Packed SFT sequences of `seq_length` tokens from a `prepare_data.py sft` PREFIX (see module doc).
 
     Packing (`pack_samples`) is deterministic in `seed`; conversations longer than `seq_length`
     (possible when reading at a shorter length than prepared) are left out and counted in `dropped`.
+    `split` ("98,2,0") and `part` (0 train, 1 valid, 2 test): pack only that split's conversations
+    (`split_range`: consecutive ranges, as GPTDataset splits CPT documents); None: all of them.
     """
 
-    def __init__(self, prefix: str, seq_length: int, seed: int = 1234) -> None:
+    def __init__(self, prefix: str, seq_length: int, seed: int = 1234, split: str | None = None,
+                 part: int = 0) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.manifest = read_manifest(prefix, "sft")
@@ -144,10 +168,15 @@ class SFTPackedDataset(torch.utils.data.Dataset):
             raise DataError(f"data prefix {prefix}: tokens and loss masks disagree in length; re-prepare it")
         self.seq_length = seq_length
         self.pad_id = int(self.manifest["pad_id"])
-        keep = np.flatnonzero(lengths <= seq_length)
-        self.dropped = int(lengths.size - keep.size)
+        docs = range(lengths.size) if split is None else split_range(lengths.size, split, part)
+        chosen = np.arange(docs.start, docs.stop)
+        keep = chosen[lengths[chosen] <= seq_length]
+        self.dropped = int(chosen.size - keep.size)
         if self.dropped:
             warnings.warn(f"{prefix}: {self.dropped} conversations longer than seq_length {seq_length} left out")
+        if split is not None and chosen.size == 0:
+            raise DataError(f"data.split = {split!r}: leaves the {('train', 'valid', 'test')[part]} split of data "
+                            f"prefix {prefix} ({lengths.size} conversations) empty; give it a larger weight")
         if keep.size == 0:
             raise DataError(f"data prefix {prefix}: no conversation fits seq_length {seq_length}")
         self.packs = [[int(keep[j]) for j in p] for p in pack_samples(lengths[keep], seq_length, seed)]

@@ -92,6 +92,15 @@ def test_missing_architecture():
      r".* parallel\.tensor = 2 .* e\.g\. train\.seq_length = 260"),
     (["runtime.device=cuda", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=1",
       "train.seq_length=258"], 2, None),
+    (["train.eval_interval=10"], 2, r"train\.eval_interval = 10: data\.split = '100,0,0' holds no documents out for "
+     r"validation; .* data\.split=98,2,0\) or set train\.eval_interval=0"),
+    (["train.eval_interval=10", "data.split=98/2"], 2, None),
+    (["train.eval_interval=-1", "data.split=98,2,0"], 2, r"train\.eval_interval = -1: must be >= 0"),
+    (["train.eval_iters=0"], 2, r"train\.eval_iters = 0: must be >= 1"),
+    (["data.split=abc"], 2, r"data\.split = 'abc': expected train,valid,test weights such as '98,2,0'"),
+    (["data.split=0,1,0"], 2, r"data\.split = '0,1,0': expected .* the train weight above 0"),
+    (["data.split=1,2,3,4"], 2, r"data\.split = '1,2,3,4': expected"),
+    (["data.split=98,-2,0"], 2, r"data\.split = '98,-2,0': expected"),
 ])
 def test_cross_field_rules(override, world, message):
     if message is None:

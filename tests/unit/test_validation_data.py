@@ -1,0 +1,110 @@
+"""The valid split that train.eval_interval reads: how data.split divides documents (CPT) and conversations (SFT).
+
+Oracle for the document ranges: Megatron-Core's own GPTDataset split of the same CPT data.
+"""
+
+import numpy as np
+import pytest
+
+from megatron_ext.data import DataError, SFTPackedDataset, build_cpt_datasets, read_manifest
+from megatron_ext.data.common import split_fractions, split_range
+from megatron_ext.recipe import load_recipe
+from megatron_ext.training_data import build_batches, build_datasets
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("split, expect", [
+    ("98,2,0", (0.98, 0.02, 0.0)), ("98/2/0", (0.98, 0.02, 0.0)), ("3, 1", (0.75, 0.25, 0.0)),
+    ("1", (1.0, 0.0, 0.0)), ("0.5,0.25,0.25", (0.5, 0.25, 0.25)),
+])
+def test_split_fractions(split, expect):
+    assert split_fractions(split) == pytest.approx(expect, abs=1e-15)
+
+
+@pytest.mark.parametrize("split", ["", "abc", "0,1,0", "1,2,3,4", "98,-2,0", "98,,2", "nan,1"])
+def test_split_fractions_refuses(split):
+    with pytest.raises(DataError, match=r"data\.split = .*: expected train,valid,test weights"):
+        split_fractions(split)
+
+
+@pytest.mark.parametrize("split", ["80,20,0", "98,2,0", "70,20,10", "33,33,34"])
+def test_document_ranges_are_megatrons(token_data, split):
+    """split_range (used for SFT conversations) = the documents Megatron-Core's GPTDataset puts in each split."""
+    documents = read_manifest(token_data, "cpt")["documents"]
+    datasets = build_cpt_datasets(token_data, 64, split=split)
+    for part, dataset in enumerate(datasets):
+        expect = list(split_range(documents, split, part))
+        got = [] if dataset is None else sorted(np.unique(dataset.indices).tolist())
+        assert got == expect, (split, part)
+    # control: a split of other weights gives other ranges
+    assert list(split_range(documents, "90,10,0", 1)) != list(split_range(documents, split, 1))
+
+
+def test_sft_splits_hold_disjoint_conversations(sft_data):
+    whole = SFTPackedDataset(sft_data, 256, seed=3)
+    train = SFTPackedDataset(sft_data, 256, seed=3, split="80,20,0", part=0)
+    valid = SFTPackedDataset(sft_data, 256, seed=3, split="80,20,0", part=1)
+    convs = {name: sorted(i for pack in ds.packs for i in pack) for name, ds in
+             (("whole", whole), ("train", train), ("valid", valid))}
+    n = len(whole.tokens)
+    assert set(convs["valid"]) <= set(split_range(n, "80,20,0", 1)) and convs["valid"]
+    assert set(convs["train"]) <= set(split_range(n, "80,20,0", 0))
+    assert sorted(convs["train"] + convs["valid"]) == convs["whole"]  # each kept conversation once
+    # a valid pack's tokens are its conversations' tokens (the split reads the same data, not a copy)
+    first = valid[0]
+    k = valid.packs[0][0]
+    assert first["tokens"][:len(valid.tokens[k])].tolist() == valid.tokens[k].tolist()
+
+
+def test_sft_split_leaving_valid_empty_is_an_error(sft_data):
+    with pytest.raises(DataError, match=r"data\.split = '99\.9,0\.1,0': leaves the valid split of data prefix .* "
+                                        r"empty; give it a larger weight"):
+        SFTPackedDataset(sft_data, 256, split="99.9,0.1,0", part=1)
+
+
+def _recipe(data, stage="cpt", *overrides):
+    recipe = ROOT / ("recipes/tiny/cpt.yaml" if stage == "cpt" else "recipes/tiny/sft.yaml")
+    return load_recipe(recipe, [f"data.prefix={data}", "checkpoint.dir=/tmp/unused", "checkpoint.init_from=null",
+                                "train.seq_length=256", "train.steps=8", "parallel.context=1", "train.global_batch_size=2",
+                                *overrides])
+
+
+def test_validation_batches_read_the_valid_split_from_its_start(token_data):
+    recipe = _recipe(token_data, "cpt", "data.split=80,20,0", "train.eval_interval=4", "train.eval_iters=3",
+                     "train.global_batch_size=2")
+    train, valid = build_batches(recipe, dp_rank=1, dp_size=2, cp_rank=0, cp_size=1, first_step=5,
+                                 consumed_samples=10)
+    assert len(valid.dataset) >= 3 * 2
+    assert [valid.sample_ids(k, 0) for k in range(3)] == [[1], [3], [5]]  # DP rank 1 of 2: every second sample
+    assert train.sample_ids(5, 0) == [11]  # training resumes where it was
+    documents = read_manifest(token_data, "cpt")["documents"]
+    assert set(np.unique(valid.dataset.indices)) <= set(split_range(documents, "80,20,0", 1))
+    assert set(np.unique(train.dataset.indices)) <= set(split_range(documents, "80,20,0", 0))
+    batch = valid.microbatch(0, 0)
+    assert batch["tokens"].shape == (1, 256) and torch_equal(batch["tokens"][0], valid.dataset[1]["tokens"])
+    assert build_batches(_recipe(token_data), 0, 1, 0, 1)[1] is None  # no validation: no valid dataset
+
+
+def torch_equal(a, b):
+    return bool((a == b).all())
+
+
+@pytest.mark.parametrize("split, eval_interval, message", [
+    # Megatron-Core's GPTDataset would loop forever over these splits of no tokens
+    ("99.9,0.1,0", 2, r"the valid split of data prefix .* holds 0 of 120 documents, 0 tokens, fewer than one sequence "
+                      r"of seq_length 256 needs \(257\); give it a larger weight or set its weight to 0 and "
+                      r"train\.eval_interval=0"),
+    ("99.9,0.1,0", 0, r"the valid split .* holds 0 of 120 documents"),  # built even when nothing reads it
+    ("99.9,0,0.1", 0, r"the test split .* holds 0 of 120 documents, 0 tokens, .* or set its weight to 0$"),
+    ("1,999", 0, r"the train split .* holds 0 of 120 documents, 0 tokens, .* give it a larger weight$"),
+])
+def test_split_too_small_for_a_sequence_is_an_error(token_data, split, eval_interval, message):
+    recipe = _recipe(token_data, "cpt", f"data.split={split}", f"train.eval_interval={eval_interval}")
+    with pytest.raises(DataError, match=rf"data\.split = '{split}': {message}"):
+        build_datasets(recipe, 16, validation=eval_interval > 0)
+
+
+def test_sft_validation_dataset(sft_data):
+    recipe = _recipe(sft_data, "sft", "data.split=80,20,0", "train.eval_interval=2", "train.global_batch_size=2")
+    train, valid = build_datasets(recipe, 16, validation=True)
+    assert {i for p in train.packs for i in p}.isdisjoint({i for p in valid.packs for i in p})
