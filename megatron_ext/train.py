@@ -296,7 +296,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
                 f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB")
         stopping = stop.agreed()
-        # not on the way out after a signal: the checkpoint comes first, the requeued run validates later
+        # not on the way out after a signal: the checkpoint must land before the time limit (this step's
+        # validation is skipped; the requeued run starts after it)
         if valid is not None and (step == t.steps or (step % t.eval_interval == 0 and not stopping)):
             eval_start = time.time()
             val_loss, val_tokens = validation_loss(forward_backward, ddp_model, valid, recipe, num_microbatches)
