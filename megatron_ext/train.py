@@ -10,7 +10,9 @@ OptimizerParamScheduler, `get_forward_backward_func` schedules, `finalize_model_
 `finalize_model_grads` divides the gradients by the global token count.
 
 Exit codes: 0 done; 1 user error (one line on stderr); `EXIT_REQUEUE` (= 3) after SIGTERM/SIGUSR1,
-once a checkpoint is written, so that the Slurm scripts requeue the job.
+once a checkpoint is written, so that the Slurm scripts requeue the job; `EXIT_DIVERGED` (= 4) at the
+first step whose loss or gradient norm is not finite, without saving: the newest checkpoint is from
+before (a requeue would only repeat the divergence).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 
 EXIT_REQUEUE = 3
+EXIT_DIVERGED = 4
 
 
 # ---------------------------------------------------------------------------- signals
@@ -47,9 +50,20 @@ class StopFlag:
         self.signal = signum
 
     def agreed(self) -> bool:
-        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.signal is not None)
+
+
+def run_device() -> torch.device:
+    """This rank's device, for the model's batches and for the tensors of collectives: NCCL (runtime.device
+    cuda; the CPU backend refuses machines with CUDA) takes only CUDA tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank calls it): so that all ranks take the same branch."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=run_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 # ---------------------------------------------------------------------------- setup
@@ -122,7 +136,7 @@ def reduce_loss(reports: list) -> tuple[float, int]:
     pipeline stage has): summed over DP x CP, then sent to every pipeline stage (rank 0 writes the metrics)."""
     from megatron.core import parallel_state as ps
 
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=run_device())
     for report in reports:
         total += report["lm loss"].double()
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
@@ -148,6 +162,21 @@ def validation_loss(forward_backward, model, batches, recipe: Recipe, num_microb
     finally:
         model.train()
     return reduce_loss(reports)
+
+
+def report_divergence(step: int, what: str, root: Path, samples: range) -> int:
+    """Say on stderr (rank 0) that step `step` diverged (`what`: the numbers that show it, the same on every
+    rank) and where to go on from; returns `EXIT_DIVERGED`."""
+    from megatron_ext.checkpoint import latest_iteration
+
+    last = latest_iteration(root)
+    go_on = (f"the newest checkpoint, {root}/iter_{last:07d}, is from before: resume from it" if last is not None
+             else "no checkpoint yet: start again")
+    if torch.distributed.get_rank() == 0:
+        print(f"error: step {step}: {what}: training diverged; stopped without saving; {go_on} with a lower "
+              f"train.lr or more train.warmup_steps, or look at this step's samples ({samples.start}.."
+              f"{samples.stop - 1} of the run)", file=sys.stderr, flush=True)
+    return EXIT_DIVERGED
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -258,7 +287,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
 
     data, valid = build_batches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
                                 cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
-                                first_step=start, consumed_samples=consumed_samples)
+                                first_step=start, consumed_samples=consumed_samples, device=run_device())
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = stop or StopFlag()
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
@@ -295,6 +324,12 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
                 f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
                 f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB")
+        # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
+        # gradient norm also with train.clip_grad = 0, so a step that makes weights NaN shows here.)
+        if any_rank(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))):
+            metrics.write(record)
+            samples = range(data.samples_before(step - 1), data.samples_before(step))
+            return report_divergence(step, f"loss {loss}, grad_norm {grad_norm}", root, samples)
         stopping = stop.agreed()
         # not on the way out after a signal: the checkpoint must land before the time limit (this step's
         # validation is skipped; the requeued run starts after it)

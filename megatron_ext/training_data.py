@@ -28,12 +28,14 @@ from megatron_ext.recipe import Recipe
 class TrainBatches:
     """Deterministic per-step microbatch iterators for one (DP rank, CP rank).
 
-    `dataset`: the samples to read (default: the train split of `recipe.data`, `build_datasets`).
+    `dataset`: the samples to read (default: the train split of `recipe.data`, `build_datasets`); `device`: where
+    the microbatches go (the model's device).
     """
 
     def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int,
-                 first_step: int = 0, consumed_samples: int = 0, dataset=None):
+                 first_step: int = 0, consumed_samples: int = 0, dataset=None, device: torch.device | str = "cpu"):
         t = recipe.train
+        self.device = torch.device(device)
         self.global_batch, self.micro_batch = t.global_batch_size, t.micro_batch_size
         self.first_step, self.consumed_samples = first_step, consumed_samples
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
@@ -60,10 +62,13 @@ class TrainBatches:
         if self.stage == "sft":  # one pack per microbatch, attention confined to each conversation (THD)
             cu = rows[0]["cu_seqlens"]
             longest = int((cu[1:] - cu[:-1]).max())
+            cu = cu.to(self.device)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
             batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                          max_seqlen_q=longest, max_seqlen_kv=longest)
             return batch
-        return shard_for_context_parallel(batch, self.cp_size, self.cp_rank)
+        local = shard_for_context_parallel(batch, self.cp_size, self.cp_rank)
+        return {k: v.to(self.device) for k, v in local.items()}
 
     def iterator(self, step: int, num_microbatches: int) -> Iterator[dict[str, torch.Tensor]]:
         return (self.microbatch(step, m) for m in range(num_microbatches))
@@ -94,7 +99,8 @@ def build_datasets(recipe: Recipe, train_samples: int, validation: bool):
 
 
 def build_batches(recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int, first_step: int = 0,
-                  consumed_samples: int = 0) -> tuple[TrainBatches, TrainBatches | None]:
+                  consumed_samples: int = 0, device: torch.device | str = "cpu",
+                  ) -> tuple[TrainBatches, TrainBatches | None]:
     """The training batches from `first_step` on, and the validation batches (None when train.eval_interval
     is 0): validation "step" k reads the valid split's samples k x G .. (k + 1) x G - 1, split over the ranks
     as training steps are."""
@@ -102,5 +108,5 @@ def build_batches(recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_s
     train_samples = consumed_samples + (t.steps - first_step) * t.global_batch_size
     train, valid = build_datasets(recipe, train_samples, validation=t.eval_interval > 0)
     ranks = (dp_rank, dp_size, cp_rank, cp_size)
-    return (TrainBatches(recipe, *ranks, first_step, consumed_samples, dataset=train),
-            None if valid is None else TrainBatches(recipe, *ranks, dataset=valid))
+    return (TrainBatches(recipe, *ranks, first_step, consumed_samples, dataset=train, device=device),
+            None if valid is None else TrainBatches(recipe, *ranks, dataset=valid, device=device))

@@ -1,4 +1,4 @@
-"""Trainer bad input: one clear line on stderr and exit 1, before training starts."""
+"""Trainer bad input: one clear line on stderr and exit 1, before training starts; a diverged run stops unsaved."""
 
 import os
 import subprocess
@@ -38,6 +38,9 @@ def test_data_shorter_than_one_global_batch(tmp_path, token_data):
     (["parallel.context=2"], ["tensor x pipeline x context = 1 x 1 x 2 = 2 does not divide the world size = 1"]),
     (["train.lerning_rate=1"], ["train.lerning_rate: unknown key"]),
     (["runtime.fp8=hybrid"], ["runtime.fp8 = 'hybrid'"]),
+    (["train.eval_interval=5"], ["train.eval_interval = 5: data.split = '100,0,0' holds no documents out"]),
+    # Megatron-Core's GPTDataset would loop forever on the valid split of no tokens
+    (["data.split=99.9,0.1,0"], ["data.split = '99.9,0.1,0': the valid split of data prefix", "0 tokens"]),
 ])
 def test_static_mistakes(tmp_path, token_data, overrides, fragments):
     base = [f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1"]
@@ -48,3 +51,26 @@ def test_static_mistakes(tmp_path, token_data, overrides, fragments):
 def test_missing_checkpoint_dir(token_data):
     proc = train(f"data.prefix={token_data}", "parallel.context=1", "checkpoint.dir=null")
     assert_one_line_error(proc, "checkpoint.dir: missing")
+
+
+def test_divergence_stops_without_saving(tmp_path, token_data, cpu_parallel_state):
+    """lr 1e30: step 2's gradient norm is NaN (its update makes every weight NaN). Without the check the run went
+    on, saving NaN weights at steps 2 to 5 and moving the latest pointer to them (seen by hand)."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    proc = train(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1", "train.steps=5",
+                 "train.seq_length=256", "train.global_batch_size=1", "train.lr=1e30", "checkpoint.interval=1")
+    assert proc.returncode == 4, proc.stderr[-2000:]  # EXIT_DIVERGED: no requeue
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for fragment in ("step 2: loss ", "grad_norm nan: training diverged; stopped without saving; the newest "
+                     f"checkpoint, {tmp_path}/iter_0000001, is from before: resume from it with a lower train.lr",
+                     "this step's samples (1..1 of the run)"):
+        assert fragment in errors[0], errors[0]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000001"]
+    weights = load_plain_tensors(str(tmp_path / "iter_0000001"))
+    model = {k: t for k, t in weights.items() if hasattr(t, "isfinite") and "optimizer" not in k}
+    assert "embedding.word_embeddings.weight" in model and all(bool(t.isfinite().all()) for t in model.values())
+    metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 2 and '"grad_norm": NaN' in metrics[1]

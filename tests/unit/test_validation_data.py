@@ -5,6 +5,7 @@ Oracle for the document ranges: Megatron-Core's own GPTDataset split of the same
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_ext.data import DataError, SFTPackedDataset, build_cpt_datasets, read_manifest
 from megatron_ext.data.common import split_fractions, split_range
@@ -65,13 +66,12 @@ def test_sft_split_leaving_valid_empty_is_an_error(sft_data):
 def _recipe(data, stage="cpt", *overrides):
     recipe = ROOT / ("recipes/tiny/cpt.yaml" if stage == "cpt" else "recipes/tiny/sft.yaml")
     return load_recipe(recipe, [f"data.prefix={data}", "checkpoint.dir=/tmp/unused", "checkpoint.init_from=null",
-                                "train.seq_length=256", "train.steps=8", "parallel.context=1", "train.global_batch_size=2",
-                                *overrides])
+                                "train.seq_length=256", "train.steps=8", "parallel.context=1",
+                                "train.global_batch_size=2", *overrides])
 
 
 def test_validation_batches_read_the_valid_split_from_its_start(token_data):
-    recipe = _recipe(token_data, "cpt", "data.split=80,20,0", "train.eval_interval=4", "train.eval_iters=3",
-                     "train.global_batch_size=2")
+    recipe = _recipe(token_data, "cpt", "data.split=80,20,0", "train.eval_interval=4", "train.eval_iters=3")
     train, valid = build_batches(recipe, dp_rank=1, dp_size=2, cp_rank=0, cp_size=1, first_step=5,
                                  consumed_samples=10)
     assert len(valid.dataset) >= 3 * 2
@@ -81,12 +81,22 @@ def test_validation_batches_read_the_valid_split_from_its_start(token_data):
     assert set(np.unique(valid.dataset.indices)) <= set(split_range(documents, "80,20,0", 1))
     assert set(np.unique(train.dataset.indices)) <= set(split_range(documents, "80,20,0", 0))
     batch = valid.microbatch(0, 0)
-    assert batch["tokens"].shape == (1, 256) and torch_equal(batch["tokens"][0], valid.dataset[1]["tokens"])
+    assert batch["tokens"].shape == (1, 256) and torch.equal(batch["tokens"][0], valid.dataset[1]["tokens"])
     assert build_batches(_recipe(token_data), 0, 1, 0, 1)[1] is None  # no validation: no valid dataset
 
 
-def torch_equal(a, b):
-    return bool((a == b).all())
+@pytest.mark.parametrize("stage", ["cpt", "sft"])
+def test_microbatches_go_to_the_models_device(token_data, sft_data, stage):
+    """On a GPU the batches must reach the model's device (they did not: the loop had never run on CUDA).
+    The meta device stands in for CUDA here; tests/gpu/test_train_cuda.py runs the loop on a GPU."""
+    recipe = _recipe(token_data if stage == "cpt" else sft_data, stage, "data.split=80,20,0", "train.eval_interval=4")
+    for batches in build_batches(recipe, 0, 2, 0, 1, device="meta"):
+        batch = batches.microbatch(0, 0)
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if stage == "sft":
+            tensors["cu_seqlens"] = batch["packed_seq_params"].cu_seqlens_q
+        assert set(tensors) >= {"tokens", "labels", "loss_mask", "position_ids"}
+        assert {k: v.device.type for k, v in tensors.items()} == {k: "meta" for k in tensors}
 
 
 @pytest.mark.parametrize("split, eval_interval, message", [
