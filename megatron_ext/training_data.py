@@ -74,7 +74,6 @@ class TrainBatches:
         return (self.microbatch(step, m) for m in range(num_microbatches))
 
 
-
 def build_datasets(recipe: Recipe, train_samples: int, validation: bool):
     """(train, valid) datasets of `recipe.data`: train with at least `train_samples` samples (CPT; SFT goes round
     its packs), valid (None without `validation`) with `train.eval_iters` global batches (CPT: GPTDataset repeats
