@@ -89,6 +89,8 @@ def coerce(value: Any, tp: Any, path: str, required: frozenset[str] = frozenset(
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML read `split: 100` as a number
+            raise bad_value(path, value, f"a string; quote it: {path.rsplit('.', 1)[-1]}: '{value}'")
         raise bad_value(path, value, "a string")
     raise TypeError(f"unsupported recipe field type {tp!r} at {path}")
 

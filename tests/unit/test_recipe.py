@@ -101,6 +101,7 @@ def test_missing_architecture():
     (["data.split=0,1,0"], 2, r"data\.split = '0,1,0': expected .* the train weight above 0"),
     (["data.split=1,2,3,4"], 2, r"data\.split = '1,2,3,4': expected"),
     (["data.split=98,-2,0"], 2, r"data\.split = '98,-2,0': expected"),
+    (["data.split=100"], 2, r"data\.split = 100: expected a string; quote it: split: '100'"),
 ])
 def test_cross_field_rules(override, world, message):
     if message is None:
