@@ -145,11 +145,19 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Training data: a Megatron indexed dataset written by `tools/prepare_data.py`."""
+    """Training data: Megatron indexed datasets written by `tools/prepare_data.py`."""
 
-    prefix: str | None = _f(None, "Indexed dataset prefix (PREFIX.bin/.idx/.json).")
+    prefix: str | tuple[str, ...] | None = _f(None, "Indexed dataset prefix (PREFIX.bin/.idx/.json); CPT: a list "
+                                                    "of prefixes blended by data.weights.")
+    weights: tuple[float, ...] | None = _f(None, "Blend weights, one per prefix of a data.prefix list (normalised; "
+                                                 "Megatron-Core's BlendedDataset).")
     split: str = _f("100,0,0", "Train/valid/test weights of the documents (SFT: conversations), e.g. 98,2,0: "
                                "consecutive ranges, as Megatron-Core splits; valid feeds train.eval_interval.")
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        """data.prefix as a tuple (empty when unset)."""
+        return () if self.prefix is None else (self.prefix,) if isinstance(self.prefix, str) else self.prefix
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                  f"train.recompute_layers = {t.recompute_layers}: must be between 1 and the layers of a pipeline "
                  f"stage ({stage_layers} = model.num_hidden_layers / parallel.pipeline)")
     _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
-    _validate_split(recipe)
+    _validate_data(recipe)
 
     heads = m.num_attention_heads
     kv_heads = m.num_key_value_heads or heads
@@ -117,11 +117,25 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_rope_block(recipe)
 
 
-def _validate_split(recipe: Recipe) -> None:
-    """data.split parses, and validation has a valid split to read."""
+def _validate_data(recipe: Recipe) -> None:
+    """data.prefix / data.weights describe one dataset or a CPT blend; data.split parses, and validation has a
+    valid split to read."""
     from megatron_ext.data.common import DataError, split_fractions
 
-    t = recipe.train
+    t, d = recipe.train, recipe.data
+    if isinstance(d.prefix, tuple):
+        _require(len(d.prefix) >= 1, "data.prefix = []: give a dataset prefix, or a list of them with data.weights")
+        _require(len(d.prefix) == 1 or t.stage == "cpt",
+                 f"data.prefix: a list of {len(d.prefix)} prefixes with train.stage = 'sft'; SFT reads one dataset "
+                 "(prepare the conversations together with tools/prepare_data.py sft)")
+        _require(len(d.prefix) == 1 or d.weights is not None,
+                 f"data.prefix: a list of {len(d.prefix)} prefixes needs data.weights, one per prefix "
+                 f"(e.g. data.weights=[{', '.join(['1'] * len(d.prefix))}])")
+    if d.weights is not None:
+        _require(len(d.weights) == len(d.prefixes),
+                 f"data.weights = {list(d.weights)}: {len(d.weights)} weights for {len(d.prefixes)} prefixes in "
+                 "data.prefix; give one per prefix")
+        _require(all(w > 0 for w in d.weights), f"data.weights = {list(d.weights)}: every weight must be > 0")
     try:
         valid = split_fractions(recipe.data.split)[1]
     except DataError as e:

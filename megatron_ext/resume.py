@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from megatron_ext.checkpoint_index import optimizer_state_mismatch
 from megatron_ext.recipe import Recipe
 
-_DATA_IDENTITY = (("data", "prefix"), ("data", "split"), ("train", "stage"), ("train", "seq_length"), ("train", "seed"))
+_DATA_IDENTITY = (("data", "prefix"), ("data", "weights"), ("data", "split"), ("train", "stage"),
+                  ("train", "seq_length"), ("train", "seed"))
 _ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "vocab_size")
 
@@ -52,14 +53,19 @@ def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, l
         saved_section = old.get(section) or {}
         now = getattr(getattr(recipe, section), key)
         if key in saved_section and not _same_setting(key, saved_section[key], now):
-            changed.append(f"{section}.{key}: {saved_section[key]!r} -> {now!r}")
+            shown = list(now) if isinstance(now, tuple) else now
+            changed.append(f"{section}.{key}: {saved_section[key]!r} -> {shown!r}")
     return int(consumed), int(tokens), changed
 
 
 def _same_setting(key: str, saved, now) -> bool:
-    """Equal values; for data.prefix also two spellings of one dataset (relative and absolute, links)."""
+    """Equal values (a saved list and a recipe's tuple alike); for data.prefix also two spellings of one dataset
+    (relative and absolute, links), each of a blend's."""
+    now = list(now) if isinstance(now, tuple) else now
     if saved == now:
         return True
+    if key == "prefix" and isinstance(saved, list) and isinstance(now, list):
+        return len(saved) == len(now) and all(_same_setting(key, a, b) for a, b in zip(saved, now))
     if key == "prefix" and isinstance(saved, str) and isinstance(now, str):
         try:
             return os.path.samefile(saved + ".bin", now + ".bin")

@@ -358,10 +358,11 @@ def check_setup(recipe: Recipe) -> None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
     if recipe.data.prefix is None:
         raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
-    for suffix in (".bin", ".idx"):
-        if not Path(recipe.data.prefix + suffix).is_file():
-            raise RecipeError(f"data.prefix = {recipe.data.prefix!r}: {recipe.data.prefix + suffix} not found; "
-                              "run tools/prepare_data.py first")
+    for prefix in recipe.data.prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise RecipeError(f"data.prefix = {prefix!r}: {prefix + suffix} not found; "
+                                  "run tools/prepare_data.py first")
     init = recipe.checkpoint.init_from
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "

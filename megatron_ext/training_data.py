@@ -78,16 +78,20 @@ def build_datasets(recipe: Recipe, train_samples: int, validation: bool):
     """(train, valid) datasets of `recipe.data`: train with at least `train_samples` samples (CPT; SFT goes round
     its packs), valid (None without `validation`) with `train.eval_iters` global batches (CPT: GPTDataset repeats
     a small valid split; SFT goes round its packs)."""
-    t, prefix, split = recipe.train, recipe.data.prefix, recipe.data.split
-    valid_samples = t.eval_iters * t.global_batch_size if validation else None
+    t, d = recipe.train, recipe.data
+    prefix, split, G = d.prefixes[0], d.split, t.global_batch_size
+    valid_samples = t.eval_iters * G if validation else None
     if t.stage == "cpt":
-        manifest = read_manifest(prefix, "cpt")
-        needed = t.global_batch_size * t.seq_length
-        if manifest["tokens"] < needed:
-            raise DataError(f"data.prefix = {prefix!r}: {manifest['tokens']} tokens, fewer than one global "
-                            f"batch ({t.global_batch_size} x {t.seq_length} = {needed}); prepare more data")
-        train, valid, _ = build_cpt_datasets(prefix, t.seq_length, seed=t.seed, split=split,
-                                             num_samples=(train_samples, valid_samples, None))
+        tokens = sum(read_manifest(p, "cpt")["tokens"] for p in d.prefixes)
+        if tokens < G * t.seq_length:
+            shown = d.prefix if isinstance(d.prefix, str) else list(d.prefix)
+            raise DataError(f"data.prefix = {shown!r}: {tokens} tokens, fewer than one global batch ({G} x "
+                            f"{t.seq_length} = {G * t.seq_length}); prepare more data")
+        sizes = [train_samples, valid_samples, None]
+        if d.weights is not None:  # Megatron-Core blends by weight only to a given size: every split needs one
+            sizes = [G if n is None else n for n in sizes]
+        train, valid, _ = build_cpt_datasets(list(d.prefixes) if d.weights is not None else prefix, t.seq_length,
+                                             weights=d.weights, seed=t.seed, split=split, num_samples=sizes)
         return train, valid if validation else None
     train = SFTPackedDataset(prefix, t.seq_length, seed=t.seed, split=split, part=0)
     if len(train) < t.global_batch_size:

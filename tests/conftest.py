@@ -83,6 +83,18 @@ def token_data(tmp_path_factory, toy_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def second_token_data(tmp_path_factory, toy_tokenizer):
+    """Another CPT dataset (another synthetic corpus), to blend with token_data."""
+    from megatron_ext.data import prepare_cpt
+    from megatron_ext.data.toy import synthetic_corpus, write_jsonl
+
+    d = tmp_path_factory.mktemp("data2")
+    corpus = write_jsonl(d / "corpus.jsonl", synthetic_corpus(60, seed=5))
+    prepare_cpt([str(corpus)], toy_tokenizer, str(d / "cpt"), progress=False)
+    return str(d / "cpt")
+
+
+@pytest.fixture(scope="session")
 def sft_data(tmp_path_factory, toy_tokenizer):
     """An SFT dataset (chat samples, loss on assistant tokens) prepared by the real pipeline."""
     from megatron_ext.data import prepare_sft

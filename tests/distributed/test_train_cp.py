@@ -48,3 +48,12 @@ def test_training_reduces_loss(cp1):
 def test_negative_control_different_data_order_differs(tmp_path, torchrun, token_data, cp1):
     metrics = run_train(torchrun, tmp_path, 1, token_data, "parallel.context=1", "train.seed=99")
     assert abs(losses(metrics)[0] - losses(cp1)[0]) > 1e-4  # 10x the tolerance above
+
+
+def test_blend_of_two_datasets_at_cp2_equals_cp1(tmp_path, torchrun, token_data, second_token_data, cp1):
+    """data.prefix as a list with data.weights (Megatron-Core's BlendedDataset) through the whole loop."""
+    blend = [f"data.prefix=[{token_data}, {second_token_data}]", "data.weights=[3, 1]"]  # after run_train's prefix
+    one = run_train(torchrun, tmp_path / "cp1", 1, token_data, "parallel.context=1", *blend)
+    two = run_train(torchrun, tmp_path / "cp2", 2, token_data, "parallel.context=2", *blend)
+    np.testing.assert_allclose(losses(two), losses(one), atol=1e-5, rtol=0)
+    assert abs(losses(one)[0] - losses(cp1)[0]) > 1e-4  # control: the blend reads other samples than token_data

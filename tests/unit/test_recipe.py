@@ -102,6 +102,14 @@ def test_missing_architecture():
     (["data.split=1,2,3,4"], 2, r"data\.split = '1,2,3,4': expected"),
     (["data.split=98,-2,0"], 2, r"data\.split = '98,-2,0': expected"),
     (["data.split=100"], 2, r"data\.split = 100: expected a string; quote it: split: '100'"),
+    (["data.prefix=[a, b]", "data.weights=[3, 1]"], 2, None),
+    (["data.prefix=[a, b]"], 2, r"data\.prefix: a list of 2 prefixes needs data\.weights, one per prefix "
+                                r"\(e\.g\. data\.weights=\[1, 1\]\)"),
+    (["data.prefix=[a, b]", "data.weights=[1]"], 2, r"data\.weights = \[1\.0\]: 1 weights for 2 prefixes"),
+    (["data.prefix=a", "data.weights=[1, 2]"], 2, r"data\.weights = \[1\.0, 2\.0\]: 2 weights for 1 prefixes"),
+    (["data.prefix=[a, b]", "data.weights=[1, 0]"], 2, r"data\.weights = \[1\.0, 0\.0\]: every weight must be > 0"),
+    (["data.prefix=[a, b]", "data.weights=[1, 1]", "train.stage=sft", "parallel.context=1",
+      "train.global_batch_size=2"], 2, r"data\.prefix: a list of 2 prefixes with train\.stage = 'sft'"),
 ])
 def test_cross_field_rules(override, world, message):
     if message is None:

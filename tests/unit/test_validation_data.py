@@ -65,6 +65,7 @@ def test_sft_split_leaving_valid_empty_is_an_error(sft_data):
 
 def _recipe(data, stage="cpt", *overrides):
     recipe = ROOT / ("recipes/tiny/cpt.yaml" if stage == "cpt" else "recipes/tiny/sft.yaml")
+    data = f"[{', '.join(data)}]" if isinstance(data, list) else data
     return load_recipe(recipe, [f"data.prefix={data}", "checkpoint.dir=/tmp/unused", "checkpoint.init_from=null",
                                 "train.seq_length=256", "train.steps=8", "parallel.context=1",
                                 "train.global_batch_size=2", *overrides])
@@ -118,3 +119,28 @@ def test_sft_validation_dataset(sft_data):
     recipe = _recipe(sft_data, "sft", "data.split=80,20,0", "train.eval_interval=2", "train.global_batch_size=2")
     train, valid = build_datasets(recipe, 16, validation=True)
     assert {i for p in train.packs for i in p}.isdisjoint({i for p in valid.packs for i in p})
+
+
+@pytest.mark.parametrize("weights, expect", [("[3, 1]", [12, 4]), ("[1, 1]", [8, 8])])
+def test_blend_reads_the_prefixes_by_weight(token_data, second_token_data, weights, expect):
+    """data.prefix as a list with data.weights: Megatron-Core's BlendedDataset, 16 training samples split by weight,
+    each the sample of the dataset it names; validation blends the valid splits alike."""
+    recipe = _recipe([token_data, second_token_data], "cpt", f"data.weights={weights}", "data.split=80,20,0",
+                     "train.eval_interval=2", "train.eval_iters=4")
+    train, valid = build_datasets(recipe, 16, validation=True)
+    assert np.bincount(train.dataset_index[:16], minlength=2).tolist() == expect
+    for i in range(16):
+        own = train.datasets[train.dataset_index[i]][train.dataset_sample_index[i]]
+        assert torch.equal(torch.as_tensor(train[i]["tokens"]), torch.as_tensor(own["tokens"]))
+    assert len(valid) == 8 and set(valid.dataset_index[:8].tolist()) == {0, 1}
+    assert [d.dataset_path for d in train.datasets] == [token_data, second_token_data]
+
+
+def test_blend_resumes_as_the_same_data(token_data, second_token_data):
+    from megatron_ext.resume import resume_position
+
+    recipe = _recipe([token_data, second_token_data], "cpt", "data.weights=[3, 1]")
+    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict()}  # lists, as the metadata JSON has
+    assert resume_position(saved, 4, recipe)[2] == []
+    other = _recipe([token_data, second_token_data], "cpt", "data.weights=[1, 1]")
+    assert resume_position(saved, 4, other)[2] == ["data.weights: [3.0, 1.0] -> [1.0, 1.0]"]
