@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save
 
-    from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
+    from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=process_env().world_size)
@@ -385,8 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     p = recipe.parallel
-    init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, context=p.context,
-                     hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
+    try:
+        init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, context=p.context,
+                         hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         from megatron_ext.checkpoint import CheckpointError
         from megatron_ext.data import DataError

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+# Conversion runs on the CPU (Megatron-Core through megatron_ext's CPU backend), also on a node with GPUs: hide them
+# before torch is imported, which the backend needs (megatron_ext/runtime/cpu_backend.py).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

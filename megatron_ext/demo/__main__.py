@@ -25,8 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_ext.demo.pipeline import (ABLATION, ROOT, DemoSettings, StepLog, rope_overrides_from_hf, run_tool, torchrun,
-                                        yarn_untrained)
+# The demo runs on the CPU, also on a machine with GPUs: its Megatron-Core steps use the CPU backend, which needs the
+# GPUs hidden before torch is imported (megatron_ext/runtime/cpu_backend.py); the subprocesses inherit this.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+from megatron_ext.demo.pipeline import (ABLATION, ROOT, DemoSettings, StepLog,  # noqa: E402
+                                        rope_overrides_from_hf, run_tool, torchrun, yarn_untrained)
 
 
 def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:

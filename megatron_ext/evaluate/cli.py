@@ -275,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")
         warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
+        from megatron_ext.runtime import DeviceError
+
         try:
             run(args)
-        except EvalError as e:
+        except (EvalError, DeviceError) as e:
             from megatron_ext.runtime import process_env
 
             # An error every rank of a job finds alike: one line, from rank 0.

@@ -1,6 +1,7 @@
 """Runtime: distributed init (torchrun or Slurm), device choice, and the CPU backend."""
 
 from megatron_ext.runtime.distributed import (
+    DeviceError,
     ProcessEnv,
     destroy_distributed,
     first_host,
@@ -18,4 +19,4 @@ def te_available() -> bool:
     return True
 
 
-__all__ = ["ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env", "te_available"]
+__all__ = ["DeviceError", "ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env", "te_available"]

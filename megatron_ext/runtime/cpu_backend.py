@@ -24,10 +24,13 @@ Nothing here changes numerics: the same kernels run as without the patches.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_ext.runtime.distributed import DeviceError
 
 _APPLIED = False
 
@@ -151,8 +154,14 @@ def apply_cpu_backend() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    # On a machine with GPUs (a cluster node converting a checkpoint, a workstation running the demo) the CPU path
+    # must see none, here and in child processes: the patches above answer CUDA questions for the CPU, and code
+    # that asks torch.cuda.is_available() would send tensors to a GPU. This works while nothing in the process
+    # has asked CUDA for its devices yet (the entry points of CPU-only tools also set it before importing torch).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if torch.cuda.is_available():
-        raise RuntimeError("the CPU backend must not be applied on a machine with CUDA; use runtime.device=cuda")
+        raise DeviceError("runtime.device = 'cpu' in a process that has already used CUDA: start it with "
+                          "CUDA_VISIBLE_DEVICES= (empty), or use runtime.device=cuda")
     _patch_cuda_module()
     _patch_rng()
     _CudaToCpu().__enter__()  # global for the process: never exited

@@ -12,6 +12,10 @@ from typing import Mapping
 import torch
 
 
+class DeviceError(RuntimeError):
+    """The device a run asks for is not what this process can use (no GPU visible, or GPUs for a CPU run)."""
+
+
 @dataclass(frozen=True)
 class ProcessEnv:
     """Where this process sits in the job."""
@@ -96,7 +100,7 @@ def init_distributed(
         backend = "gloo"
     else:
         if not torch.cuda.is_available():
-            raise RuntimeError("runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu")
+            raise DeviceError("runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu")
         torch.cuda.set_device(penv.local_rank % torch.cuda.device_count())
         backend = "nccl"
     if not torch.distributed.is_initialized():

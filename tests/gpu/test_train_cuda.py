@@ -4,7 +4,8 @@ The CPU tests run the loop on gloo only; NCCL takes CUDA tensors only and the mo
 batches and every tensor of a collective must be there too (they were not until this test was written: the
 loop had never run on a GPU). Oracle: the same recipe with runtime.device=cpu, fp32: losses, gradient norms
 and validation losses step by step; then a resume on the GPU, an SFT stage from the GPU checkpoint, and a
-diverging run stopping with EXIT_DIVERGED (its flag goes through an NCCL all-reduce).
+diverging run stopping with EXIT_DIVERGED (its flag goes through an NCCL all-reduce). Also the CPU path
+(conversion, runtime.device=cpu) on this machine with its GPU visible.
 """
 
 import json
@@ -24,10 +25,10 @@ COMMON = ["train.seq_length=256", "train.global_batch_size=2", "train.lr=1e-2", 
           "train.precision=fp32", "data.split=80,20,0", "train.eval_interval=2", "runtime.attention=sdpa"]
 
 
-def train(stage: str, out, data, device: str, *overrides, expect: int = 0) -> list[dict]:
+def train(stage: str, out, data, device: str, *overrides, expect: int = 0, hide_gpus: bool = True) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="4", PYTHONWARNINGS="ignore")
-    if device == "cpu":  # the CPU backend refuses a process that sees CUDA
+    if device == "cpu" and hide_gpus:  # the oracle runs as a CPU machine would run it
         env["CUDA_VISIBLE_DEVICES"] = ""
     recipe = ROOT / f"recipes/tiny/{stage}.yaml"
     cmd = [sys.executable, "-m", "megatron_ext.train", "--recipe", str(recipe), f"checkpoint.dir={out}",
@@ -65,3 +66,16 @@ def test_divergence_on_cuda_stops_with_exit_diverged(tmp_path, token_data):
     train("cpt", tmp_path, token_data, "cuda", "train.steps=4", "train.lr=1e30", "train.eval_interval=0",
           "checkpoint.interval=1", expect=4)
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_cpu_path_on_a_gpu_machine(tmp_path, token_data):
+    """runtime.device=cpu and tools/convert.py (CPU only) on a machine with a GPU, the GPU left visible: the CPU
+    backend hides it from the process (it refused to run here before: a cluster node could not convert)."""
+    from tests.unit.test_evaluate import save_tiny
+
+    save_tiny(tmp_path / "hf")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(tmp_path / "hf"),
+                           "--out", str(tmp_path / "mc")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = train("cpt", tmp_path / "run", token_data, "cpu", "train.steps=2", hide_gpus=False)
+    assert [m["step"] for m in metrics] == [1, 2] and np.isfinite(metrics[-1]["loss"])
