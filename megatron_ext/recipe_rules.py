@@ -137,13 +137,13 @@ def _validate_data(recipe: Recipe) -> None:
                  "data.prefix; give one per prefix")
         _require(all(w > 0 for w in d.weights), f"data.weights = {list(d.weights)}: every weight must be > 0")
     try:
-        valid = split_fractions(recipe.data.split)[1]
+        valid = split_fractions(d.split)[1]
     except DataError as e:
         raise RecipeError(str(e)) from None
     _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval}: must be >= 0 (0 = no validation)")
     _require(t.eval_iters >= 1, f"train.eval_iters = {t.eval_iters}: must be >= 1")
     _require(t.eval_interval == 0 or valid > 0,
-             f"train.eval_interval = {t.eval_interval}: data.split = {recipe.data.split!r} holds no documents out "
+             f"train.eval_interval = {t.eval_interval}: data.split = {d.split!r} holds no documents out "
              "for validation; give the valid split a weight (e.g. data.split=98,2,0) or set train.eval_interval=0")
 
 

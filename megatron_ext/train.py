@@ -55,7 +55,7 @@ class StopFlag:
 
 def run_device() -> torch.device:
     """This rank's device, for the model's batches and for the tensors of collectives: NCCL (runtime.device
-    cuda; the CPU backend refuses machines with CUDA) takes only CUDA tensors, gloo CPU ones."""
+    cuda) takes only CUDA tensors, gloo CPU ones (a CPU run hides the GPUs, `runtime/cpu_backend.py`)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -19,4 +19,5 @@ def te_available() -> bool:
     return True
 
 
-__all__ = ["DeviceError", "ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env", "te_available"]
+__all__ = ["DeviceError", "ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env",
+           "te_available"]

@@ -158,8 +158,13 @@ def apply_cpu_backend() -> None:
     # must see none, here and in child processes: the patches above answer CUDA questions for the CPU, and code
     # that asks torch.cuda.is_available() would send tensors to a GPU. This works while nothing in the process
     # has asked CUDA for its devices yet (the entry points of CPU-only tools also set it before importing torch).
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if torch.cuda.is_available():
+        if before is None:  # leave the process as it was for its CUDA work
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
         raise DeviceError("runtime.device = 'cpu' in a process that has already used CUDA: start it with "
                           "CUDA_VISIBLE_DEVICES= (empty), or use runtime.device=cuda")
     _patch_cuda_module()

@@ -53,13 +53,17 @@ def test_missing_checkpoint_dir(token_data):
     assert_one_line_error(proc, "checkpoint.dir: missing")
 
 
-def test_divergence_stops_without_saving(tmp_path, token_data, cpu_parallel_state):
+@pytest.mark.parametrize("optimizer", [[], ["train.clip_grad=0", "train.distributed_optimizer=false"]],
+                         ids=["default", "no-clip"])
+def test_divergence_stops_without_saving(tmp_path, token_data, cpu_parallel_state, optimizer):
     """lr 1e30: step 2's gradient norm is NaN (its update makes every weight NaN). Without the check the run went
-    on, saving NaN weights at steps 2 to 5 and moving the latest pointer to them (seen by hand)."""
+    on, saving NaN weights at steps 2 to 5 and moving the latest pointer to them (seen by hand). Without clipping
+    Megatron's optimizer still reports the norm, so the check holds there too."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     proc = train(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1", "train.steps=5",
-                 "train.seq_length=256", "train.global_batch_size=1", "train.lr=1e30", "checkpoint.interval=1")
+                 "train.seq_length=256", "train.global_batch_size=1", "train.lr=1e30", "checkpoint.interval=1",
+                 *optimizer)
     assert proc.returncode == 4, proc.stderr[-2000:]  # EXIT_DIVERGED: no requeue
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
