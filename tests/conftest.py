@@ -70,28 +70,26 @@ def toy_tokenizer(tmp_path_factory):
     return str(build_toy_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-@pytest.fixture(scope="session")
-def token_data(tmp_path_factory, toy_tokenizer):
-    """A CPT indexed dataset prepared by the real pipeline from the synthetic corpus, `<s>`-separated."""
+def _cpt_data(folder: Path, tokenizer: str, documents: int, seed: int) -> str:
+    """A CPT indexed dataset prepared by the real pipeline from a synthetic corpus, `<s>`-separated."""
     from megatron_ext.data import prepare_cpt
     from megatron_ext.data.toy import synthetic_corpus, write_jsonl
 
-    d = tmp_path_factory.mktemp("data")
-    corpus = write_jsonl(d / "corpus.jsonl", synthetic_corpus(120, seed=0))
-    prepare_cpt([str(corpus)], toy_tokenizer, str(d / "cpt"), progress=False)
-    return str(d / "cpt")
+    corpus = write_jsonl(folder / "corpus.jsonl", synthetic_corpus(documents, seed=seed))
+    prepare_cpt([str(corpus)], tokenizer, str(folder / "cpt"), progress=False)
+    return str(folder / "cpt")
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory, toy_tokenizer):
+    """The CPT dataset of the tests (120 synthetic documents)."""
+    return _cpt_data(tmp_path_factory.mktemp("data"), toy_tokenizer, 120, seed=0)
 
 
 @pytest.fixture(scope="session")
 def second_token_data(tmp_path_factory, toy_tokenizer):
     """Another CPT dataset (another synthetic corpus), to blend with token_data."""
-    from megatron_ext.data import prepare_cpt
-    from megatron_ext.data.toy import synthetic_corpus, write_jsonl
-
-    d = tmp_path_factory.mktemp("data2")
-    corpus = write_jsonl(d / "corpus.jsonl", synthetic_corpus(60, seed=5))
-    prepare_cpt([str(corpus)], toy_tokenizer, str(d / "cpt"), progress=False)
-    return str(d / "cpt")
+    return _cpt_data(tmp_path_factory.mktemp("data2"), toy_tokenizer, 60, seed=5)
 
 
 @pytest.fixture(scope="session")
