@@ -202,6 +202,13 @@ class TrainStage:
 # ---------------------------------------------------------------------------- CLI
 
 
+def after(params: dict, job: str) -> dict:
+    """submitit parameters of a job that starts once job `job` has succeeded, and that Slurm cancels if it fails
+    (`--kill-on-invalid-dep`: else it would wait in the queue forever, DependencyNeverSatisfied)."""
+    extra = dict(params["additional_parameters"], dependency=f"afterok:{job}", kill_on_invalid_dep="yes")
+    return dict(params, additional_parameters=extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_ext.launch", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="recipe YAML (the first stage, or the folder of --stages)")
@@ -297,8 +304,7 @@ def submit(args, plan: list[Stage]) -> int:
             print(f"  layout: {describe(recipe, world)}")
             shown = {k: v for k, v in params.items() if k != "setup"}
             if i:
-                shown["additional_parameters"] = dict(shown["additional_parameters"],
-                                                      dependency=f"afterok:<job of stage {i}>")
+                shown = after(shown, f"<job of stage {i}>")
             for key in sorted(shown):
                 print(f"  sbatch {key}: {shown[key]}")
             for line in params["setup"]:
@@ -306,10 +312,9 @@ def submit(args, plan: list[Stage]) -> int:
             run = ["python", "-m", "megatron_ext.train", "--recipe", stage.recipe, *stage.overrides]
             print(f"  run per task: {shlex.join(run)}")
         for i, (stage, params) in enumerate(evals):
-            after = evals[i - 1][0].name if i else f"stage {len(plan)}"
-            print(f"then {stage.name}: {params['nodes'] * params['ntasks_per_node']} processes, after {after}")
-            shown = dict(params, additional_parameters=dict(params["additional_parameters"],
-                                                            dependency=f"afterok:<job of {after}>"))
+            previous = evals[i - 1][0].name if i else f"stage {len(plan)}"
+            print(f"then {stage.name}: {params['nodes'] * params['ntasks_per_node']} processes, after {previous}")
+            shown = after(params, f"<job of {previous}>")
             for key in sorted(k for k in shown if k != "setup"):
                 print(f"  sbatch {key}: {shown[key]}")
             print(f"  run per task: {shlex.join(['python', 'tools/niah.py', *stage.argv])}")
@@ -321,19 +326,14 @@ def submit(args, plan: list[Stage]) -> int:
     jobs = []
     for stage, (recipe, params) in zip(plan, jobs_params):
         executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
-        params = dict(params)
-        if jobs:
-            params["additional_parameters"] = dict(params["additional_parameters"],
-                                                   dependency=f"afterok:{jobs[-1].job_id}")
-        executor.update_parameters(**params)
+        executor.update_parameters(**(after(params, jobs[-1].job_id) if jobs else params))
         job = executor.submit(TrainStage(stage.recipe, stage.overrides))
         print(f"submitted {stage.name}: job {job.job_id} ({describe(recipe, params['nodes'] * params['ntasks_per_node'])})",
               flush=True)
         jobs.append(job)
     for stage, params in evals:  # one after the other, like slurm/pipeline.sh
         executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
-        executor.update_parameters(**dict(params, additional_parameters=dict(
-            params["additional_parameters"], dependency=f"afterok:{jobs[-1].job_id}")))
+        executor.update_parameters(**after(params, jobs[-1].job_id))
         jobs.append(executor.submit(stage))
         plan = [*plan, Stage(stage.name, "")]
         print(f"submitted {stage.name}: job {jobs[-1].job_id} ({shlex.join(['tools/niah.py', *stage.argv])})",

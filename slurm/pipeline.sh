@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Submit the whole UltraLong run as a chain of Slurm jobs, each starting after the previous one
-# succeeded (--dependency=afterok):
+# succeeded (--dependency=afterok; with --kill-on-invalid-dep=yes a failed job cancels the ones after it):
 #   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> NIAH -> RULER -> export (to-hf)
 #
 #   bash slurm/pipeline.sh [--cpt cpt_1m|cpt_2m|cpt_4m] [--hf DIR] [--export DIR] [--sft-recipe FILE]
@@ -66,7 +66,8 @@ submit() {
   local name=$1 id
   shift
   local -a cmd=(sbatch --parsable "${EXTRA[@]}")
-  [[ -n $PREV ]] && cmd+=("--dependency=afterok:$PREV")
+  # kill-on-invalid-dep: Slurm cancels the job if the one before fails (else it waits forever, DependencyNeverSatisfied)
+  [[ -n $PREV ]] && cmd+=("--dependency=afterok:$PREV" --kill-on-invalid-dep=yes)
   cmd+=("$@")
   N=$((N + 1))
   if ((DRY)); then

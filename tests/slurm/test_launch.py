@@ -13,7 +13,7 @@ import pytest
 from megatron_ext.launch import check, parse_time, plan_stages
 from megatron_ext.recipe import RecipeError
 from tests.conftest import ROOT
-from tests.slurm.conftest import TINY_OVERRIDES, RequeueNow, job_env, metrics
+from tests.slurm.conftest import TINY_OVERRIDES, RequeueNow, job_env, metrics, wait_job
 
 EXPECTED = ROOT / "tests/slurm/expected/launch_dry_run.txt"
 DRY_RUN_ARGS = ["--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--partition", "batch",
@@ -134,6 +134,24 @@ def test_submitit_chain_cpt_then_sft(slurm_cluster, tmp_path, token_data, sft_da
     # (the last job may still be finishing: submitit's result file comes before Slurm's end)
     assert rows[jobs[0]][0] == "COMPLETED" and rows[jobs[1]][0] in ("RUNNING", "COMPLETING", "COMPLETED"), acct
     assert rows[jobs[1]][1] >= rows[jobs[0]][2], acct  # ISO times compare as strings
+
+
+def test_failed_stage_cancels_the_later_ones(slurm_cluster, tmp_path, token_data, sft_data):
+    """Submitted without --wait (nothing watches the chain): the CPT stage diverges (lr 1e30: exit 4, the job
+    fails) and Slurm itself cancels the SFT job after it (--kill-on-invalid-dep). Without that flag the SFT job
+    stayed pending forever (Reason DependencyNeverSatisfied; seen by hand on this cluster)."""
+    args = ["--recipe", "recipes/tiny/cpt.yaml", "--stages", "cpt,sft", "--nodes", "2", "--gpus-per-node", "1",
+            "--cpus-per-task", "1", "--time", "30", "--folder", str(tmp_path / "submitit/%j"), *TINY_OVERRIDES,
+            "train.steps=3", f"cpt:data.prefix={token_data}", f"sft:data.prefix={sft_data}", "cpt:train.lr=1e30",
+            f"cpt:checkpoint.dir={tmp_path / 'cpt'}", f"sft:checkpoint.dir={tmp_path / 'sft'}",
+            f"sft:checkpoint.init_from={tmp_path / 'cpt'}", "sft:train.global_batch_size=2"]
+    proc = launch(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cpt, sft = [line.split("job ")[1].split()[0] for line in proc.stdout.splitlines() if line.startswith("submitted")]
+    assert wait_job(cpt)[0] == "FAILED"
+    assert wait_job(sft, timeout=120)[0] == "CANCELLED"
+    logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.err"))
+    assert "training diverged; stopped without saving" in logs, logs[-3000:]
 
 
 def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data, toy_tokenizer):

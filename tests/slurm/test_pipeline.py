@@ -27,6 +27,9 @@ def test_dry_run_chains_four_jobs_with_afterok():
     assert "--dependency=afterok:\\<convert\\>" in cpt and "slurm/cpt_1m.sh train.steps=10" in cpt
     assert "--dependency=afterok:\\<cpt_1m\\>" in sft and "checkpoint.init_from=checkpoints/cpt_1m" in sft
     assert "--dependency=afterok:\\<sft\\>" in export and "checkpoints/sft_1m" in export and "to-hf" in export
+    # a failed job cancels the ones after it instead of leaving them pending forever
+    assert "--kill-on-invalid-dep" not in convert
+    assert all("--dependency=afterok:\\<" in job and "--kill-on-invalid-dep=yes" in job for job in (cpt, sft, export))
 
 
 def test_sft_after_longer_cpt_needs_its_own_recipe():
