@@ -113,3 +113,31 @@ def test_sft_validation_loss_is_the_same_on_two_replicas(tmp_path, torchrun, sft
     assert sorted(one) == [2, 4] and sorted(two) == [2, 4]
     np.testing.assert_allclose([two[s] for s in (2, 4)], [one[s] for s in (2, 4)], rtol=1e-5)
     assert one[4] < one[2]  # lr 1e-2 on the train conversations lowers the held-out loss too
+
+
+def test_sft_validation_loss_is_transformers_loss_on_the_held_out_conversations(tmp_path, torchrun, sft_data):
+    """SFT: the valid packs' conversations run one at a time through transformers, loss on assistant tokens only
+    (the loss mask), summed over both packs of the one validation batch and divided by their token count."""
+    from transformers import LlamaForCausalLM
+
+    from megatron_ext.convert.exporter import to_hf
+    from megatron_ext.data import SFTPackedDataset
+
+    out = tmp_path / "sft"
+    metrics = run_train(torchrun, out, 1, sft_data, "checkpoint.init_from=null", "train.eval_interval=2",
+                        "parallel.context=1", "train.steps=2", recipe="sft")
+    to_hf(out, tmp_path / "hf", iteration=2, progress=False)
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    valid = SFTPackedDataset(sft_data, 256, seed=1234, split=SPLIT, part=1)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for pack in (valid[i % len(valid)] for i in range(BATCH)):
+            cu = pack["cu_seqlens"].tolist()
+            for a, b in zip(cu[:-1], cu[1:]):
+                mask = pack["loss_mask"][a:b].bool()
+                if mask.any():  # conversations (the padding tail has no loss)
+                    logits = model(pack["tokens"][a:b][None]).logits[0].double()
+                    losses = torch.nn.functional.cross_entropy(logits, pack["labels"][a:b], reduction="none")
+                    total, count = total + losses[mask].sum().item(), count + int(mask.sum())
+    assert metrics[-1]["val_tokens"] == count
+    assert metrics[-1]["val_loss"] == pytest.approx(total / count, rel=1e-5)
