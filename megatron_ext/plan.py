@@ -53,7 +53,9 @@ class Timing:
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float  # achieved model FLOPs / peak, after recompute and communication
-    hours: float  # for the recipe's train.steps
+    hours: float  # for the recipe's train.steps, validations included
+    validation_s: float = 0.0  # one validation (train.eval_iters global batches, forward only)
+    validations: int = 0  # how many the run does (train.eval_interval)
 
 
 def _link(group_span: int, gpus_per_node: int, gpu: GPU) -> float:
@@ -175,11 +177,12 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
     # O and FC2), 6 backward (their transposes + re-gathering the inputs for the weight gradients),
     # +4 when the forward is recomputed; each moves (tp-1)/tp of [tokens, hidden]; not overlapped.
     collectives = 10 + 4 * recomputed
-    tp_bytes = collectives * s.layers / pp * (tp - 1) / tp * tokens_mb * s.hidden * dtype
-    tp_comm = microbatches * tp_bytes / _link(tp, recipe.cluster.gpus_per_node, gpu) if tp > 1 else 0.0
+    collective_s = (s.layers / pp * (tp - 1) / tp * tokens_mb * s.hidden * dtype
+                    / _link(tp, recipe.cluster.gpus_per_node, gpu)) if tp > 1 else 0.0  # one per layer
+    tp_comm = microbatches * collectives * collective_s
     # CP p2p ring: cp-1 steps per layer, each sends the local K/V (backward: K/V and dK/dV) while
     # attention of one chunk pair (1/cp of the layer's attention) computes; only the excess shows.
-    cp_comm = 0.0
+    cp_comm = fwd = 0.0
     if cp > 1:
         link = _link(tp * cp, recipe.cluster.gpus_per_node, gpu)
         kv = tokens_mb * 2 * s.kv_heads * s.head_dim / tp * dtype
@@ -198,8 +201,15 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
         dp_comm = (shards - 1) / shards * params * (GRAD_BYTES + dtype) / link
     step = compute + tp_comm + cp_comm + dp_comm
     tok_s_gpu = tokens_step / step / gpus
+    # Validation: the forward third of the model FLOPs (perf.md §1: 2N of 6N per token), no recompute and no
+    # loss-head backward, the 4 forward TP collectives and the forward CP exchange, no optimizer step.
+    batch_s = (tokens_step * f_tok / 3 / gpus / rate * bubble
+               + microbatches * (4 * collective_s + s.layers / pp * (cp - 1) * fwd))
+    validation_s = t.eval_iters * batch_s if t.eval_interval else 0.0
+    validations = len({*range(t.eval_interval, t.steps + 1, t.eval_interval), t.steps}) if t.eval_interval else 0
     return Timing(f_tok, compute, tp_comm, cp_comm, dp_comm, step, tok_s_gpu,
-                  tok_s_gpu * f_tok / (gpu.bf16_tflops * 1e12), step * t.steps / 3600)
+                  tok_s_gpu * f_tok / (gpu.bf16_tflops * 1e12), (step * t.steps + validations * validation_s) / 3600,
+                  validation_s, validations)
 
 
 def context_candidates(recipe: Recipe, gpus: int) -> list[int]:

@@ -58,6 +58,9 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
         f"  {'step: TP / CP(exposed) / DP comm':<34}{t.tp_comm_s:8.2f} / {t.cp_comm_s:.2f} / {t.dp_comm_s:.2f} s",
         f"  {'step time':<34}{t.step_s:8.2f} s",
         f"  {'tokens/s/GPU':<34}{t.tokens_per_s_per_gpu:8.1f}     (achieved MFU {t.mfu:.1%})",
+        *([f"  {'validation (forward only)':<34}{t.validation_s:8.2f} s   x {t.validations} "
+           f"({r.train.eval_iters} global batch(es) each, train.eval_interval {r.train.eval_interval})"]
+          if t.validations else []),
         f"  {'total for ' + str(r.train.steps) + ' steps':<34}{t.hours:8.2f} h  "
         f"({tokens / 1e9:.2f}B tokens)",
         f"  {'per 1B tokens':<34}{t.hours * 1e9 / tokens:8.2f} h",

@@ -306,3 +306,23 @@ def test_tool_names_partial_recompute():
     assert proc.returncode == 0, proc.stderr
     assert "recompute full (9 of 32 layers)" in proc.stdout
     assert "recommendation: parallel.context=32 train.recompute=full train.recompute_layers=9" in proc.stdout
+
+
+def test_validation_time_is_the_forward_third():
+    """train.eval_interval adds, per validation, eval_iters forward passes of a global batch: a third of the model
+    FLOPs (perf.md §1), without recompute and, on one GPU per replica, without communication."""
+    base = ["parallel.tensor=1", "parallel.context=1", "parallel.pipeline=1", "parallel.sequence_parallel=false",
+            "train.seq_length=8192", "train.recompute=none", "train.loss_head=full", "train.steps=10",
+            "train.global_batch_size=256", "cluster.nodes=32", "cluster.gpus_per_node=8"]
+    plain = P.plan(load_recipe(R / "cpt_1m.yaml", base), H100)
+    assert plain.timing.validations == 0 and plain.timing.validation_s == 0
+    recipe = load_recipe(R / "cpt_1m.yaml", [*base, "data.split=98,2,0", "train.eval_interval=4", "train.eval_iters=3"])
+    t = P.plan(recipe, H100).timing
+    assert t.validations == 3  # steps 4, 8 and the last, 10
+    assert t.validation_s == pytest.approx(3 * t.compute_s / 3)  # 3 batches x the forward third of a step
+    assert t.hours == pytest.approx((10 * t.step_s + 3 * t.validation_s) / 3600)
+    assert t.step_s == plain.timing.step_s  # steps themselves unchanged
+    proc = _tool(str(R / "cpt_1m.yaml"), "--set", "data.split=98,2,0", "--set", "train.eval_interval=25")
+    assert proc.returncode == 0 and "validation (forward only)" in proc.stdout and "x 5 (1 global batch(es) each" \
+        in proc.stdout, proc.stdout
+    assert "validation" not in _tool(str(R / "cpt_1m.yaml")).stdout
