@@ -23,7 +23,8 @@
 #   NCCL_*, CUDA_DEVICE_MAX_CONNECTIONS, TORCH_NCCL_*  see nccl_defaults below; any value set
 #                     in the submitting shell wins (sbatch exports the environment)
 
-EXIT_REQUEUE=3 # megatron_ext.train.EXIT_REQUEUE
+EXIT_REQUEUE=3  # megatron_ext.train.EXIT_REQUEUE
+EXIT_DIVERGED=4 # megatron_ext.train.EXIT_DIVERGED: NaN/Inf loss, nothing saved, not requeued
 PROJECT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 log() { printf '[%s] %s\n' "$(date -u +%FT%TZ)" "$*"; }
@@ -153,6 +154,9 @@ stage_main() {
   rc=$STEP_RC
   trap - USR1 TERM
   log "training exited with $rc"
+  if ((rc == EXIT_DIVERGED)); then
+    log "training diverged (the error line above names the step); not requeued: the newest checkpoint is from before"
+  fi
   # 128 + 10: the tasks got USR1 before the trainer's handler was installed (still starting up),
   # so nothing new was saved; requeueing resumes from the previous checkpoint.
   if ((rc == EXIT_REQUEUE)) || [[ ${SIGNALLED:-} == USR1 && $rc -eq 138 ]]; then

@@ -54,3 +54,14 @@ def test_local_cluster_says_why_it_cannot_run_without_root():
                                                                          "SLURM_LOCAL_DIR": "/tmp/not_used"})
     assert proc.returncode == 2, proc.stderr
     assert "cannot run Slurm here: not root" in proc.stderr
+
+
+def test_exit_codes_agree_with_the_trainer():
+    """slurm/common.sh requeues on EXIT_REQUEUE and explains EXIT_DIVERGED: the same numbers as megatron_ext.train."""
+    import re
+
+    from megatron_ext.train import EXIT_DIVERGED, EXIT_REQUEUE
+
+    text = (ROOT / "slurm/common.sh").read_text()
+    found = {name: int(value) for name, value in re.findall(r"^(EXIT_\w+)=(\d+)", text, flags=re.M)}
+    assert found == {"EXIT_REQUEUE": EXIT_REQUEUE, "EXIT_DIVERGED": EXIT_DIVERGED}

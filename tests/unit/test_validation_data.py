@@ -1,6 +1,7 @@
-"""The valid split that train.eval_interval reads: how data.split divides documents (CPT) and conversations (SFT).
+"""What the trainer reads: how data.split divides documents (CPT) and conversations (SFT) for train.eval_interval,
+blends of several CPT datasets (data.prefix list + data.weights), and microbatches on the model's device.
 
-Oracle for the document ranges: Megatron-Core's own GPTDataset split of the same CPT data.
+Oracle for the document ranges and the blend: Megatron-Core's own GPTDataset and BlendedDataset.
 """
 
 import numpy as np
