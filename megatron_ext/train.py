@@ -18,9 +18,7 @@ before (a requeue would only repeat the divergence).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import signal
 import sys
 import time
@@ -30,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+from megatron_ext.train_metrics import MetricsLog, format_duration, log, memory_gib
 
 EXIT_REQUEUE = 3
 EXIT_DIVERGED = 4
@@ -179,43 +178,6 @@ def report_divergence(step: int, what: str, root: Path, samples: range) -> int:
     return EXIT_DIVERGED
 
 
-# ---------------------------------------------------------------------------- metrics
-
-
-class MetricsLog:
-    """`metrics.jsonl`: one JSON line per step (rank 0), truncated to the resumed step on restart."""
-
-    def __init__(self, path: Path, start_step: int, enabled: bool):
-        self.path = path
-        self.enabled = enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        if enabled and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start_step]
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def _memory_gib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
-
-
-def log(msg: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
-
-
 # ---------------------------------------------------------------------------- main
 
 
@@ -296,7 +258,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
 
-    step = start
+    step, loop_start = start, time.time()
     while step < t.steps:
         step_start = time.time()
         ddp_model.zero_grad_buffer()
@@ -318,12 +280,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             "lr": scheduler.get_lr(optimizer.param_groups[0]), "tokens": tokens_seen,
             "loss_tokens": n_tokens, "tokens_per_s": step_tokens / elapsed,
             "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
-            "memory_gib": _memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
+            "memory_gib": memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
         }
         if step % t.log_interval == 0 or step == t.steps:
             log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
                 f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB")
+                f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB eta "
+                f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
         # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
         # gradient norm also with train.clip_grad = 0, so a step that makes weights NaN shows here.)
         if any_rank(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))):

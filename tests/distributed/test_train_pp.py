@@ -34,7 +34,8 @@ def test_pp2_losses_equal_pp1(tmp_path, torchrun, token_data, start):
     # 4 microbatches of one sequence per step: the 1F1B schedule has warm-up, steady and cool-down phases.
     pp2 = run_train(torchrun, tmp_path, 2, token_data, tied, "train.steps=3", f"checkpoint.init_from={init}",
                     "parallel.pipeline=2")
-    assert "TP1 PP2 CP1" in (tmp_path / "log.txt").read_text()
+    log = (tmp_path / "log.txt").read_text()
+    assert "TP1 PP2 CP1" in log and "[train] step 3/3 loss" in log and " eta 0s" in log
     assert [m["step"] for m in pp2] == [1, 2, 3]
     np.testing.assert_allclose([m["loss"] for m in pp2], [m["loss"] for m in pp1], atol=1e-5, rtol=0)
     np.testing.assert_allclose([m["grad_norm"] for m in pp2], [m["grad_norm"] for m in pp1], rtol=1e-4)

@@ -1,0 +1,55 @@
+"""What the training loop reports: `metrics.jsonl`, the progress lines of rank 0, peak memory, durations."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON line per step (rank 0), truncated to the resumed step on restart."""
+
+    def __init__(self, path: Path, start_step: int, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        if enabled and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def memory_gib() -> float:
+    """Peak GPU memory allocated by this process, or its resident memory on the CPU (GiB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def log(msg: str) -> None:
+    """Print on rank 0 only (every rank when there is no process group)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """`45s`, `12m05s`, `3h07m` (hours and minutes from an hour on)."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
