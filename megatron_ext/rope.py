@@ -43,6 +43,7 @@ import math
 import torch
 
 from megatron_ext.context_parallel import cp_positions
+from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.rope_spec import ROPE_TYPES, ULTRALONG_ROPE, RopeConfigError, RopeSpec, rope_spec
 
 try:  # Megatron-Core is needed only for the embedding module, not for `rope_frequencies`
@@ -250,10 +251,6 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
             return angles.repeat_interleave(2, dim=-1)
         return torch.cat((angles, angles), dim=-1)  # HF rotate_half layout [a0..a_{d/2-1}, a0..]
 
-    @staticmethod
-    def _device() -> torch.device:  # where the model computes (Megatron also puts RoPE on the current GPU)
-        return torch.device(torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
     def local_table(self, seq_len: int, cp_size: int = 1, cp_rank: int = 0, offset: int = 0) -> torch.Tensor:
         """Angles `[s/cp, 1, 1, rot_dim]` float32 for CP rank `cp_rank` of a sequence of `seq_len` positions."""
         return self._layout(self.get_freqs_non_repeated(seq_len, offset, cp_size, cp_rank))[:, None, None, :]
@@ -261,8 +258,8 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
     def get_freqs_non_repeated(self, max_seq_len: int, offset: int = 0, cp_size: int = 1,
                                cp_rank: int = 0) -> torch.Tensor:
         """Angles `[s/cp, rot_dim/2]` float32 (no channel duplication) for CP rank `cp_rank`."""
-        positions = cp_local_positions(max_seq_len, cp_size, cp_rank).to(self._device()) + offset  # [s/cp]
-        return rope_angles(positions, self.frequencies(max_seq_len + offset).to(self._device()))
+        positions = cp_local_positions(max_seq_len, cp_size, cp_rank).to(rank_device()) + offset  # [s/cp]
+        return rope_angles(positions, self.frequencies(max_seq_len + offset).to(rank_device()))
 
     def get_cos_sin(self, max_seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[s, rot_dim/2]` with the attention factor applied (flash-decode inference path)."""
@@ -278,7 +275,7 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
             if self.length_dependent:
                 raise RopeConfigError(f"rope_type {self.spec.rope_type!r}: decoding at given positions needs a "
                                       "table that does not depend on the sequence length")
-            angles = rope_angles(self.positions.to(self._device()), self.inv_freq.to(self._device()))
+            angles = rope_angles(self.positions.to(rank_device()), self.inv_freq.to(rank_device()))
             return self._layout(angles)[:, None, None, :]
         group = cp_group if cp_group is not None else self.cp_group
         cp_size, cp_rank = (group.size(), group.rank()) if group is not None else (1, 0)

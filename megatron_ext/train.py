@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.train_metrics import MetricsLog, format_duration, log, memory_gib
 
 EXIT_REQUEUE = 3
@@ -52,15 +53,9 @@ class StopFlag:
         return any_rank(self.signal is not None)
 
 
-def run_device() -> torch.device:
-    """This rank's device, for the model's batches and for the tensors of collectives: NCCL (runtime.device
-    cuda) takes only CUDA tensors, gloo CPU ones (a CPU run hides the GPUs, `runtime/cpu_backend.py`)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def any_rank(flag: bool) -> bool:
     """Whether `flag` holds on any rank (every rank calls it): so that all ranks take the same branch."""
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=run_device())
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=rank_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 
@@ -135,7 +130,7 @@ def reduce_loss(reports: list) -> tuple[float, int]:
     pipeline stage has): summed over DP x CP, then sent to every pipeline stage (rank 0 writes the metrics)."""
     from megatron.core import parallel_state as ps
 
-    total = torch.zeros(2, dtype=torch.float64, device=run_device())
+    total = torch.zeros(2, dtype=torch.float64, device=rank_device())
     for report in reports:
         total += report["lm loss"].double()
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
@@ -249,7 +244,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
 
     data, valid = build_batches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
                                 cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
-                                first_step=start, consumed_samples=consumed_samples, device=run_device())
+                                first_step=start, consumed_samples=consumed_samples, device=rank_device())
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = stop or StopFlag()
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)

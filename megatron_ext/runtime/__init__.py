@@ -7,6 +7,7 @@ from megatron_ext.runtime.distributed import (
     first_host,
     init_distributed,
     process_env,
+    rank_device,
 )
 
 
@@ -20,4 +21,4 @@ def te_available() -> bool:
 
 
 __all__ = ["DeviceError", "ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env",
-           "te_available"]
+           "rank_device", "te_available"]

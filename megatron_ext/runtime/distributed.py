@@ -16,6 +16,13 @@ class DeviceError(RuntimeError):
     """The device a run asks for is not what this process can use (no GPU visible, or GPUs for a CPU run)."""
 
 
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under runtime.device cuda (after `init_distributed` chose it), else the CPU (a CPU
+    run hides the GPUs, `cpu_backend.py`). Batches and the tensors of collectives go there: NCCL takes only CUDA
+    tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class ProcessEnv:
     """Where this process sits in the job."""
