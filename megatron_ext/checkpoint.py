@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -121,7 +122,8 @@ def _model_state(model_chunks: list, md: dict) -> dict:
 
 
 def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, optimizer=None, scheduler=None,
-                    metadata: dict, extra: dict | None = None, keep_last: int | None = None) -> Path:
+                    metadata: dict, extra: dict | None = None, keep_last: int | None = None,
+                    async_queue=None) -> Path:
     """Save model (+ optimizer, scheduler, extra) as `root/iter_{iteration:07d}` and point `latest` at it.
 
     Collective: every rank calls it. `model_chunks` are unwrapped GPTModels (one per virtual stage).
@@ -129,6 +131,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
     rope scaling) and may hold `recipe` (resolved, dict or dataclass) and `tokenizer` (a location).
     `extra` must be plain data (numbers, strings, tensors, dicts/lists of them): it is loaded back
     with `torch.load(weights_only=True)`. `keep_last=N` then deletes all but the newest N `iter_*` folders.
+    With `async_queue` (Megatron-Core's `AsyncCallsQueue`) the shards are written by a background process:
+    the folder appears, and `latest` moves, when the queue finalises the save (see `save_sharded_state`).
     """
     if "hf_config" not in metadata:
         raise CheckpointError("save_checkpoint: metadata must contain 'hf_config' (the model's HF config dict)")
@@ -141,14 +145,21 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
     if extra is not None:
         state["extra"] = extra
     info = {"model_chunks": len(model_chunks), "has_optimizer": optimizer is not None, **metadata}
-    return save_sharded_state(root, iteration, state, metadata=info, sharding_metadata=md, keep_last=keep_last)
+    return save_sharded_state(root, iteration, state, metadata=info, sharding_metadata=md, keep_last=keep_last,
+                              async_queue=async_queue)
 
 
 def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadata: dict,
-                       sharding_metadata: dict | None = None, keep_last: int | None = None) -> Path:
+                       sharding_metadata: dict | None = None, keep_last: int | None = None,
+                       async_queue=None) -> Path:
     """Write a ready sharded state dict as `root/iter_{iteration:07d}` (temp dir + rename) and update `latest`.
 
     The layer under `save_checkpoint`; the converter uses it directly with tensors it built itself.
+    With `async_queue` the shards are written in the background: Megatron-Core copies GPU tensors to host
+    memory and forks a writer, whose copy-on-write view of host memory stays as it was, so training may
+    change the tensors at once. Everything from the completeness check on runs as the request's last
+    finalize step, on every rank, when the queue finalises it.
+    Returns the folder's final path (with `async_queue`: where it will be).
     """
     from megatron.core import dist_checkpointing
 
@@ -161,9 +172,22 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
         tmp.mkdir()
     _barrier()
-    dist_checkpointing.save(state, str(tmp), content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
-    _barrier()
+    content = {k: v for k, v in md.items() if k != "dp_cp_group"}
+    finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
+    if async_queue is None:
+        dist_checkpointing.save(state, str(tmp), content_metadata=content)
+        _barrier()
+        finish()
+    else:
+        request = dist_checkpointing.save(state, str(tmp), content_metadata=content, async_sharded_save=True)
+        request.add_finalize_fn(finish)
+        async_queue.schedule_async_request(request)
+    return final
 
+
+def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_last: int | None) -> None:
+    """Collective, once every rank's shards are in `tmp`: metadata, completeness check, rename, `latest`."""
+    final = root / iter_dir_name(iteration)
     if _rank() == 0:
         info = {
             "format": FORMAT,
@@ -209,7 +233,6 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
                 if old_it != iteration:
                     shutil.rmtree(root / iter_dir_name(old_it), ignore_errors=True)
     _barrier()
-    return final
 
 
 def latest_iteration(root: str | Path) -> int | None:

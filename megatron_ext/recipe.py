@@ -168,6 +168,8 @@ class CheckpointConfig:
     init_from: str | None = _f(None, "Megatron checkpoint to start from (weights only), e.g. a converted HF model.")
     interval: int = _f(0, "Save every this many steps (0: only at the end).")
     keep_last: int | None = _f(None, "Keep only the newest this many iter_* folders (null: keep all).")
+    async_save: bool = _f(False, "Write checkpoints in the background while training goes on (Megatron-Core's "
+                                 "async save; the state is staged in host memory). The last one is waited for.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -183,9 +183,10 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.checkpoint import (
-        CheckpointError, latest_iteration, load_checkpoint, read_metadata, save_checkpoint,
+        CheckpointError, latest_iteration, load_checkpoint, read_metadata,
     )
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
+    from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
     from megatron_ext.resume import plan_resume
     from megatron_ext.training_data import build_batches
@@ -247,6 +248,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                                 first_step=start, consumed_samples=consumed_samples, device=rank_device())
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = stop or StopFlag()
+    saver = CheckpointSaver(root, keep_last=recipe.checkpoint.keep_last, background=recipe.checkpoint.async_save,
+                            log=log)
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
     forward_backward = get_forward_backward_func()
@@ -264,6 +267,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             micro_batch_size=t.micro_batch_size, forward_only=False,
         )
         ok, grad_norm, _ = optimizer.step()
+        saver.finalize()  # background saves done on every rank by now go in place
         scheduler.step(increment=1)
         step += 1
         loss, n_tokens = reduce_loss(reports)
@@ -287,6 +291,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         if any_rank(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))):
             metrics.write(record)
             samples = range(data.samples_before(step - 1), data.samples_before(step))
+            saver.finalize(blocking=True)  # an earlier step's save is good: in place before the report names it
             return report_divergence(step, f"loss {loss}, grad_norm {grad_norm}", root, samples)
         stopping = stop.agreed()
         # not on the way out after a signal: the checkpoint must land before the time limit (this step's
@@ -301,9 +306,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         interval = recipe.checkpoint.interval
         if stopping or step == t.steps or (interval and step % interval == 0):
             position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen}
-            save_checkpoint(root, step, [model], optimizer=optimizer, scheduler=scheduler,
-                            metadata={**metadata, **position}, keep_last=recipe.checkpoint.keep_last)
-            log(f"[train] saved {root}/iter_{step:07d}")
+            saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
+                       wait=stopping or step == t.steps)
         if stopping and step < t.steps:
             log(f"[train] received signal {stop.signal}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
             return EXIT_REQUEUE

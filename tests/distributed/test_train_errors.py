@@ -53,12 +53,13 @@ def test_missing_checkpoint_dir(token_data):
     assert_one_line_error(proc, "checkpoint.dir: missing")
 
 
-@pytest.mark.parametrize("optimizer", [[], ["train.clip_grad=0", "train.distributed_optimizer=false"]],
-                         ids=["default", "no-clip"])
+@pytest.mark.parametrize("optimizer", [[], ["train.clip_grad=0", "train.distributed_optimizer=false"],
+                                       ["checkpoint.async_save=true"]], ids=["default", "no-clip", "async-save"])
 def test_divergence_stops_without_saving(tmp_path, token_data, cpu_parallel_state, optimizer):
     """lr 1e30: step 2's gradient norm is NaN (its update makes every weight NaN). Without the check the run went
     on, saving NaN weights at steps 2 to 5 and moving the latest pointer to them (seen by hand). Without clipping
-    Megatron's optimizer still reports the norm, so the check holds there too."""
+    Megatron's optimizer still reports the norm, so the check holds there too. With background saves, step 1's
+    save is put in place before the report names it."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     proc = train(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1", "train.steps=5",

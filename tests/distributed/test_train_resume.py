@@ -1,4 +1,5 @@
-"""Resume is exact (kill -9 mid-run, resume: bitwise-equal losses) and SIGUSR1 saves and exits for requeue."""
+"""Resume is exact (kill -9 mid-run, resume: bitwise-equal losses) and SIGUSR1 saves and exits for requeue; also
+with background saves (checkpoint.async_save), killed while one is being written."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from megatron_ext.checkpoint_index import check_complete
 from megatron_ext.train import EXIT_REQUEUE
 from tests.conftest import ROOT
 
@@ -109,3 +111,39 @@ def test_finished_run_started_again_trains_nothing(tmp_path, token_data, straigh
     assert out.returncode == 0, out.stderr[-3000:]
     assert "is at step 6 and train.steps = 6: nothing to train" in out.stdout
     assert (run / "metrics.jsonl").read_text() == before and latest(run) == 6
+
+
+def test_kill9_while_saving_in_background_then_resume_is_exact(tmp_path, token_data, straight):
+    """A save every step, so that one is most likely being written when the run is killed (its temporary folder
+    then stays behind, and the pointer on the save before)."""
+    run = tmp_path / "run"
+    cmd = train_cmd(run, token_data, "train.steps=6", "checkpoint.interval=1", "checkpoint.async_save=true")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    killed = wait_for(lambda: (latest(run) or 0) >= 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert killed, "run finished before it could be killed; make steps slower"
+    step = latest(run)
+    check_complete(run / f"iter_{step:07d}")  # the pointer never names a folder being written
+    out = subprocess.run(cmd, env=env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"at step {step}" in out.stdout and latest(run) == 6
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # the killed save's folder: written again
+    a, b = metrics(straight), metrics(run)
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise on CPU
+    assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+
+
+def test_sigusr1_exits_once_the_background_save_is_in_place(tmp_path, token_data):
+    out = tmp_path / "run"
+    cmd = train_cmd(out, token_data, "train.steps=1000", "checkpoint.interval=1", "checkpoint.async_save=true")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_REQUEUE, stderr[-3000:]
+    last = metrics(out)[-1]["step"]
+    assert latest(out) == last and "received signal" in stdout
+    check_complete(out / f"iter_{last:07d}")
+    assert stdout.count("[train] saved ") == last  # every save of the run finalised before the exit

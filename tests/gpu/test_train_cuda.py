@@ -3,9 +3,9 @@
 The CPU tests run the loop on gloo only; NCCL takes CUDA tensors only and the model lives on the GPU, so the
 batches and every tensor of a collective must be there too (they were not until this test was written: the
 loop had never run on a GPU). Oracle: the same recipe with runtime.device=cpu, fp32: losses, gradient norms
-and validation losses step by step; then a resume on the GPU, an SFT stage from the GPU checkpoint, and a
-diverging run stopping with EXIT_DIVERGED (its flag goes through an NCCL all-reduce). Also the CPU path
-(conversion, runtime.device=cpu) on this machine with its GPU visible.
+and validation losses step by step; then a resume on the GPU (saving in the background), an SFT stage on the
+GPU from the CPU run's checkpoint, and a diverging run stopping with EXIT_DIVERGED (its flag goes through an
+NCCL all-reduce). Also the CPU path (conversion, runtime.device=cpu) on this machine with its GPU visible.
 """
 
 import json
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_ext.checkpoint_index import check_complete
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -51,8 +52,11 @@ def test_training_on_cuda_equals_cpu(tmp_path, token_data, sft_data):
         np.testing.assert_allclose(columns(gpu, key), columns(cpu, key), rtol=1e-3, err_msg=key)
     assert gpu[-1]["memory_gib"] > 0 and (tmp_path / "gpu/iter_0000004").is_dir()
 
-    resumed = train("cpt", tmp_path / "gpu", token_data, "cuda", "train.steps=5")
+    # the resumed run saves in the background: the state staged from the GPU, the writer forked after CUDA init
+    resumed = train("cpt", tmp_path / "gpu", token_data, "cuda", "train.steps=5", "checkpoint.async_save=true")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5] and np.isfinite(resumed[-1]["loss"])
+    check_complete(tmp_path / "gpu/iter_0000005")
+    assert (tmp_path / "gpu/latest_checkpointed_iteration.txt").read_text().strip() == "5"
 
     sft_cpu = train("sft", tmp_path / "sft_cpu", sft_data, "cpu", "train.steps=2",
                     f"checkpoint.init_from={tmp_path / 'cpu'}")

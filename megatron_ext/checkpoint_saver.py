@@ -1,0 +1,47 @@
+"""The trainer's checkpoint saves, written at once or in the background (`checkpoint.async_save`).
+
+A background save costs the step only the save's planning and the staging of the state in host memory
+(a copy from the GPU); a forked process
+writes the shards while training goes on, and the save is finalised (completeness check, rename into
+`iter_N`, `latest` moved) at the first step boundary after every rank's writer is done. Until then the
+previous checkpoint stays the latest, so a crash during the write loses nothing already saved.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from megatron_ext.checkpoint import iter_dir_name, save_checkpoint
+
+
+class CheckpointSaver:
+    """Saves the training state into `root`; every method is collective (all ranks call it in step)."""
+
+    def __init__(self, root: Path, *, keep_last: int | None, background: bool, log: Callable[[str], None]):
+        self.root, self.keep_last, self.log = Path(root), keep_last, log
+        self.queue = None
+        if background:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+        self.writing: deque[int] = deque()  # iterations scheduled and not yet finalised, oldest first
+
+    def save(self, step: int, model_chunks: list, *, optimizer, scheduler, metadata: dict, wait: bool) -> None:
+        """Save iteration `step`; `wait=True` returns only once it (and any earlier one) is in place."""
+        save_checkpoint(self.root, step, model_chunks, optimizer=optimizer, scheduler=scheduler,
+                        metadata=metadata, keep_last=self.keep_last, async_queue=self.queue)
+        if self.queue is None:
+            self.log(f"[train] saved {self.root / iter_dir_name(step)}")
+            return
+        self.writing.append(step)
+        if wait:
+            self.finalize(blocking=True)
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Put the background saves that every rank has finished in place (`blocking`: wait for all)."""
+        if self.queue is None:
+            return
+        for _ in self.queue.maybe_finalize_async_calls(blocking=blocking):
+            self.log(f"[train] saved {self.root / iter_dir_name(self.writing.popleft())}")
