@@ -259,6 +259,18 @@ def available_iterations(root: Path) -> list[int]:
     return sorted(its)
 
 
+def unfinished_saves(root: Path) -> list[int]:
+    """Iterations whose save is still being written (in the background) or was interrupted, ascending:
+    their temporary folders, which nothing loads and the next save of that iteration replaces."""
+    its = []
+    for p in Path(root).glob(".iter_*.partial"):
+        try:
+            its.append(int(p.name[6:-8]))
+        except ValueError:
+            pass
+    return sorted(its)
+
+
 def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tuple[int, Path]:
     """(iteration, directory) of a checkpoint root; `iteration=None` means the latest."""
     root = Path(root)

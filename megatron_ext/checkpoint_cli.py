@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_ext.checkpoint import (
     CheckpointError, available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
+    unfinished_saves,
 )
 from megatron_ext.checkpoint_index import check_complete
 from megatron_ext.recipe import RecipeError, load_recipe
@@ -48,6 +49,10 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
         f"{hf.get('num_attention_heads', '?')}/{hf.get('num_key_value_heads', '?')}, vocab {hf.get('vocab_size', '?')}, "
         f"rope {rope.get('rope_type', 'default')} factor {rope.get('factor', 1)}",
     ]
+    unfinished = unfinished_saves(root)
+    if unfinished:
+        lines.insert(1, f"unfinished saves {unfinished}: being written (checkpoint.async_save) or interrupted; "
+                        "never loaded, replaced by the next save of that iteration")
     if train:
         lines.append(f"  recipe {recipe.get('name', '?')}: stage {train.get('stage')}, seq {train.get('seq_length')}, "
                      f"global batch {train.get('global_batch_size')}, steps {train.get('steps')}, lr {train.get('lr')}")

@@ -37,6 +37,10 @@ def test_describes_a_checkpoint(ckpt, capsys):
     assert f"checkpoint {ckpt}: iterations [2], latest 2" in out and "iter_0000002: complete" in out
     assert "layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True, optimizer state True" in out
     assert "position: step 2, 8 samples, 2,048 tokens" in out and "model: 2 layers, hidden 64" in out
+    assert "unfinished" not in out
+    (ckpt / ".iter_0000004.partial").mkdir()  # a save being written in the background, or a killed one
+    code, out, _ = _info(capsys, ckpt)
+    assert code == 0 and "iterations [2], latest 2\nunfinished saves [4]: being written" in out
 
 
 @pytest.mark.parametrize("overrides, world, expect", [
