@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,7 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
         tmp.mkdir()
     _barrier()
+    _start_write_results_queue()
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
     finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
     if async_queue is None:
@@ -183,6 +185,34 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
         request.add_finalize_fn(finish)
         async_queue.schedule_async_request(request)
     return final
+
+
+def _start_write_results_queue() -> None:
+    """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 ignored in its server.
+
+    The queue lives in a `multiprocessing.Manager` server process that dist_checkpointing spawns at the first
+    save and keeps. Slurm delivers its pre-timeout USR1 (slurm/common.sh) and its TERM to every process of
+    the job step, and the server had no handler: it died, and the save the signal asked for then failed
+    (BrokenPipeError, no requeue) in every run that had saved before. A spawned process keeps ignored and
+    blocked signals across exec; this process blocks them meanwhile, so one that arrives now is delivered
+    to the trainer's handler afterwards, not lost.
+    """
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    stops = {signal.SIGTERM, signal.SIGUSR1}
+    main_thread = threading.current_thread() is threading.main_thread()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in stops} if main_thread else {}
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_last: int | None) -> None:

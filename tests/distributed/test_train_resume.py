@@ -100,6 +100,25 @@ def test_sigusr1_saves_and_exits_for_requeue(tmp_path, token_data):
     assert "received signal" in stdout
 
 
+@pytest.mark.parametrize("save", ["in-place", "background"])
+def test_signal_to_every_process_after_an_earlier_save(tmp_path, token_data, save):
+    """Slurm sends its USR1 (and its TERM) to every process of the step: also to the result-queue server that
+    Megatron's checkpoint writer spawns at the first save. That server died of it and the save on the signal
+    failed with BrokenPipeError (exit 1, no requeue) in any run that had saved before (seen by hand)."""
+    out = tmp_path / "run"
+    cmd = train_cmd(out, token_data, "train.steps=1000", "checkpoint.interval=2",
+                    f"checkpoint.async_save={save == 'background'}")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert wait_for(lambda: (latest(out) or 0) >= 2 and len(metrics(out)) >= 3, proc)
+    os.killpg(proc.pid, signal.SIGUSR1)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_REQUEUE, stderr[-3000:]
+    last = metrics(out)[-1]["step"]
+    assert latest(out) == last and "received signal" in stdout
+    check_complete(out / f"iter_{last:07d}")
+
+
 def test_finished_run_started_again_trains_nothing(tmp_path, token_data, straight):
     """A requeue or rerun of a finished run exits 0 at once, saying so, and leaves its checkpoint alone."""
     import shutil

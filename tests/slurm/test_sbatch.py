@@ -62,8 +62,10 @@ def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_
     run = tmp_path / "run"
     log = tmp_path / "job.log"
     with RequeueNow() as requeue:
+        # saving every step: common.sh passes the USR1 on to every process of the step, also to the result
+        # queue server Megatron's checkpoint writer starts at the first save (it died of it before the fix)
         cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={log}", str(ROOT / "slurm/cpt_4m.sh"),
-               *overrides(run, token_data)]
+               *overrides(run, token_data), "checkpoint.interval=1"]
         job_id = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
                                 env=job_env(RECIPE=str(TINY))).stdout.strip().split(";")[0]
         deadline = time.time() + 300
