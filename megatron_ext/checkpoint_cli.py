@@ -73,6 +73,8 @@ def verdict(r: Resume, steps: int) -> list[str]:
         out.append(f"  layout {_layout(r.saved_layout)} -> {_layout(r.layout)}")
     if r.data_changed:
         out.append("  warning: " + "; ".join(r.data_changed) + " (another sample order)")
+    if r.order_warning:
+        out.append(f"  warning: {r.order_warning}")
     return out
 
 

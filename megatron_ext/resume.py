@@ -31,6 +31,37 @@ class Resume:
     tokens: int
     data_changed: list[str] = field(default_factory=list)  # 'field: old -> new'
     architecture_changed: list[str] = field(default_factory=list)  # the model does not fit: the load fails
+    data_samples: int | None = None  # CPT: training samples the saved run's data order was built for
+    order_warning: str | None = None  # when this run needs more samples than that order was built for
+
+
+def data_request(saved: dict) -> int | None:
+    """Training samples the checkpoint's run asked Megatron-Core's GPTDataset for (recorded since the samples
+    were; before, a run never resumed with other settings asked for train.steps x global batch)."""
+    if saved.get("data_samples") is not None:
+        return int(saved["data_samples"])
+    old_train = (saved.get("recipe") or {}).get("train") or {}
+    if old_train.get("steps") and old_train.get("global_batch_size"):
+        return int(old_train["steps"]) * int(old_train["global_batch_size"])
+    return None
+
+
+def _order_warning(saved: dict, step: int, consumed: int, recipe: Recipe) -> str | None:
+    """The warning when this run needs more CPT samples than the saved run's data order was built for.
+
+    GPTDataset shuffles over as many epochs of the data as the requested samples need, so a request needing
+    more epochs orders every sample differently: the run then reads some samples again and skips others.
+    Requests within the saved one are served from the saved order (`build_batches(min_train_samples=)`).
+    """
+    t = recipe.train
+    built = data_request(saved)
+    needed = consumed + (t.steps - step) * t.global_batch_size
+    if t.stage != "cpt" or built is None or needed <= built:
+        return None
+    return (f"train.steps x train.global_batch_size: this run reads {needed} samples, its checkpoint's data order "
+            f"was built for {built}; if that takes more epochs of the data, Megatron-Core's GPTDataset orders "
+            "the samples differently from here on (some repeat, some are skipped): set train.steps to the most "
+            "you may train when a run starts")
 
 
 def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, list[str]]:
@@ -87,4 +118,5 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> R
         old, new = normalize_hf_config(saved["hf_config"]), normalize_hf_config(hf_config_from_recipe(recipe))
         arch = [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ARCHITECTURE if old.get(k) != new.get(k)]
     return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
-                  data_changed, arch)
+                  data_changed, arch, data_request(saved) if t.stage == "cpt" else None,
+                  _order_warning(saved, step, consumed, recipe))

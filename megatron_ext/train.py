@@ -204,7 +204,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     model.config.no_sync_func = ddp_model.no_sync
     optimizer, scheduler = build_optimizer(recipe, [ddp_model])
 
-    start = consumed_samples = tokens_seen = 0
+    start = consumed_samples = tokens_seen = data_samples = 0
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer}
     done = latest_iteration(root)
     if done is not None:
@@ -230,10 +230,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         scheduler.step(increment=0)
         metadata["tokenizer"] = metadata["tokenizer"] or saved.get("tokenizer")
         consumed_samples, tokens_seen = resume.consumed_samples, resume.tokens
+        data_samples = resume.data_samples or 0
         if resume.data_changed:
             log(f"[train] warning: {'; '.join(resume.data_changed)} since the checkpoint: the run goes on at "
                 f"sample {consumed_samples} of another sample order (for a new stage, use a new checkpoint.dir "
                 "with checkpoint.init_from)")
+        if resume.order_warning:
+            log(f"[train] warning: {resume.order_warning}")
     elif recipe.checkpoint.init_from:
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
         if metadata["tokenizer"] is None:
@@ -245,7 +248,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
 
     data, valid = build_batches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
                                 cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
-                                first_step=start, consumed_samples=consumed_samples, device=rank_device())
+                                first_step=start, consumed_samples=consumed_samples, device=rank_device(),
+                                min_train_samples=data_samples)
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0)
     stop = stop or StopFlag()
     saver = CheckpointSaver(root, keep_last=recipe.checkpoint.keep_last, background=recipe.checkpoint.async_save,
@@ -305,7 +309,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         metrics.write(record)
         interval = recipe.checkpoint.interval
         if stopping or step == t.steps or (interval and step % interval == 0):
-            position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen}
+            position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen,
+                        "data_samples": data.requested}
             saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
                        wait=stopping or step == t.steps)
         if stopping and step < t.steps:

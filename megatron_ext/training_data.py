@@ -40,8 +40,10 @@ class TrainBatches:
         self.first_step, self.consumed_samples = first_step, consumed_samples
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
         self.stage = t.stage
+        self.requested: int | None = None  # CPT: the samples asked of GPTDataset (build_batches), for checkpoints
         if dataset is None:
-            dataset = build_datasets(recipe, self.samples_before(t.steps), validation=False)[0]
+            self.requested = self.samples_before(t.steps)
+            dataset = build_datasets(recipe, self.requested, validation=False)[0]
         self.dataset = dataset
 
     def samples_before(self, step: int) -> int:
@@ -102,14 +104,19 @@ def build_datasets(recipe: Recipe, train_samples: int, validation: bool):
 
 
 def build_batches(recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int, first_step: int = 0,
-                  consumed_samples: int = 0, device: torch.device | str = "cpu",
+                  consumed_samples: int = 0, device: torch.device | str = "cpu", min_train_samples: int = 0,
                   ) -> tuple[TrainBatches, TrainBatches | None]:
     """The training batches from `first_step` on, and the validation batches (None when train.eval_interval
     is 0): validation "step" k reads the valid split's samples k x G .. (k + 1) x G - 1, split over the ranks
-    as training steps are."""
+    as training steps are.
+
+    CPT asks GPTDataset for max(the samples this run reads, `min_train_samples`): a resumed run passes what
+    its checkpoint's run asked for, since GPTDataset's order depends on the number of epochs a request needs
+    (`TrainBatches.requested` is what was asked, recorded in checkpoints)."""
     t = recipe.train
-    train_samples = consumed_samples + (t.steps - first_step) * t.global_batch_size
+    train_samples = max(consumed_samples + (t.steps - first_step) * t.global_batch_size, min_train_samples)
     train, valid = build_datasets(recipe, train_samples, validation=t.eval_interval > 0)
     ranks = (dp_rank, dp_size, cp_rank, cp_size)
-    return (TrainBatches(recipe, *ranks, first_step, consumed_samples, dataset=train, device=device),
-            None if valid is None else TrainBatches(recipe, *ranks, dataset=valid, device=device))
+    batches = TrainBatches(recipe, *ranks, first_step, consumed_samples, dataset=train, device=device)
+    batches.requested = train_samples
+    return batches, None if valid is None else TrainBatches(recipe, *ranks, dataset=valid, device=device)

@@ -69,6 +69,7 @@ def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straig
                          env=env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "at step 3" in out.stdout
+    assert json.loads((resumed / "iter_0000006/megatron_ext.json").read_text())["data_samples"] == 12  # 6 x 2
 
     a, b = metrics(straight), metrics(resumed)
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
