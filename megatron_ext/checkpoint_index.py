@@ -137,14 +137,16 @@ def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
                               "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")
 
 
-def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_optimizer: bool) -> str | None:
+def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_optimizer: bool,
+                             precision: str | None = None) -> str | None:
     """Why a run with parallel `layout` cannot load the optimizer state of a checkpoint whose run metadata is
     `saved` (`read_metadata`), or None when it can.
 
     The distributed optimizer keeps flat fp32 buffers, one per bucket of a TP x PP rank's parameters, cut
     into DP x CP slices; saved `dp_reshardable` (megatron_ext.checkpoint), they load at any DP x CP but not
     at another TP or PP, whose buckets hold other parameters. The plain optimizer's state follows each
-    parameter's own sharding, so any layout loads it.
+    parameter's own sharding, so any layout loads it. Its state is keyed by the parameters' dtype (bf16 runs
+    keep fp32 master weights, fp32 runs none), so another `train.precision` cannot load it either.
     """
     if saved.get("has_optimizer") is False:
         return "the checkpoint holds no optimizer state"
@@ -154,6 +156,9 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
         return "the checkpoint does not record its parallel layout and optimizer"
     if saved_distributed != distributed_optimizer:
         return f"train.distributed_optimizer was {saved_distributed}, now {distributed_optimizer}"
+    saved_precision = ((saved.get("recipe") or {}).get("train") or {}).get("precision")
+    if precision is not None and saved_precision is not None and saved_precision != precision:
+        return f"train.precision was {saved_precision}, now {precision}"
     if distributed_optimizer:
         changed = [f"parallel.{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tensor", "pipeline")
                    if saved_layout.get(k) != layout[k]]

@@ -111,7 +111,7 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> R
 
     p, t = recipe.parallel, recipe.train
     layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}
-    why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer)
+    why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer, t.precision)
     consumed, tokens, data_changed = resume_position(saved, step, recipe)
     arch = []
     if saved.get("hf_config"):

@@ -120,6 +120,17 @@ def test_signal_to_every_process_after_an_earlier_save(tmp_path, token_data, sav
     check_complete(out / f"iter_{last:07d}")
 
 
+def test_resume_in_another_precision_starts_a_fresh_optimizer_state(tmp_path, token_data):
+    """The optimizer state is keyed by the parameters' dtype: fp32 -> bf16 failed with a KeyError traceback."""
+    run = tmp_path / "run"
+    subprocess.run(train_cmd(run, token_data, "train.steps=2"), check=True, env=env(), capture_output=True)
+    out = subprocess.run(train_cmd(run, token_data, "train.steps=3", "train.precision=bf16"), env=env(),
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed weights from" in out.stdout and "train.precision was fp32, now bf16" in out.stdout
+    assert latest(run) == 3
+
+
 def test_finished_run_started_again_trains_nothing(tmp_path, token_data, straight):
     """A requeue or rerun of a finished run exits 0 at once, saying so, and leaves its checkpoint alone."""
     import shutil

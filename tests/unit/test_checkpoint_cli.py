@@ -52,6 +52,7 @@ def test_describes_a_checkpoint(ckpt, capsys):
     (["model.num_hidden_layers=4"], 1, "would stop: the recipe's model differs from the checkpoint's "
                                        "(num_hidden_layers: 2 -> 4)"),
     (["train.seed=7"], 1, "warning: train.seed: 1234 -> 7 (another sample order)"),
+    (["train.precision=bf16"], 1, "the weights, with a fresh optimizer state (train.precision was fp32, now bf16)"),
 ])
 def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
     sets = [a for o in RUN + overrides for a in ("--set", o)]
