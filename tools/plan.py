@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError(f"--gpus = {args.gpus}: must be >= 1")
         recipe = load_recipe(path, args.overrides, world_size=args.gpus)
         gpu = resolve_gpu(args.gpu or recipe.cluster.gpu)
-        planned = plan(recipe, gpu, args.gpus, args.mfu)
+        planned = plan(recipe, gpu, args.gpus, args.mfu, fused_ce=args.fused_ce)
         text, best = report(planned, args.mfu)
     except RecipeError as e:
-        sys.exit(f"error: {path}: {e}")
+        sys.exit(f"error: {path}: {e}" if path is not None else f"error: {e}")
     print(text)
     if not planned.fits:
         need = f"needs {planned.memory.total / GB:.1f} GB per GPU, more than the {gpu.memory_gb:g} GB of {gpu.name}"

@@ -326,3 +326,27 @@ def test_validation_time_is_the_forward_third():
     assert proc.returncode == 0 and "validation (forward only)" in proc.stdout and "x 5 (1 global batch(es) each" \
         in proc.stdout, proc.stdout
     assert "validation" not in _tool(str(R / "cpt_1m.yaml")).stdout
+
+
+def test_tool_fused_ce_is_planned_and_no_recipe_is_one_line():
+    """--fused-ce was accepted and ignored: the tool printed the unfused fp32 logits."""
+    full = _tool(str(R / "cpt_1m.yaml"), "--gpu", "h100", "--set", "train.loss_head=full")
+    fused = _tool(str(R / "cpt_1m.yaml"), "--gpu", "h100", "--set", "train.loss_head=full", "--fused-ce")
+    assert full.returncode == fused.returncode == 0, full.stderr + fused.stderr
+    assert "logits + loss (fp32)" in full.stdout and "logits (fused CE, assumed)" in fused.stdout
+    assert "logits + loss (fp32)" not in fused.stdout
+    none = _tool()
+    assert none.returncode == 1 and none.stderr.strip() == ("error: no recipe given; pass RECIPE or --recipe FILE "
+                                                            "(see recipes/)")
+
+
+def test_readme_plan_examples_run():
+    """Every `python tools/plan.py ...` line of README.md runs (one once asked for an impossible layout)."""
+    import shlex
+
+    lines = [line.split("#")[0].strip() for line in (ROOT / "README.md").read_text().splitlines()
+             if line.startswith("python tools/plan.py ")]
+    assert len(lines) >= 3
+    for line in lines:
+        proc = _tool(*shlex.split(line)[2:])
+        assert proc.returncode == 0, f"{line}\n{proc.stderr}"
