@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
 from megatron_ext.quantize.errors import QuantizeError
+from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 DEFAULT_SEQ_CAP = 32768
 
@@ -44,6 +46,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_out_parent(out: Path) -> None:
+    """--out's nearest existing ancestor must be a writable directory (checked before minutes of calibration)."""
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise QuantizeError(f"--out {out}: {parent} is a file, not a directory; choose another --out")
+    if not os.access(parent, os.W_OK):
+        raise QuantizeError(f"--out {out}: cannot write into {parent}; choose another --out")
+
+
+def _check_device(device: str | None) -> None:
+    import torch
+
+    if device is None or device == "cpu":
+        return
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise QuantizeError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise QuantizeError(f"--device {device}: this process sees no CUDA GPU; use --device cpu")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise QuantizeError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Quantize, check, export and report; returns the exit status (1: the check failed)."""
     from megatron_ext.quantize import calib, check, fp8, report
@@ -53,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading
     if Path(args.out).exists():
         raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
+    _check_out_parent(Path(args.out))
+    _check_device(args.device)
     seq = args.calib_seq_length or min(int(hf_cfg.get("max_position_embeddings") or DEFAULT_SEQ_CAP), DEFAULT_SEQ_CAP)
     t0 = time.time()
     tokenizer = fp8.load_tokenizer(args.tokenizer or args.hf, required=bool(args.tokenizer))
@@ -87,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors end as one `error: ...` line and exit status 2."""
     args = parser().parse_args(argv)
+    sigterm_as_interrupt()  # scancel: the export's temporary folder is removed as on Ctrl-C
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
     try:
         return run(args)

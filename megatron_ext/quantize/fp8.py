@@ -205,6 +205,7 @@ def export(model, out_dir: str | Path, tokenizer=None, extra_files: dict[str, st
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         mte.export_hf_checkpoint(model, export_dir=str(tmp))
+        _rope_in_transformers4_form(tmp / "config.json")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         for name, text in (extra_files or {}).items():
@@ -215,6 +216,23 @@ def export(model, out_dir: str | Path, tokenizer=None, extra_files: dict[str, st
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _rope_in_transformers4_form(path: Path) -> None:
+    """Rewrite ModelOpt's `config.json` (saved by transformers 5: `rope_parameters`, `dtype`) in the form the
+    converter writes (`rope_theta` + `rope_scaling`, `torch_dtype`), which transformers 4 and 5 and vLLM read.
+
+    A server on transformers 4 does not read `rope_parameters`: it would run the model with theta 10000 and
+    no YaRN, silently wrong past the original context.
+    """
+    from megatron_ext.model import normalize_hf_config
+
+    cfg = json.loads(path.read_text())
+    out = normalize_hf_config(cfg)
+    out.pop("rope_parameters", None)
+    if out.get("torch_dtype") is None and out.get("dtype") is not None:
+        out["torch_dtype"] = out["dtype"]
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def checkpoint_bytes(directory: str | Path) -> int:

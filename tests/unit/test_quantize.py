@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_ext.model import normalize_hf_config
+
 pytest.importorskip("modelopt.torch.quantization")
 
 from megatron_ext.cost_model import kv_cache_bytes_per_token  # noqa: E402
@@ -115,6 +117,12 @@ def test_export_config_and_scales(exported, hf_dir):
     assert (q["quant_method"], q["quant_algo"]) == ("modelopt", "FP8")
     assert q["kv_cache_scheme"]["num_bits"] == 8 and q["kv_cache_scheme"]["type"] == "float"
     assert cfg["architectures"] == ["LlamaForCausalLM"]
+    # the converter's transformers-4 form, which transformers 4 servers read (ModelOpt wrote rope_parameters)
+    source = json.loads((hf_dir / "config.json").read_text())
+    want = normalize_hf_config(source)
+    assert "rope_parameters" not in cfg and cfg["torch_dtype"] in ("float32", "bfloat16", "float16")
+    assert (cfg["rope_theta"], cfg["rope_scaling"]) == (want["rope_theta"], want["rope_scaling"])
+    assert want["rope_scaling"] is not None  # the tiny model's llama3 scaling: the check above can fail
     t = load_file(out / "model.safetensors")
     orig = load_file(hf_dir / "model.safetensors")
     for i in range(TINY["num_hidden_layers"]):
@@ -300,6 +308,16 @@ def test_bad_calibration_sources(tmp_path, hf_dir, token_prefix):
     b.finalize(str(tmp_path / "big.idx"))
     assert "token id 1063, outside the model's vocabulary of 512" in _bad(
         tmp_path, hf_dir, str(tmp_path / "big"), "--calib-samples", 1, "--calib-seq-length", 64)
+
+
+def test_out_under_a_file_and_unusable_device(tmp_path, hf_dir, token_prefix):
+    """Both ended in tracebacks (FileExistsError at the export, after the calibration; torch's CUDA assert)."""
+    (tmp_path / "afile").write_text("x")
+    code, _, stderr = _cli("--hf", hf_dir, "--out", tmp_path / "afile/sub", "--calib", token_prefix)
+    assert code == 2 and "afile is a file, not a directory" in stderr and "Traceback" not in stderr, stderr
+    assert "--device 'tpu': expected cpu, cuda or cuda:N" in _bad(tmp_path, hf_dir, token_prefix, "--device", "tpu")
+    if not torch.cuda.is_available():
+        assert "sees no CUDA GPU; use --device cpu" in _bad(tmp_path, hf_dir, token_prefix, "--device", "cuda")
 
 
 def test_existing_output_refused(tmp_path, hf_dir, token_prefix):
