@@ -14,30 +14,57 @@ or Megatron checkpoint (the arguments: `cli_args.py`).
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers
+from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers, validate_args
 from megatron_ext.evaluate.errors import EvalError, RankError
+from megatron_ext.evaluate.io import read_utf8
 from megatron_ext.evaluate.ruler_tasks import task_names
 
 
 @contextmanager
 def _model(args):
-    """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out)."""
-    from megatron_ext.evaluate.loading import convert_megatron, load_hf
+    """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out, removed
+    on errors, Ctrl-C and SIGTERM too), with --tokenizer's tokenizer when given."""
+    from megatron_ext.evaluate.loading import check_vocab, convert_megatron, load_hf, load_tokenizer
 
     if args.model is not None:
-        yield load_hf(args.model, args.device, args.dtype)
+        given = None
+        if args.tokenizer is not None:
+            given = load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}",
+                                   "give a tokenizer directory (tokenizer.json ...) or a hub name")
+        model, tokenizer = load_hf(args.model, args.device, args.dtype, given)
+        if given is not None:
+            check_vocab(tokenizer, model.config.vocab_size, f"--tokenizer {args.tokenizer}")
+        yield model, tokenizer
         return
+    # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds.
+    tokenizer = _megatron_tokenizer(args)
     if args.out is not None:  # beside the results: the same file system, removed with the directory
         args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
         print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", file=sys.stderr)
-        yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype)
+        yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype, tokenizer)
+
+
+def _megatron_tokenizer(args):
+    """--tokenizer's or the tokenizer --megatron's checkpoint records (which tools/convert.py to-hf would copy);
+    None when the checkpoint's metadata cannot be read: the converter then says what is wrong with it."""
+    from megatron_ext.checkpoint import CheckpointError, read_metadata
+    from megatron_ext.evaluate.loading import megatron_tokenizer
+
+    try:
+        meta = read_metadata(args.megatron)
+    except (CheckpointError, OSError):
+        return None
+    return megatron_tokenizer(args.megatron, args.tokenizer, meta.get("tokenizer"),
+                              (meta.get("hf_config") or {}).get("vocab_size"))
 
 
 def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> None:
@@ -53,9 +80,13 @@ def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> Non
 
 
 def _check_haystack(args) -> None:
-    if args.haystack is not None and not args.haystack.is_file():
+    """--haystack exists and is UTF-8 text: found before the model is loaded."""
+    if args.haystack is None:
+        return
+    if not args.haystack.is_file():
         raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
+    read_utf8(args.haystack, "--haystack")
 
 
 def _run_niah(args) -> None:
@@ -100,8 +131,8 @@ def _megatron_engine(args) -> bool:
                             "convert an HF model first with python tools/convert.py to-megatron --hf HF_DIR "
                             "--out CKPT_DIR")
         return True
-    if (args.tp, args.pp, args.cp, args.tokenizer, getattr(args, "no_kv_cache", False)) != (1, 1, 1, None, False):
-        raise EvalError("--tp, --pp, --cp, --tokenizer and --no-kv-cache belong to --engine megatron; add it "
+    if (args.tp, args.pp, args.cp, getattr(args, "no_kv_cache", False)) != (1, 1, 1, False):
+        raise EvalError("--tp, --pp, --cp and --no-kv-cache belong to --engine megatron; add it "
                         "(with --megatron CKPT)")
     return False
 
@@ -192,6 +223,8 @@ def _run_ppl(args) -> None:
         missing = [str(t) for t in args.text if not t.is_file()]
         if missing:
             raise EvalError(f"--text: {', '.join(missing)} does not exist: give UTF-8 text files (one document each)")
+        for t in args.text:  # before the model is loaded
+            read_utf8(t, "--text")
     docs = indexed_documents(args.indexed, args.documents) if args.indexed else None
     if _megatron_engine(args):
         from megatron_ext.evaluate.parallel import run_ppl_megatron
@@ -233,14 +266,9 @@ def _run_generate(args) -> None:
 
     if args.document is None and args.question is None:
         raise EvalError("nothing to ask: give --document FILE and/or --question TEXT")
-    if args.max_new_tokens < 1:
-        raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if args.document is not None and not args.document.is_file():
         raise EvalError(f"--document {args.document}: no such file; give a UTF-8 text file")
-    try:
-        document = args.document.read_text(encoding="utf-8") if args.document is not None else ""
-    except UnicodeDecodeError as e:
-        raise EvalError(f"--document {args.document}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    document = read_utf8(args.document, "--document") if args.document is not None else ""
     common = {"chat": args.chat, "max_new_tokens": args.max_new_tokens, "force": args.force}
     if _megatron_engine(args):
         from megatron_ext.runtime import process_env
@@ -264,6 +292,25 @@ def _run_generate(args) -> None:
         print(f"[generate] wrote {write_json_atomic(args.out / 'generation.json', result.to_dict())}", file=sys.stderr)
 
 
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (scancel, a Slurm time limit, kill) raises KeyboardInterrupt as Ctrl-C does, so the temporary HF copy
+    of a --megatron checkpoint (a full-size model) is removed; the default action would end the process with it
+    left behind. A handler someone else installed stays (submitit's in the launcher's evaluation stages), and the
+    default comes back when main returns (tests and launchers call main in-process)."""
+    from megatron_ext.runtime.signals import sigterm_as_interrupt
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    sigterm_as_interrupt()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -271,13 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     command = argv.pop(0) if argv and argv[0] in by_command else "niah"
     args = by_command[command].parse_args(argv)
     run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate, "ruler": _run_ruler}[command]
-    with warnings.catch_warnings():  # our warnings (lengths skipped, ...) as plain "warning: ..." lines
+    with warnings.catch_warnings(), _sigterm_as_interrupt():
+        # our warnings (lengths skipped, ...) as plain "warning: ..." lines
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")
         warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
+        from megatron_ext.evaluate.loading import check_device
         from megatron_ext.runtime import DeviceError
 
         try:
+            validate_args(command, args)
+            check_device(args.device, megatron_engine=args.engine == "megatron")
             run(args)
         except (EvalError, DeviceError) as e:
             from megatron_ext.runtime import process_env

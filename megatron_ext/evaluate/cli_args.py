@@ -16,13 +16,13 @@ _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _LENGTH_HELP = "use e.g. 4096, 32K, 1M (K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11"
 
 
-def _token_count(text: str) -> int:
+def _token_count(text: str, flag: str = "--lengths", hint: str = _LENGTH_HELP) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGkmg]?)\s*", text)
     if not m:
-        raise EvalError(f"--lengths: {text!r} is not a token count; {_LENGTH_HELP}")
+        raise EvalError(f"{flag}: {text!r} is not a token count; {hint}")
     n = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
     if n < 1 or n != int(n):
-        raise EvalError(f"--lengths: {text!r} is not a positive whole number of tokens; {_LENGTH_HELP}")
+        raise EvalError(f"{flag}: {text!r} is not a positive whole number of tokens; {hint}")
     return int(n)
 
 
@@ -76,6 +76,8 @@ def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
     p.add_argument("--out", type=Path, required=out_required,
                    help="output directory (created; files written atomically)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub name (default: the model's own; "
+                   "for --megatron the one the checkpoint records), e.g. for a checkpoint saved without one")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
                    "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB); hf engine only")
@@ -89,7 +91,6 @@ def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
     engine.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     engine.add_argument("--cp", type=int, default=1,
                         help="context parallel size (each sequence split over this many ranks)")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or name (default: the checkpoint's)")
 
 
 def _no_kv_cache(p: argparse.ArgumentParser) -> None:
@@ -125,7 +126,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     docs.add_argument("--text", type=Path, nargs="+", help="text files, one document each")
     docs.add_argument("--indexed", default=None, help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     ppl.add_argument("--documents", type=int, default=None, help="with --indexed: the N longest documents")
-    ppl.add_argument("--seq-len", type=int, default=None, help="cut documents to this many tokens "
+    ppl.add_argument("--seq-len", default=None, help="cut documents to this many tokens, at least 2: 65536, 64K, 1M "
                      "(default: max_position_embeddings)")
     ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")
     ppl.add_argument("--label", default=None, help="curve label (default: the model directory name)")
@@ -159,3 +160,41 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     ruler.add_argument("--resume", action="store_true", help="keep the cells OUT/ruler.json already scored; only the "
                        "others run")
     return {"niah": niah, "ppl": ppl, "generate": gen, "ruler": ruler}
+
+
+def _at_least(flag: str, value: int | None, low: int, what: str) -> None:
+    if value is not None and value < low:
+        raise EvalError(f"{flag} {value}: must be >= {low} ({what})")
+
+
+def _check_out(out: Path | None) -> None:
+    """The directory --out names must be creatable: no file where it or a folder above it should be (the
+    FileExistsError of mkdir otherwise comes after the model has loaded, as a traceback)."""
+    if out is None:
+        return
+    for p in (out, *out.absolute().parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == out.absolute() else f"lies under {p}, which is a file"
+                raise EvalError(f"--out {out} {where}: give a directory path (it is created)")
+            return
+
+
+def validate_args(command: str, args: argparse.Namespace) -> None:
+    """User mistakes argparse lets through, found before a model is loaded, as EvalError; turns --seq-len
+    (e.g. 64K) into an int."""
+    if command in ("niah", "ruler"):
+        _at_least("--samples", args.samples, 1, "prompts per cell")
+        _at_least("--batch-tokens", args.batch_tokens, 1, "prompt tokens per batch")
+    if command != "ppl":
+        _at_least("--max-new-tokens", args.max_new_tokens, 1, "the answer's token budget: 0 would score nothing")
+    if command == "ppl":
+        _at_least("--per-octave", args.per_octave, 1, "buckets per doubling of the position")
+        if args.documents is not None and args.text:
+            raise EvalError(f"--documents {args.documents} picks the longest documents of --indexed; with --text "
+                            "every file is one document: drop --documents (or give fewer files)")
+        _at_least("--documents", args.documents, 1, "the N longest documents of --indexed")
+        if args.seq_len is not None:
+            args.seq_len = _token_count(args.seq_len, "--seq-len", "use e.g. 65536, 64K, 1M (K=1024), at least 2")
+            _at_least("--seq-len", args.seq_len, 2, "a loss needs a token and the one before it")
+    _check_out(args.out)

@@ -51,17 +51,6 @@ def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, co
     return model.eval(), hf_cfg, meta.get("tokenizer")
 
 
-def _tokenizer(location):
-    from transformers import AutoTokenizer
-
-    if not location:
-        raise EvalError("the checkpoint records no tokenizer: give --tokenizer DIR_OR_NAME")
-    try:
-        return AutoTokenizer.from_pretrained(location)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"tokenizer {location}: cannot load it ({e}); give --tokenizer DIR_OR_NAME") from None
-
-
 @dataclass
 class Engine:
     """The model of this rank and what the evaluations need around it."""
@@ -135,7 +124,7 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
     the checkpoint records)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.evaluate.loading import resolve_dtype
+    from megatron_ext.evaluate.loading import megatron_tokenizer, resolve_dtype
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
 
     if not Path(checkpoint).is_dir():
@@ -156,7 +145,7 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
         layout = {"tensor": tensor, "pipeline": pipeline, "context": context,
                   "data": ps.get_data_parallel_world_size()}
         where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        tok = _tokenizer(tokenizer or recorded) if needs_tokenizer else None
+        tok = megatron_tokenizer(checkpoint, tokenizer, recorded, hf_cfg.get("vocab_size")) if needs_tokenizer else None
         engine = Engine(model, hf_cfg, tok, where, precision, layout, dist.get_rank() == 0)
         with warnings.catch_warnings():
             if not engine.rank0:  # one copy of each warning

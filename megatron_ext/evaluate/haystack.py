@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.io import read_utf8
 
 # End of a sentence: terminal punctuation, optional closing quotes/brackets, then whitespace.
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
@@ -145,7 +146,7 @@ def file_haystack(tokenizer, path: str | Path, n_tokens: int) -> Haystack:
     if not path.is_file():
         raise EvalError(f"haystack file {path} does not exist: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_utf8(path, "haystack file")  # replacement characters would be a haystack of garbage
     hay = tokenize_haystack(tokenizer, _split_blocks(text), n_tokens, source=str(path))
     if len(hay) < n_tokens:
         raise EvalError(f"haystack file {path} has {len(hay):,} tokens with this tokenizer but the largest length "

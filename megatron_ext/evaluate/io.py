@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_ext.evaluate.errors import EvalError
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -66,3 +68,13 @@ def model_version(path: str | Path) -> str | None:
         return "; ".join(f"{w.name} {w.stat().st_size} B {w.stat().st_mtime_ns}" for w in weights) or None
     except OSError:
         return None
+
+
+def read_utf8(path: Path, flag: str) -> str:
+    """The text of a file a flag names; EvalError (naming the flag, file and byte) when it is not UTF-8: a binary
+    file read with replacement characters would make a haystack or a document of garbage without a word."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file") \
+            from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,13 +78,65 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+def check_device(spec: str | None, megatron_engine: bool = False) -> None:
+    """DeviceError (one line from tools/niah.py) unless `spec` is None, cpu, cuda or cuda:N on a GPU this process
+    sees: torch's own errors for these ("Torch not compiled with CUDA enabled", "Expected one of cpu, cuda, ...")
+    come deep inside model loading, as tracebacks."""
+    from megatron_ext.runtime import DeviceError
+
+    if spec is None or spec == "cpu":
+        return
+    m = re.fullmatch(r"cuda(?::(\d+))?", spec)
+    if m is None:
+        raise DeviceError(f"--device {spec}: not a device this tool runs on; give cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"--device {spec}: no CUDA device is visible to this process (torch {torch.__version__}); "
+                          "use --device cpu, or run on a machine with a GPU")
+    if m.group(1) is not None:
+        if megatron_engine:  # it puts each rank on the GPU of its local rank
+            raise DeviceError(f"--device {spec}: the Megatron engine places each rank on its local GPU; give "
+                              "--device cuda (choose GPUs with CUDA_VISIBLE_DEVICES)")
+        if int(m.group(1)) >= torch.cuda.device_count():
+            raise DeviceError(f"--device {spec}: this process sees {torch.cuda.device_count()} CUDA device(s), "
+                              f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+def load_tokenizer(location: str | Path, what: str, fix: str):
+    """AutoTokenizer from a directory or hub name; EvalError naming `what` (the flag and value it came from) and
+    `fix` (what the user can do) when it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())  # transformers' messages span lines; tools/niah.py prints one
+        raise EvalError(f"{what}: cannot load its tokenizer ({reason}); {fix}") from None
+
+
+def megatron_tokenizer(checkpoint, given, recorded, vocab_size: int | None):
+    """The tokenizer of a Megatron checkpoint: --tokenizer's (`given`) or the one the checkpoint records. EvalError
+    naming the checkpoint and --tokenizer when none loads, or when --tokenizer's has ids the model lacks."""
+    if given:
+        tok = load_tokenizer(given, f"--tokenizer {given}", "give a tokenizer directory (tokenizer.json ...) or a "
+                             "hub name")
+        check_vocab(tok, vocab_size, f"--tokenizer {given}")
+        return tok
+    if not recorded:
+        raise EvalError(f"--megatron {checkpoint}: the checkpoint records no tokenizer; give --tokenizer "
+                        "DIR_OR_NAME (the tokenizer the model was trained with)")
+    return load_tokenizer(recorded, f"--megatron {checkpoint}", f"it records the tokenizer {recorded}; give "
+                          "--tokenizer DIR_OR_NAME (the tokenizer the model was trained with)")
+
+
+def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+            tokenizer=None):
     """(model, tokenizer) from a Hugging Face model directory, in eval mode on `device`.
 
     Device defaults to CUDA when available; dtype to bf16 on GPU and fp32 on CPU. Attention is
-    torch SDPA (memory-efficient/flash kernels on GPU).
+    torch SDPA (memory-efficient/flash kernels on GPU). `tokenizer`: a loaded tokenizer to use instead of the
+    directory's (tools/niah.py --tokenizer, or the one of a converted Megatron checkpoint).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not path.is_dir():
@@ -94,11 +147,9 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
                         "(for a Megatron checkpoint use --megatron DIR)")
     dev = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"model directory {path}: cannot load its tokenizer ({e}); save the tokenizer next to "
-                        "the model (tokenizer.save_pretrained(DIR))") from e
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, f"model directory {path}", "save the tokenizer next to the model "
+                                   "(tokenizer.save_pretrained(DIR)) or give --tokenizer DIR_OR_NAME")
     import transformers
     from packaging.version import Version
 
@@ -106,6 +157,14 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     dtype_key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **{dtype_key: torch_dtype})
     return model.to(dev).eval(), tokenizer
+
+
+def check_vocab(tokenizer, vocab_size: int | None, what: str) -> None:
+    """EvalError when `tokenizer` makes ids the model has no embedding for (an IndexError deep in the forward
+    pass otherwise): a tokenizer given by hand that is not the model's."""
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise EvalError(f"{what} has {len(tokenizer):,} tokens but the model's vocab_size is {vocab_size:,}: it is "
+                        "not this model's tokenizer; give the one the model was trained with")
 
 
 def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:

@@ -190,6 +190,8 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     lengths, depths = _check_grid(lengths, depths)
     if samples < 1:
         raise EvalError(f"samples must be >= 1, got {samples}")
+    if max_new_tokens < 1:  # no answer token: every cell would score 0 as if the model had missed
+        raise EvalError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
     todo, skipped = lengths_within(lengths, max_pos, allow_beyond_max_positions)
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.io import read_utf8
 from megatron_ext.evaluate.generate import auto_prefill_chunk, chunked_forward
 
 
@@ -116,7 +117,7 @@ def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
             if isinstance(t, Path):  # a file; a str is the text itself
                 if not t.is_file():
                     raise EvalError(f"document file {t} does not exist")
-                t = t.read_text(encoding="utf-8", errors="replace")
+                t = read_utf8(t, "document file")
             # BOS as in training; the tokenizer adds it when its post-processor does.
             docs.append(torch.tensor(source(t)["input_ids"], dtype=torch.long))
     else:
@@ -124,6 +125,8 @@ def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
             source = list(source)
         docs = [torch.as_tensor(np.asarray(d), dtype=torch.long).flatten() for d in source]
     if seq_len is not None:
+        if seq_len < 2:  # d[:-5] would evaluate all but the last 5 tokens, d[:0] nothing
+            raise EvalError(f"seq_len must be >= 2 tokens (a loss needs a token and the one before it), got {seq_len}")
         docs = [d[:seq_len] for d in docs]
     docs = [d for d in docs if len(d) >= 2]
     if not docs:

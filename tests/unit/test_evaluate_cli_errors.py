@@ -1,0 +1,201 @@
+"""tools/niah.py: mistakes found before a model is loaded (numbers, --out, --device, files that are not UTF-8),
+the tokenizer of a --megatron checkpoint saved without one, and the temporary HF copy of such a checkpoint
+removed when the run is stopped with SIGTERM (scancel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.evaluate import EvalError, file_haystack, perplexity_by_position, run_niah
+from megatron_ext.evaluate.cli import main
+from megatron_ext.presets import TINY
+from tests.unit.test_evaluate import make_model, make_tokenizer, save_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+BINARY = bytes(range(256)) * 4  # 0x80 at byte 128 is the first byte UTF-8 cannot start a character with
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny_hf_errors"))
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tmp_path_factory, cpu_parallel_state) -> Path:
+    """hf/: the tiny model saved without a tokenizer; mc/: its Megatron checkpoint (which records none);
+    tok/: the model's tokenizer; big_tok/: a tokenizer with more ids than the model has embeddings."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_ext.convert import to_megatron
+
+    d = tmp_path_factory.mktemp("no_tokenizer")
+    make_model().save_pretrained(d / "hf")
+    to_megatron(d / "hf", d / "mc", progress=False)
+    make_tokenizer().save_pretrained(d / "tok")
+    words = {f"w{i}": i for i in range(TINY["vocab_size"] + 10)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")),
+                            unk_token="w0").save_pretrained(d / "big_tok")
+    return d
+
+
+def _error(argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str) and e.value.code.startswith("error: "), e.value.code
+    assert "\n" not in e.value.code  # one line
+    return e.value.code
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),  # scored every cell 0 silently
+    (["--samples", "-2"], "--samples -2: must be >= 1"),  # printed "batch -2 = -768.0 KiB" first
+    (["--batch-tokens", "0"], "--batch-tokens 0: must be >= 1"),
+    (["ruler", "--samples", "0"], "--samples 0: must be >= 1"),
+    (["generate", "--question", "q", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["ppl", "--text", "{doc}", "--seq-len", "-5"], "--seq-len: '-5' is not a token count"),  # ran [:-5]
+    (["ppl", "--text", "{doc}", "--seq-len", "0"], "--seq-len: '0' is not a positive whole number"),
+    (["ppl", "--text", "{doc}", "--seq-len", "1"], "--seq-len 1: must be >= 2"),
+    (["ppl", "--text", "{doc}", "--documents", "2"], "--documents 2 picks the longest documents of --indexed; "
+                                                     "with --text every file is one document: drop --documents"),
+    (["ppl", "--indexed", "data", "--documents", "0"], "--documents 0: must be >= 1"),
+    (["ppl", "--text", "{doc}", "--per-octave", "0"], "--per-octave 0: must be >= 1"),
+    (["--out", "{file}"], "--out {file} is a file: give a directory path"),
+    (["--out", "{file}/sub"], "--out {file}/sub lies under {file}, which is a file"),
+    (["generate", "--question", "q", "--out", "{file}/x"], "--out {file}/x lies under {file}, which is a file"),
+    (["--device", "tpu"], "--device tpu: not a device this tool runs on; give cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "--device cuda:99: " + ("this process sees" if torch.cuda.is_available() else
+                                                      "no CUDA device is visible to this process")),
+    (["--engine", "megatron", "--megatron", "{doc}", "--device", "cuda:0"],
+     "--device cuda:0: " + ("the Megatron engine places each rank on its local GPU" if torch.cuda.is_available()
+                            else "no CUDA device is visible")),
+    (["--haystack", "{binary}"], "--haystack {binary}: not UTF-8 text (invalid start byte at byte 128)"),
+    (["ruler", "--haystack", "{binary}"], "--haystack {binary}: not UTF-8 text"),
+    (["ppl", "--text", "{binary}"], "--text {binary}: not UTF-8 text"),
+    (["generate", "--document", "{binary}"], "--document {binary}: not UTF-8 text"),
+])
+def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys, argv, message):
+    files = {"doc": tmp_path / "doc.txt", "file": tmp_path / "a_file", "binary": tmp_path / "bin.txt"}
+    files["doc"].write_text("The old river passes the garden near the hill. " * 10)
+    files["file"].write_text("not a directory")
+    files["binary"].write_bytes(BINARY)
+    argv = [a.format(**files) for a in argv]
+    command = argv[:1] if argv[0] in ("ruler", "ppl", "generate") else []
+    source = [] if "--megatron" in argv else ["--model", str(tiny_dir)]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "o")]
+    msg = _error(command + source + out + ["--no-progress"] + argv[len(command):])
+    assert message.format(**files) in msg
+    assert "memory note" not in capsys.readouterr().out  # found before the model loaded
+    assert not (tmp_path / "o").exists()
+
+
+def test_seq_len_takes_token_counts(tiny_dir, tmp_path):
+    """--seq-len 1M as in README.md's example (an int only before); 100 cuts the document to 100 tokens."""
+    from megatron_ext.evaluate.cli_args import parsers, validate_args
+
+    args = parsers()["ppl"].parse_args(["--model", "m", "--text", "t", "--out", "o", "--seq-len", "1M"])
+    validate_args("ppl", args)
+    assert args.seq_len == 1 << 20
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The old river passes the garden near the hill. " * 40)
+    assert main(["ppl", "--model", str(tiny_dir), "--text", str(doc), "--seq-len", "100", "--out",
+                 str(tmp_path / "ppl"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "ppl" / "ppl.json").read_text())["doc_tokens"] == [100]
+
+
+def test_library_refuses_what_the_command_line_does(tmp_path):
+    """run_niah, perplexity_by_position and file_haystack, called from a script, refuse the same inputs."""
+    model, tok = make_model(), make_tokenizer()
+    with pytest.raises(EvalError, match="max_new_tokens must be >= 1, got 0"):
+        run_niah(model, tok, [64], [50], max_new_tokens=0, progress=False)
+    for bad in (-5, 0, 1):
+        with pytest.raises(EvalError, match=f"seq_len must be >= 2 tokens .* got {bad}"):
+            perplexity_by_position(model, [torch.arange(3, 40)], seq_len=bad, progress=False)
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(BINARY)
+    with pytest.raises(EvalError, match="haystack file .* not UTF-8 text"):
+        file_haystack(tok, binary, 64)
+    with pytest.raises(EvalError, match="document file .* not UTF-8 text"):
+        perplexity_by_position(model, tok, texts=[binary], progress=False)
+
+
+def test_megatron_checkpoint_without_a_tokenizer(no_tokenizer, tmp_path):
+    """--megatron on the hf engine: the error names the checkpoint and --tokenizer (it named a deleted temporary
+    folder, and --tokenizer was refused); with --tokenizer it runs, and nothing temporary is left in --out."""
+    mc, out = str(no_tokenizer / "mc"), tmp_path / "o"
+    run = ["--megatron", mc, "--lengths", "64", "--depths", "50", "--max-new-tokens", "2", "--no-progress"]
+    msg = _error(run + ["--out", str(out)])
+    assert msg == (f"error: --megatron {mc}: the checkpoint records no tokenizer; give --tokenizer DIR_OR_NAME "
+                   "(the tokenizer the model was trained with)")
+    assert not out.exists()  # found before the conversion
+    msg = _error(run + ["--out", str(out), "--tokenizer", str(no_tokenizer / "big_tok")])
+    assert f"--tokenizer {no_tokenizer / 'big_tok'} has {TINY['vocab_size'] + 10} tokens but the model's " \
+           f"vocab_size is {TINY['vocab_size']}" in msg
+    assert "cannot load its tokenizer" in _error(run + ["--out", str(out), "--tokenizer", str(tmp_path / "none")])
+    assert main(run + ["--out", str(out), "--tokenizer", str(no_tokenizer / "tok")]) == 0
+    assert json.loads((out / "results.json").read_text())["cells"]
+    assert sorted(p.name for p in out.iterdir()) == ["heatmap.png", "results.json"]
+
+
+def test_hf_directory_without_a_tokenizer(no_tokenizer, tmp_path):
+    msg = _error(["--model", str(no_tokenizer / "hf"), "--out", str(tmp_path / "o"), "--lengths", "64"])
+    assert "cannot load its tokenizer" in msg and "--tokenizer DIR_OR_NAME" in msg
+    assert main(["--model", str(no_tokenizer / "hf"), "--tokenizer", str(no_tokenizer / "tok"), "--lengths", "64",
+                 "--depths", "50", "--max-new-tokens", "2", "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+
+
+def test_sigterm_removes_the_converted_copy(no_tokenizer, tmp_path):
+    """scancel (SIGTERM) during a --megatron run: the full-size HF copy in OUT/.hf-from-megatron.* is removed as
+    on Ctrl-C (the default action of SIGTERM left it behind)."""
+    out = tmp_path / "o"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools/niah.py"), "--megatron", str(no_tokenizer / "mc"),
+                             "--tokenizer", str(no_tokenizer / "tok"), "--lengths", "256", "--depths", "0:100:1",
+                             "--samples", "50", "--out", str(out), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        for line in proc.stdout:  # the memory note comes once the copy is loaded, before 5,050 prompts run
+            if "memory note" in line:
+                break
+        assert len(list(out.glob(".hf-from-megatron.*"))) == 1
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert list(out.glob(".hf-from-megatron.*")) == []
+    assert proc.returncode != 0 and "Terminated: received signal SIGTERM" in err
+
+
+def test_sigterm_handlers_of_others_stay(tmp_path):
+    """main installs its SIGTERM handler only over the default (submitit, which runs the launcher's evaluation
+    stages in-process, installs its own) and puts the default back when it returns."""
+    bad = ["--model", str(tmp_path), "--depths", "0,200", "--out", str(tmp_path / "o")]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    _error(bad)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def theirs(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, theirs)
+    try:
+        _error(bad)
+        assert signal.getsignal(signal.SIGTERM) is theirs
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
