@@ -54,14 +54,25 @@ class EvalStage:
         return submitit.helpers.DelayedSubmission(EvalStage(self.name, argv, self.results))
 
 
-def check_lengths(option: str, spec: str) -> None:
-    """RecipeError naming `option` when `spec` is not a list of lengths (before anything is submitted)."""
+def check_lengths(option: str, spec: str, last: Recipe | None = None) -> None:
+    """RecipeError naming `option` when `spec` is not a list of lengths, or (with the last stage's recipe) holds a
+    length beyond its model's max_position_embeddings: found before anything is submitted, not by the evaluation
+    job after the training (it skipped such lengths, or failed, and then the export after it was cancelled)."""
     from megatron_ext.evaluate.cli_args import parse_lengths
 
     try:
-        parse_lengths(spec)
+        lengths = parse_lengths(spec)
     except EvalError as e:
         raise RecipeError(f"{option} {spec!r}: {str(e).removeprefix('--lengths: ')}") from None
+    if last is None:
+        return
+    from megatron_ext.model import hf_config_from_recipe
+
+    limit = int(hf_config_from_recipe(last)["max_position_embeddings"])
+    beyond = [n for n in lengths if n > limit]
+    if beyond:
+        raise RecipeError(f"{option} {spec!r}: {', '.join(f'{n:,}' for n in beyond)} tokens is beyond the last "
+                          f"stage's model.max_position_embeddings = {limit:,} ({last.name}); evaluate at most that")
 
 
 def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalStage, dict]]:
@@ -75,7 +86,7 @@ def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalS
         lengths = getattr(args, ev.name)
         if not lengths:
             continue
-        check_lengths(f"--{ev.name}", lengths)
+        check_lengths(f"--{ev.name}", lengths, last)
         out = str(last.checkpoint.dir).rstrip("/") + f"_{ev.name}"
         argv = [*ev.command, "--megatron", str(last.checkpoint.dir), "--engine", "megatron", "--tp", str(tp),
                 "--cp", str(cp), "--lengths", lengths, *ev.arguments, "--out", out, "--no-progress"]
@@ -89,13 +100,17 @@ def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalS
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m megatron_ext.launch_eval OPTION LENGTHS`: one error line and status 1 when LENGTHS is not a list of
-    lengths (slurm/pipeline.sh checks --niah and --ruler before it submits anything)."""
+    """`python -m megatron_ext.launch_eval OPTION LENGTHS [RECIPE [dotted.key=value ...]]`: one error line and status
+    1 when LENGTHS is not a list of lengths or goes beyond the model of RECIPE, the last stage's (slurm/pipeline.sh
+    checks --niah and --ruler before it submits anything)."""
     import sys
 
-    option, spec = argv if argv is not None else sys.argv[1:3]
+    from megatron_ext.recipe import load_recipe
+
+    argv = sys.argv[1:] if argv is None else argv
+    option, spec, rest = argv[0], argv[1], argv[2:]
     try:
-        check_lengths(option, spec)
+        check_lengths(option, spec, load_recipe(rest[0], rest[1:]) if rest else None)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -106,9 +106,14 @@ CPT_RECIPE=recipes/$CPT.yaml
 CPT_DIR=$(field "$CPT_RECIPE" checkpoint.dir "${OVERRIDES[@]}")
 [[ -n $HF ]] && INIT=$(field "$CPT_RECIPE" checkpoint.init_from "${OVERRIDES[@]}")
 LAST_DIR=$CPT_DIR
-[[ -n $NIAH ]] && { "$PYTHON" -m megatron_ext.launch_eval --niah "$NIAH" || exit 1; }
-[[ -n $RULER ]] && { "$PYTHON" -m megatron_ext.launch_eval --ruler "$RULER" || exit 1; }
-((SFT)) && LAST_DIR=$(field "$SFT_RECIPE" checkpoint.dir "checkpoint.init_from=$CPT_DIR")
+LAST_RECIPE=("$CPT_RECIPE" "${OVERRIDES[@]}")
+if ((SFT)); then
+  LAST_RECIPE=("$SFT_RECIPE" "checkpoint.init_from=$CPT_DIR")
+  LAST_DIR=$(field "${LAST_RECIPE[@]:0:1}" checkpoint.dir "${LAST_RECIPE[@]:1}")
+fi
+# lengths: a list, within the last stage's model.max_position_embeddings
+[[ -n $NIAH ]] && { "$PYTHON" -m megatron_ext.launch_eval --niah "$NIAH" "${LAST_RECIPE[@]}" || exit 1; }
+[[ -n $RULER ]] && { "$PYTHON" -m megatron_ext.launch_eval --ruler "$RULER" "${LAST_RECIPE[@]}" || exit 1; }
 
 if [[ -n $HF ]]; then
   need_convert_tool --hf

@@ -50,6 +50,11 @@ def test_dry_run_niah_job_after_the_last_stage():
             "--lengths 128K:1M:4 --depths 0:100:10 --out checkpoints/sft_1m_niah --no-progress --chat") in niah
     bad = launch("--recipe", "recipes/cpt_1m.yaml", "--niah", "1Q", "--dry-run")
     assert bad.returncode == 1 and bad.stderr.startswith("error: --niah '1Q': '1Q' is not a token count")
+    # beyond the last stage's context: the evaluation job would fail (or skip it) after the training
+    bad = launch("--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--niah", "128K:2M:5", "--dry-run")
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "error: --niah '128K:2M:5': 2,097,152 tokens is beyond the last stage's model.max_position_embeddings = "
+        "1,048,576 (sft); evaluate at most that")
 
 
 def test_dry_run_ruler_job_after_the_niah_job():
