@@ -75,6 +75,8 @@ def verdict(r: Resume, steps: int) -> list[str]:
         out.append("  warning: " + "; ".join(r.data_changed) + " (another sample order)")
     if r.order_warning:
         out.append(f"  warning: {r.order_warning}")
+    if r.rope_changed:
+        out.append("  warning: RoPE " + "; ".join(r.rope_changed) + " (positions the weights were not trained with)")
     return out
 
 

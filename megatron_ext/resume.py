@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from megatron_ext.checkpoint_index import optimizer_state_mismatch
 from megatron_ext.recipe import Recipe
 
@@ -33,6 +35,8 @@ class Resume:
     architecture_changed: list[str] = field(default_factory=list)  # the model does not fit: the load fails
     data_samples: int | None = None  # CPT: training samples the saved run's data order was built for
     order_warning: str | None = None  # when this run needs more samples than that order was built for
+    rope_changed: list[str] = field(default_factory=list)  # 'rope_theta: old -> new': the weights load, the
+    # positions they were trained with change
 
 
 def data_request(saved: dict) -> int | None:
@@ -46,22 +50,49 @@ def data_request(saved: dict) -> int | None:
     return None
 
 
-def _order_warning(saved: dict, step: int, consumed: int, recipe: Recipe) -> str | None:
-    """The warning when this run needs more CPT samples than the saved run's data order was built for.
+def train_split_epochs(recipe: Recipe, samples: int) -> int | None:
+    """Epochs of the train split GPTDataset goes through to serve `samples` CPT samples: the fewest whose tokens
+    reach samples x seq_length + 1 (its count), or None for a blend or data that cannot be read here."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    GPTDataset shuffles over as many epochs of the data as the requested samples need, so a request needing
-    more epochs orders every sample differently: the run then reads some samples again and skips others.
-    Requests within the saved one are served from the saved order (`build_batches(min_train_samples=)`).
+    from megatron_ext.data.common import split_range
+
+    d = recipe.data
+    if d.weights is not None or len(d.prefixes) != 1:
+        return None
+    try:
+        index = IndexedDataset(d.prefixes[0])  # held: sequence_lengths is a view of its memory map
+        lengths = np.array(index.sequence_lengths, dtype=np.int64)
+    except Exception:  # gone or unreadable: the trainer reports it when it opens the data
+        return None
+    docs = split_range(lengths.size, d.split, 0)
+    per_epoch = int(lengths[docs.start:docs.stop].sum())
+    if per_epoch <= 0:
+        return None
+    return max(1, -(-(samples * recipe.train.seq_length + 1) // per_epoch))
+
+
+def _order_warning(saved: dict, step: int, consumed: int, recipe: Recipe) -> str | None:
+    """The warning when this run needs more CPT samples than the saved run's data order was built for, and so
+    perhaps another order: GPTDataset shuffles over all the epochs of the data a request needs, so one needing
+    another number of epochs orders every sample differently (the run then reads some samples again and skips
+    others). Within one epoch both ways the order is the same. Requests within the saved one are served from
+    the saved order (`build_batches(min_train_samples=)`).
     """
     t = recipe.train
     built = data_request(saved)
     needed = consumed + (t.steps - step) * t.global_batch_size
     if t.stage != "cpt" or built is None or needed <= built:
         return None
+    epochs = (train_split_epochs(recipe, built), train_split_epochs(recipe, needed))
+    if epochs == (1, 1):
+        return None
+    known = epochs[0] is not None and epochs[1] is not None
     return (f"train.steps x train.global_batch_size: this run reads {needed} samples, its checkpoint's data order "
-            f"was built for {built}; if that takes more epochs of the data, Megatron-Core's GPTDataset orders "
-            "the samples differently from here on (some repeat, some are skipped): set train.steps to the most "
-            "you may train when a run starts")
+            f"was built for {built}" + (f" ({epochs[1]} epochs of the data instead of {epochs[0]}): " if known else
+                                        "; if that takes more epochs of the data, ")
+            + "Megatron-Core's GPTDataset orders the samples differently from here on (some repeat, some are "
+            "skipped): set train.steps to the most you may train when a run starts")
 
 
 def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, list[str]]:
@@ -105,6 +136,19 @@ def _same_setting(key: str, saved, now) -> bool:
     return False
 
 
+_ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")
+
+
+def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
+    """The RoPE settings of `recipe`'s model that differ from a checkpoint's HF config ('key: old -> new')."""
+    from megatron_ext.model import hf_config_from_recipe, normalize_hf_config
+
+    if not saved_hf_config:
+        return []
+    old, new = normalize_hf_config(saved_hf_config), normalize_hf_config(hf_config_from_recipe(recipe))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ROPE if old.get(k) != new.get(k)]
+
+
 def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> Resume:
     """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`."""
     from megatron_ext.model import hf_config_from_recipe, normalize_hf_config
@@ -119,4 +163,4 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> R
         arch = [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ARCHITECTURE if old.get(k) != new.get(k)]
     return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
                   data_changed, arch, data_request(saved) if t.stage == "cpt" else None,
-                  _order_warning(saved, step, consumed, recipe))
+                  _order_warning(saved, step, consumed, recipe), rope_changes(saved.get("hf_config"), recipe))

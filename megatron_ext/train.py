@@ -188,7 +188,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
-    from megatron_ext.resume import plan_resume
+    from megatron_ext.resume import plan_resume, rope_changes
     from megatron_ext.training_data import build_batches
 
     t, p = recipe.train, recipe.parallel
@@ -237,14 +237,22 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 "with checkpoint.init_from)")
         if resume.order_warning:
             log(f"[train] warning: {resume.order_warning}")
+        if resume.rope_changed:
+            log(f"[train] warning: the recipe's RoPE differs from the checkpoint's ({'; '.join(resume.rope_changed)}):"
+                " the run goes on with positions its weights were not trained with so far")
     elif recipe.checkpoint.init_from:
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
-        if metadata["tokenizer"] is None:
-            try:  # carry the tokenizer location along (converted checkpoints record it)
-                metadata["tokenizer"] = read_metadata(recipe.checkpoint.init_from).get("tokenizer")
-            except CheckpointError:
-                pass
+        try:
+            source = read_metadata(recipe.checkpoint.init_from)
+        except CheckpointError:
+            source = {}
+        # carry the tokenizer location along (converted checkpoints record it)
+        metadata["tokenizer"] = metadata["tokenizer"] or source.get("tokenizer")
         log(f"[train] initialised weights from {recipe.checkpoint.init_from} (fresh optimizer)")
+        changed = rope_changes(source.get("hf_config"), recipe)
+        if t.stage == "sft" and changed:  # CPT changes the RoPE on purpose; SFT keeps its checkpoint's
+            log(f"[train] warning: SFT with another RoPE than checkpoint.init_from's ({'; '.join(changed)}); "
+                "keep the checkpoint's rope.* (recipes/README.md), unless this is meant")
 
     data, valid = build_batches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
                                 cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_ext.checkpoint import save_checkpoint
 from megatron_ext.checkpoint_cli import main
-from megatron_ext.presets import TINY
+from megatron_ext.model import hf_config_from_recipe
 from megatron_ext.recipe import load_recipe
 from tests.conftest import ROOT
 from tests.unit.test_checkpoint import setup, step
@@ -20,8 +20,9 @@ def ckpt(tmp_path, cpu_parallel_state):
     model, ddp, opt, sched = setup(0, True)
     step(ddp, opt, sched, 0)  # Adam state exists after a step
     recipe = load_recipe(RECIPE, RUN)
-    save_checkpoint(tmp_path / "run", 2, [model], optimizer=opt, scheduler=sched,
-                    metadata={"hf_config": TINY, "recipe": recipe.to_dict(), "consumed_samples": 8, "tokens": 2048})
+    save_checkpoint(tmp_path / "run", 2, [model], optimizer=opt, scheduler=sched,  # the tiny model, the recipe's RoPE
+                    metadata={"hf_config": hf_config_from_recipe(recipe), "recipe": recipe.to_dict(),
+                              "consumed_samples": 8, "tokens": 2048})
     return tmp_path / "run"
 
 
@@ -52,6 +53,10 @@ def test_describes_a_checkpoint(ckpt, capsys):
     (["model.num_hidden_layers=4"], 1, "would stop: the recipe's model differs from the checkpoint's "
                                        "(num_hidden_layers: 2 -> 4)"),
     (["train.seed=7"], 1, "warning: train.seed: 1234 -> 7 (another sample order)"),
+    (["rope.factor=16"], 1, "warning: RoPE rope_scaling: {"),
+    (["rope.rope_theta=500000"], 1, "warning: RoPE rope_theta: 10000.0 -> 500000.0 (positions the weights were "
+                                    "not trained with)"),
+    (["rope.beta_fast=32"], 1, "'beta_fast': 4.0, "),
     (["train.precision=bf16"], 1, "the weights, with a fresh optimizer state (train.precision was fp32, now bf16)"),
 ])
 def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
@@ -59,6 +64,7 @@ def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
     code, out, err = _info(capsys, ckpt, "--recipe", RECIPE, *sets, "--world-size", world)
     assert code == 0, err
     assert expect in out, out
+    assert ("warning: RoPE" in out) == any(o.startswith("rope.") for o in overrides), out
 
 
 def test_incomplete_and_missing(ckpt, capsys, tmp_path):

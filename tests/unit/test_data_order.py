@@ -3,7 +3,7 @@ orders samples by the number of epochs a request needs, so the request is kept (
 run that needs more than that is warned about (megatron_ext.resume)."""
 
 from megatron_ext.recipe import load_recipe
-from megatron_ext.resume import data_request, plan_resume
+from megatron_ext.resume import data_request, plan_resume, train_split_epochs
 from megatron_ext.training_data import build_batches
 from tests.conftest import ROOT
 
@@ -34,8 +34,11 @@ def test_more_samples_than_the_saved_order_is_warned_about(token_data):
     three = _recipe(token_data, "train.steps=3")
     saved = {"consumed_samples": 6, "tokens": 3072, "recipe": three.to_dict(), "data_samples": 6}
     r = plan_resume(saved, 3, _recipe(token_data, "train.steps=60"), 1)
-    assert r.data_samples == 6 and "this run reads 120 samples, its checkpoint's data order was built for 6" in \
-        r.order_warning
+    assert r.data_samples == 6 and ("this run reads 120 samples, its checkpoint's data order was built for 6 "
+                                    "(2 epochs of the data instead of 1)") in r.order_warning
+    # more samples within the first epoch (GPTDataset's order is the same): no warning
+    assert plan_resume(saved, 3, _recipe(token_data, "train.steps=30"), 1).order_warning is None
+    assert train_split_epochs(three, 60) == 1 and train_split_epochs(three, 120) == 2
     assert plan_resume({**saved, "data_samples": 120}, 3, _recipe(token_data, "train.steps=60"), 1).order_warning \
         is None
     # a smaller global batch reads no further than the saved order: no warning
@@ -44,3 +47,15 @@ def test_more_samples_than_the_saved_order_is_warned_about(token_data):
     # checkpoints from before the field: a run asked for steps x global batch
     old = {k: v for k, v in saved.items() if k != "data_samples"}
     assert data_request(old) == 6 and plan_resume(old, 3, _recipe(token_data, "train.steps=60"), 1).order_warning
+
+
+def test_epoch_count_is_gptdatasets(token_data):
+    """train_split_epochs counts as GPTDataset does: its own epoch count for the request (control: one sample
+    more than one epoch holds needs two)."""
+    recipe = _recipe(token_data, "train.steps=60")
+    batches, _ = build_batches(recipe, 0, 1, 0, 1)
+    dataset = batches.dataset
+    per_epoch = dataset._get_num_tokens_per_epoch()
+    assert dataset._get_num_epochs(per_epoch) == train_split_epochs(recipe, 120) == 2
+    fits = (per_epoch - 1) // 512  # the most samples one epoch serves
+    assert train_split_epochs(recipe, fits) == 1 and train_split_epochs(recipe, fits + 1) == 2
