@@ -204,6 +204,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                                                                  "tokens_written": 0})
     lengths: list[int] = []
     n_read = n_tokens = 0
+    max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # after the cheap checks
 
     with atomic_outputs(output) as tmp:
@@ -226,6 +227,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                     if not ids or k == 0:
                         continue
                     doc = np.array(pre + ids + post, dtype=dtype)
+                    max_id = max(max_id, int(doc.max()))
                     for _ in range(k):
                         builder.add_document(doc, [doc.size])
                     lengths.extend([doc.size] * k)
@@ -256,7 +258,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
                         "empty_documents": stats.empty},
-            "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "max_token_id": max_id, "tokenizer": tokenizer,
             "tokenizer_hash": tok_hash, "separator": separator,
             "separator_ids": {"prefix": pre, "suffix": post},
             "settings": {"inputs": list(inputs), "text_field": text_field, "source_field": source_field,

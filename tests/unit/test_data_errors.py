@@ -130,3 +130,26 @@ def test_cli_subprocess(tmp_path, tok_dir, corpus):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: --input {tmp_path / 'nope.jsonl'}: file not found"]
+
+
+def test_truncated_files_name_the_file(tmp_path, token_data, sft_data):
+    """Megatron-Core's IndexedDataset raised a bare `ValueError: buffer is smaller than requested size` on a cut
+    .idx (and read a cut .bin only when a missing document came up, mid-training): the readers name the file."""
+    import shutil
+
+    for prefix, name, files in ((token_data, "c", (".bin", ".idx", ".json")),
+                                (sft_data, "s", (".bin", ".idx", ".json", "_lossmask.bin", "_lossmask.idx"))):
+        for suffix in files:
+            shutil.copy(prefix + suffix, tmp_path / (name + suffix))
+    for path, keep in (("c.idx", 100), ("s_lossmask.idx", 100), ("s.bin", 10)):
+        (tmp_path / path).write_bytes((tmp_path / path).read_bytes()[:keep])
+    with pytest.raises(DataError, match=r"data prefix .*/c: .*/c\.idx is truncated or corrupt \(buffer is smaller "
+                                        r"than requested size\); prepare the data again"):
+        build_cpt_datasets(str(tmp_path / "c"), 64)
+    from megatron_ext.data import SFTPackedDataset
+
+    with pytest.raises(DataError, match=r"/s\.bin is truncated or corrupt \(10 bytes, its index points up to byte"):
+        SFTPackedDataset(str(tmp_path / "s"), 256)
+    shutil.copy(sft_data + ".bin", tmp_path / "s.bin")
+    with pytest.raises(DataError, match=r"/s_lossmask\.idx is truncated or corrupt"):
+        SFTPackedDataset(str(tmp_path / "s"), 256)
