@@ -34,6 +34,17 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         _require(v >= 1, f"train.{name} = {v}: must be >= 1")
     _require(t.lr > 0, f"train.lr = {t.lr}: must be > 0")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr}: must be between 0 and train.lr = {t.lr}")
+    # Optimizer and schedule values the model builder would take as they are: torch's AdamW raises a bare
+    # ValueError on some only after the model is built (weight decay, betas), others silently misbehave
+    # (negative warmup or clip, a seed numpy refuses at the first random draw).
+    _require(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay}: must be >= 0 (0 = no decay)")
+    for name in ("adam_beta1", "adam_beta2"):
+        v = getattr(t, name)
+        _require(0 <= v < 1, f"train.{name} = {v}: must be in [0, 1) (e.g. 0.9 / 0.95)")
+    _require(t.adam_eps >= 0, f"train.adam_eps = {t.adam_eps}: must be >= 0 (e.g. 1e-8)")
+    _require(t.clip_grad >= 0, f"train.clip_grad = {t.clip_grad}: must be >= 0 (0 = no clipping)")
+    _require(0 <= t.seed < 2**32, f"train.seed = {t.seed}: must be between 0 and 2**32 - 1 = {2**32 - 1}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps}: must be >= 0 (0 = no warmup)")
     _require(t.warmup_steps < t.steps or t.warmup_steps == 0,
              f"train.warmup_steps = {t.warmup_steps}: must be below train.steps = {t.steps}")
     if t.recompute_layers is not None:
@@ -45,6 +56,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                  f"train.recompute_layers = {t.recompute_layers}: must be between 1 and the layers of a pipeline "
                  f"stage ({stage_layers} = model.num_hidden_layers / parallel.pipeline)")
     _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
+    keep = recipe.checkpoint.keep_last
+    # 0 would keep every checkpoint (`if keep_last:`) and -1 only the newest (`[:-(-1)]`): neither is what it says.
+    _require(keep is None or keep >= 1,
+             f"checkpoint.keep_last = {keep}: must be a positive number of checkpoints, or null to keep all")
     _validate_data(recipe)
 
     heads = m.num_attention_heads

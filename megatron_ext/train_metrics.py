@@ -18,8 +18,23 @@ class MetricsLog:
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
         if enabled and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start_step]
+            kept, broken = [], []
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line)["step"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    # A run killed mid-write (kill -9, full disk) leaves a partial last line; it must not stop
+                    # every resume. The steps after the checkpoint are written again anyway.
+                    broken.append(number)
+                    continue
+                if step <= start_step:
+                    kept.append(line)
+            if broken:
+                log(f"[train] warning: {path}: dropped {len(broken)} unreadable line(s) (line "
+                    f"{', '.join(map(str, broken[:5]))}{', ...' if len(broken) > 5 else ''}; a run killed while "
+                    "writing leaves one)")
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)

@@ -37,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--separator", default="<s>",
                            help="literal text after every document (default '<s>'), 'bos-eos' or 'none'")
             s.add_argument("--upsample", default=None, help="[SOURCE:]ltN|gtN|all=RATE,... e.g. 'lt4k=0.5,gt8k=2.0'")
-            s.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+            s.add_argument("--max-tokens", type=int, default=None,
+                           help="stop after the document (with its upsampled copies) that reaches this many tokens: "
+                                "documents are never cut, so the corpus can exceed it by one document's tokens")
             s.add_argument("--seq-length", type=int, default=None,
                            help="optional: fail unless the corpus fills one sequence of this length")
         else:

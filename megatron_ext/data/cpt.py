@@ -11,7 +11,9 @@ Per-source length upsampling (the paper's Fu et al. 2024 corpus: short documents
 long ones upsampled) is a list of rules `[SOURCE:]CLASS=RATE` where CLASS is `ltN` (fewer than N
 tokens), `gtN` (more than N tokens) or `all`; N takes k (x1024) / m (x1024^2) suffixes; a bare
 `SOURCE=RATE` means `SOURCE:all=RATE`. A document gets the rate of its source's matching rule,
-else of the matching source-less rule, else 1. Rate r writes floor(r) copies plus one more with
+else of the matching source-less rule, else 1. A rule for a source no document has is an error (sources
+are the input names unless --source-field is given; a warning only when --max-tokens ends the read
+first, as the source may come later). Rate r writes floor(r) copies plus one more with
 probability frac(r), decided by a hash of (seed, document number): deterministic and independent
 of batching or thread count.
 """
@@ -33,7 +35,7 @@ import numpy as np
 
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
                                       load_tokenizer, token_dtype, tokenizer_hash, write_json)
-from megatron_ext.data.sources import ReadStats, check_inputs, iter_texts
+from megatron_ext.data.sources import ReadStats, check_inputs, input_name, iter_texts
 
 _MASK64 = (1 << 64) - 1
 
@@ -66,6 +68,8 @@ def parse_upsample(spec: str | None) -> list[UpsampleRule]:
                 raise ValueError(val)
             source, colon, cls = key.rpartition(":")
             if not colon and not re.fullmatch(r"(lt|gt)\d+[kKmM]?|all", cls):
+                if re.match(r"(lt|gt)\d", cls):  # a mistyped class ('lt4q'), not a source: it would match nothing
+                    raise ValueError(cls)
                 source, cls = cls, "all"  # bare SOURCE=RATE
             if cls == "all":
                 lo, hi = 0, None
@@ -77,13 +81,23 @@ def parse_upsample(spec: str | None) -> list[UpsampleRule]:
                 raise ValueError(cls)
         except ValueError:
             raise DataError(f"--upsample {spec}: bad rule '{part}'; expected [SOURCE:]ltN|gtN|all=RATE "
-                            "with RATE >= 0, e.g. 'lt4k=0.5,gt8k=2.0'") from None
+                            "with N a token count (4096, 4k, 1m) and RATE >= 0, e.g. 'lt4k=0.5,gt8k=2.0'") from None
         new = UpsampleRule(source or None, lo, hi, rate)
         for r in rules:  # overlapping classes at one level would make the rate ambiguous
             if r.source == new.source and lo < (r.hi or 1 << 62) and r.lo < (hi or 1 << 62):
                 raise DataError(f"--upsample {spec}: rule '{part}' overlaps another rule for the same source")
         rules.append(new)
     return rules
+
+
+def _unmatched_sources(rules: list[UpsampleRule], seen) -> list[str]:
+    """Sources named by `rules` that are not in `seen`, in rule order: such a rule changes nothing."""
+    return list(dict.fromkeys(r.source for r in rules if r.source is not None and r.source not in seen))
+
+
+def _no_such_source(spec: str, missing: list[str], seen, how: str) -> str:
+    return (f"--upsample {spec}: no document has source {', '.join(repr(m) for m in missing)}, so its rule "
+            f"changes nothing; the sources ({how}) are: {', '.join(sorted(seen)) or 'none'}")
 
 
 def upsample_rate(rules: list[UpsampleRule], source: str, n_tokens: int) -> float:
@@ -189,6 +203,12 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     t0 = time.perf_counter()
     check_inputs(inputs)
     rules = parse_upsample(upsample)
+    if not source_field:  # the sources are the input names: a rule for another source is a mistake, said now
+        names = {input_name(i) for i in inputs}
+        missing = _unmatched_sources(rules, names)
+        if missing:
+            raise DataError(_no_such_source(upsample, missing, names, "the input names, as no --source-field is "
+                                            "given") + "; name one of them, or pass --source-field FIELD")
     if max_tokens is not None and max_tokens <= 0:
         raise DataError(f"--max-tokens {max_tokens}: must be positive")
     check_outputs(output, force)
@@ -204,6 +224,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                                                                  "tokens_written": 0})
     lengths: list[int] = []
     n_read = n_tokens = 0
+    max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # after the cheap checks
 
     with atomic_outputs(output) as tmp:
@@ -226,6 +247,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                     if not ids or k == 0:
                         continue
                     doc = np.array(pre + ids + post, dtype=dtype)
+                    max_id = max(max_id, int(doc.max()))
                     for _ in range(k):
                         builder.add_document(doc, [doc.size])
                     lengths.extend([doc.size] * k)
@@ -242,6 +264,13 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
             bar.close()
             batches.close()
         builder.finalize(tmp[output + ".idx"])
+        missing = _unmatched_sources(rules, per_source)
+        if missing and not done:  # everything was read: the rule names a source that is not there (a typo?)
+            raise DataError(_no_such_source(upsample, missing, per_source, f"--source-field {source_field}")
+                            + "; fix the rule or --source-field")
+        if missing:  # --max-tokens stopped the read: the source may come later in the inputs
+            print(f"warning: {_no_such_source(upsample, missing, per_source, f'--source-field {source_field}')} "
+                  f"in the documents read before --max-tokens {max_tokens} stopped the read", file=sys.stderr)
         if not lengths:
             raise DataError(f"--input {' '.join(inputs)}: empty corpus (no documents written; {n_read} read, "
                             f"{stats.empty} empty, {stats.non_utf8} non-UTF-8, {stats.bad_json} bad JSON lines; "
@@ -256,7 +285,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
                         "empty_documents": stats.empty},
-            "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "max_token_id": max_id, "tokenizer": tokenizer,
             "tokenizer_hash": tok_hash, "separator": separator,
             "separator_ids": {"prefix": pre, "suffix": post},
             "settings": {"inputs": list(inputs), "text_field": text_field, "source_field": source_field,

@@ -40,11 +40,60 @@ def read_manifest(prefix: str, kind: str | None = None) -> dict:
     for suffix in (".bin", ".idx", ".json"):
         if not Path(prefix + suffix).is_file():
             raise DataError(f"data prefix {prefix}: {prefix + suffix} not found; run tools/prepare_data.py first")
-    manifest = json.loads(Path(prefix + ".json").read_text())
+    try:
+        manifest = json.loads(Path(prefix + ".json").read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"data prefix {prefix}: {prefix}.json is truncated or corrupt ({e}); prepare the data "
+                        "again (tools/prepare_data.py)") from None
     if kind is not None and manifest.get("kind") != kind:
         raise DataError(f"data prefix {prefix}: a {manifest.get('kind')!r} dataset, expected {kind!r}; "
                         f"prepare it with `prepare_data.py {kind}`")
     return manifest
+
+
+def check_token_ids(prefix: str, manifest: dict, vocab_size: int) -> None:
+    """DataError unless every token id of the dataset has an embedding row among the model's `vocab_size`: a
+    larger id fails only at the first forward step, as a bare IndexError from the embedding (CPU) or a device-side
+    assert (CUDA). The manifest records the largest id (`max_token_id`; older ones only the tokenizer's size)."""
+    largest = manifest.get("max_token_id", int(manifest["vocab_size"]) - 1)
+    if largest < vocab_size:
+        return
+    what = ("holds token ids up to" if "max_token_id" in manifest else "was tokenized with ids up to")
+    raise DataError(f"data prefix {prefix} {what} {largest} (tokenizer {manifest.get('tokenizer')}, "
+                    f"{manifest['vocab_size']} ids), but model.vocab_size = {vocab_size} has rows for ids 0.."
+                    f"{vocab_size - 1} only; set model.vocab_size to the model's tokenizer size (at least "
+                    f"{largest + 1}), or prepare the data with the model's tokenizer")
+
+
+def open_index(prefix: str):
+    """Megatron-Core's `IndexedDataset` over PREFIX.bin/.idx; DataError naming the file when either is truncated
+    or corrupt (a copy cut short, a full disk): Megatron-Core raises a bare ValueError, AssertionError or
+    struct.error for the index, and for a short .bin only when a missing document is read, mid-training."""
+    import struct
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    def corrupt(path: str, what: str) -> DataError:
+        return DataError(f"data prefix {prefix}: {path} is truncated or corrupt ({what}); prepare the data again "
+                         "(tools/prepare_data.py)")
+
+    size = Path(prefix + ".bin").stat().st_size
+    if size == 0:  # numpy cannot map an empty file, and the failed reader's __del__ prints a traceback
+        raise corrupt(prefix + ".bin", "0 bytes")
+    index = IndexedDataset.__new__(IndexedDataset)
+    try:
+        index.__init__(prefix)
+    except (AssertionError, ValueError, struct.error) as e:
+        # The half-built object's __del__ deletes readers it never got and prints a traceback at exit: give it them.
+        for name in ("bin_reader", "index"):
+            if not hasattr(index, name):
+                setattr(index, name, None)
+        raise corrupt(prefix + ".idx", str(e) or type(e).__name__) from None
+    lengths, pointers = index.index.sequence_lengths, index.index.sequence_pointers
+    needed = int(pointers[-1]) + int(lengths[-1]) * np.dtype(index.index.dtype).itemsize if len(lengths) else 0
+    if size < needed:
+        raise corrupt(prefix + ".bin", f"{size} bytes, its index points up to byte {needed}")
+    return index
 
 
 class _ManifestTokenizer:
@@ -105,9 +154,12 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
         if m["tokens"] < seq_length + 1:
             raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
                             f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
-    if split is not None:
-        for p in prefixes:
-            _check_split_sizes(p, seq_length, split)
+    for p in prefixes:
+        index = open_index(p)  # kept while copying: its lengths are a view of its memory map
+        lengths = np.array(index.sequence_lengths, dtype=np.int64)
+        del index
+        if split is not None:
+            _check_split_sizes(p, lengths, seq_length, split)
     if weights is not None and len(weights) != len(prefixes):
         raise DataError(f"data weights {list(weights)}: {len(weights)} weights for {len(prefixes)} prefixes")
     if weights is not None and num_samples[0] is None:
@@ -127,13 +179,10 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
 
 
-def _check_split_sizes(prefix: str, seq_length: int, split: str) -> None:
+def _check_split_sizes(prefix: str, lengths: np.ndarray, seq_length: int, split: str) -> None:
     """Every split of a positive weight holds one sequence's tokens: Megatron-Core's GPTDataset loops forever
-    over a split without tokens (epochs of 0 tokens never reach a sample) and has no sample in one too short."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    index = IndexedDataset(prefix)
-    lengths = np.array(index.sequence_lengths, dtype=np.int64)  # a copy: the index's memory map closes with it
+    over a split without tokens (epochs of 0 tokens never reach a sample) and has no sample in one too short.
+    `lengths`: the document lengths of `prefix`."""
     for part, (name, fraction) in enumerate(zip(("train", "valid", "test"), split_fractions(split))):
         docs = split_range(lengths.size, split, part)
         tokens = int(lengths[docs.start:docs.stop].sum())
@@ -156,13 +205,11 @@ class SFTPackedDataset(torch.utils.data.Dataset):
 
     def __init__(self, prefix: str, seq_length: int, seed: int = 1234, split: str | None = None,
                  part: int = 0) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         self.manifest = read_manifest(prefix, "sft")
         if not Path(prefix + "_lossmask.bin").is_file() or not Path(prefix + "_lossmask.idx").is_file():
             raise DataError(f"data prefix {prefix}: {prefix}_lossmask.bin/.idx not found; re-run prepare_data.py sft")
-        self.tokens = IndexedDataset(prefix)
-        self.masks = IndexedDataset(prefix + "_lossmask")
+        self.tokens = open_index(prefix)
+        self.masks = open_index(prefix + "_lossmask")
         lengths = self.tokens.sequence_lengths
         if not np.array_equal(lengths, self.masks.sequence_lengths):
             raise DataError(f"data prefix {prefix}: tokens and loss masks disagree in length; re-prepare it")

@@ -74,6 +74,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     dropped = {"no_assistant_turn": 0, "too_long": 0, "bad_messages": 0}
     lengths: list[int] = []
     n_read = n_tokens = n_trained = 0
+    max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
     t0 = time.perf_counter()
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # after the cheap checks
 
@@ -102,6 +103,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                 dropped["too_long"] += 1
                 continue
             tokens_b.add_document(np.array(ids, dtype=dtype), [len(ids)])
+            max_id = max(max_id, max(ids))
             mask_b.add_document(np.array(mask, dtype=np.uint8), [len(mask)])
             lengths.append(len(ids))
             n_tokens += len(ids)
@@ -120,6 +122,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json},
             "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "max_token_id": max(max_id, _pad_id(tok)),  # the loader pads samples with pad_id
             "tokenizer_hash": tokenizer_hash(tok), "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
             "settings": {"inputs": list(inputs), "messages_field": messages_field, "chat_template": chat_template,
                          "seed": seed},

@@ -186,6 +186,9 @@ def test_max_tokens_and_manifest(tmp_path, tok_dir, corpus):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     assert int(IndexedDataset(str(tmp_path / "full")).sequence_lengths.sum()) == full["tokens"]
+    # the trainer compares max_token_id with model.vocab_size (check_setup): it is the largest id in the .bin
+    tokens = np.fromfile(tmp_path / "full.bin", dtype=full["dtype"])
+    assert full["max_token_id"] == int(tokens.max()) < full["vocab_size"]
 
 
 def test_reprepared_prefix_does_not_reuse_stale_index_cache(tmp_path, tok_dir, hf_tok):

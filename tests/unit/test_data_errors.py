@@ -130,3 +130,56 @@ def test_cli_subprocess(tmp_path, tok_dir, corpus):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: --input {tmp_path / 'nope.jsonl'}: file not found"]
+
+
+def test_truncated_files_name_the_file(tmp_path, token_data, sft_data):
+    """Megatron-Core's IndexedDataset raised a bare `ValueError: buffer is smaller than requested size` on a cut
+    .idx (and read a cut .bin only when a missing document came up, mid-training): the readers name the file."""
+    import shutil
+
+    for prefix, name, files in ((token_data, "c", (".bin", ".idx", ".json")),
+                                (sft_data, "s", (".bin", ".idx", ".json", "_lossmask.bin", "_lossmask.idx"))):
+        for suffix in files:
+            shutil.copy(prefix + suffix, tmp_path / (name + suffix))
+    for path, keep in (("c.idx", 100), ("s_lossmask.idx", 100), ("s.bin", 10)):
+        (tmp_path / path).write_bytes((tmp_path / path).read_bytes()[:keep])
+    with pytest.raises(DataError, match=r"data prefix .*/c: .*/c\.idx is truncated or corrupt \(buffer is smaller "
+                                        r"than requested size\); prepare the data again"):
+        build_cpt_datasets(str(tmp_path / "c"), 64)
+    from megatron_ext.data import SFTPackedDataset
+
+    with pytest.raises(DataError, match=r"/s\.bin is truncated or corrupt \(10 bytes, its index points up to byte"):
+        SFTPackedDataset(str(tmp_path / "s"), 256)
+    shutil.copy(sft_data + ".bin", tmp_path / "s.bin")
+    with pytest.raises(DataError, match=r"/s_lossmask\.idx is truncated or corrupt"):
+        SFTPackedDataset(str(tmp_path / "s"), 256)
+
+
+def test_upsample_rules_that_would_change_nothing(tmp_path, tok_dir, corpus, capsys):
+    """'lt4q=0.5' read as a rule for a source named lt4q, and 'web:all=2.0' without --source-field (sources are the
+    input names then), wrote the corpus unchanged without a word."""
+    out = str(tmp_path / "out")
+    base = ["cpt", "--input", str(corpus), "--tokenizer", str(tok_dir), "--output", out, "--quiet"]
+    msg = _fail(base + ["--upsample", "lt4q=0.5"])
+    assert "bad rule 'lt4q=0.5'" in msg and "N a token count (4096, 4k, 1m)" in msg
+    msg = _fail(base + ["--upsample", "lt4k=0.5,web:all=2.0"])
+    assert ("no document has source 'web', so its rule changes nothing; the sources (the input names, as no "
+            "--source-field is given) are: c; name one of them, or pass --source-field FIELD") in msg, msg
+    # with --source-field the sources are known once every document is read
+    msg = _fail(base + ["--source-field", "source", "--upsample", "web:all=2.0,wbe:gt8k=3"])
+    assert "no document has source 'wbe', so its rule changes nothing; the sources (--source-field source) are: " \
+           "book, code, web; fix the rule or --source-field" in msg, msg
+    assert _left(tmp_path) == []
+    # --max-tokens may stop before a source comes up: a warning, the data is written
+    assert prepare_data.main(base + ["--source-field", "source", "--upsample", "wbe=2", "--max-tokens", "50"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --upsample wbe=2: no document has source 'wbe'" in err and "before --max-tokens 50" in err
+    assert prepare_data.main(base + ["--force", "--upsample", "c:lt4k=0.5,lt10=2"]) == 0  # the input's own name
+
+
+def test_max_tokens_help_says_documents_are_not_cut():
+    """`--max-tokens 1000` wrote 1067 tokens where the help said 'stop after this many tokens'
+    (test_data_cpt.test_max_tokens_and_manifest pins the behaviour)."""
+    cpt = next(a for a in prepare_data._parser()._actions if a.dest == "cmd").choices["cpt"]
+    help_ = next(a.help for a in cpt._actions if a.dest == "max_tokens")
+    assert "stop after the document" in help_ and "never cut" in help_ and "exceed it" in help_

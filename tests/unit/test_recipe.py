@@ -119,6 +119,32 @@ def test_cross_field_rules(override, world, message):
         load(override, world_size=world)
 
 
+@pytest.mark.parametrize("override, message", [
+    # torch's AdamW raised a bare ValueError for these only after the model was built
+    (["train.weight_decay=-1"], r"train\.weight_decay = -1\.0: must be >= 0"),
+    (["train.adam_beta1=1"], r"train\.adam_beta1 = 1\.0: must be in \[0, 1\)"),
+    (["train.adam_beta1=-0.1"], r"train\.adam_beta1 = -0\.1: must be in \[0, 1\)"),
+    (["train.adam_beta2=1.5"], r"train\.adam_beta2 = 1\.5: must be in \[0, 1\)"),
+    (["train.adam_eps=-1"], r"train\.adam_eps = -1\.0: must be >= 0"),
+    # numpy's RandomState (data order) takes 0..2**32-1 only
+    (["train.seed=-1"], r"train\.seed = -1: must be between 0 and 2\*\*32 - 1 = 4294967295"),
+    (["train.seed=4294967296"], r"train\.seed = 4294967296: must be between 0 and"),
+    (["train.warmup_steps=-1"], r"train\.warmup_steps = -1: must be >= 0"),
+    (["train.clip_grad=-1"], r"train\.clip_grad = -1\.0: must be >= 0 \(0 = no clipping\)"),
+    # 0 kept every checkpoint, -1 kept only the newest
+    (["checkpoint.keep_last=0"], r"checkpoint\.keep_last = 0: must be a positive number of checkpoints, or null"),
+    (["checkpoint.keep_last=-1"], r"checkpoint\.keep_last = -1: must be a positive number"),
+    (["train.weight_decay=0", "train.adam_beta1=0", "train.adam_eps=0", "train.seed=0", "train.seed=4294967295",
+      "train.clip_grad=0", "checkpoint.keep_last=1", "checkpoint.keep_last=null"], None),
+])
+def test_optimizer_and_checkpoint_values(override, message):
+    if message is None:
+        load(override)
+        return
+    with pytest.raises(RecipeError, match=message):
+        load(override)
+
+
 def test_a2a_allowed_when_heads_divide():
     r = load(["parallel.context=2", "parallel.cp_comm_type=a2a"], world_size=2)
     assert r.parallel.cp_comm_type == "a2a"

@@ -1,0 +1,144 @@
+"""`megatron_ext.train.check_setup`: mistakes in paths and data found before any process group or model exists.
+
+Each case used to fail later, with a bare traceback (seen by hand with recipes/tiny/cpt.yaml): the vocabulary
+mismatch as `IndexError: index out of range in self` in the first forward step, a file as checkpoint.dir as
+FileExistsError / NotADirectoryError / FileNotFoundError after the model was built, a truncated .idx as Megatron's
+`ValueError: buffer is smaller than requested size`, an iteration folder as init_from with a checkpoint error that
+named neither the field nor a fix.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.recipe import RecipeError, load_recipe
+from megatron_ext.train import check_setup
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes/tiny/cpt.yaml"
+TINY = ["parallel.context=1", "train.seq_length=256", "train.global_batch_size=2", "train.steps=2"]
+
+
+def recipe(out, data, *overrides):
+    return load_recipe(RECIPE, [*TINY, f"checkpoint.dir={out}", f"data.prefix={data}", *overrides], world_size=1)
+
+
+def copy_data(prefix: str, folder: Path) -> str:
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(prefix + suffix, folder / ("cpt" + suffix))
+    return str(folder / "cpt")
+
+
+def test_valid_setup_passes_and_makes_no_folder(tmp_path, token_data):
+    check_setup(recipe(tmp_path / "a" / "run", token_data))
+    assert list(tmp_path.iterdir()) == []  # the writability probe is removed; the run makes its folder itself
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", r"checkpoint\.dir = '.*/file': is a file, not a folder; give a folder path"),
+    ("file/sub/run", r"checkpoint\.dir = '.*/file/sub/run': lies under .*/file, which is a file, not a folder"),
+])
+def test_checkpoint_dir_not_a_folder(tmp_path, token_data, where, message):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RecipeError, match=message):
+        check_setup(recipe(tmp_path / where, token_data))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc (no folders can be made there)")
+def test_checkpoint_dir_unwritable(token_data):
+    # /proc refuses new folders even to root, for whom permission bits do not count
+    with pytest.raises(RecipeError, match=r"checkpoint\.dir = '/proc/x/run': cannot make folders in /proc \(.*\); "
+                                          r"give a writable folder path"):
+        check_setup(recipe("/proc/x/run", token_data))
+
+
+def test_vocab_smaller_than_the_data_ids(tmp_path, token_data):
+    with pytest.raises(RecipeError, match=r"data prefix .*cpt holds token ids up to 5\d\d \(tokenizer .*, 512 ids\), "
+                                          r"but model\.vocab_size = 256 has rows for ids 0\.\.255 only; set "
+                                          r"model\.vocab_size to the model's tokenizer size \(at least 5\d\d\)"):
+        check_setup(recipe(tmp_path / "run", token_data, "model.vocab_size=256"))
+
+
+def test_vocab_check_on_an_older_manifest_uses_the_tokenizer_size(tmp_path, token_data):
+    """Manifests written before `max_token_id` existed hold the tokenizer's size only."""
+    import json
+
+    prefix = copy_data(token_data, tmp_path)
+    manifest = json.loads(Path(prefix + ".json").read_text())
+    del manifest["max_token_id"]
+    Path(prefix + ".json").write_text(json.dumps(manifest))
+    with pytest.raises(RecipeError, match=r"was tokenized with ids up to 511 .* model\.vocab_size = 511 "):
+        check_setup(recipe(tmp_path / "run", prefix, "model.vocab_size=511"))
+    check_setup(recipe(tmp_path / "run", prefix, "model.vocab_size=512"))
+
+
+def test_sft_vocab_counts_the_pad_id(tmp_path, sft_data, toy_tokenizer):
+    import json
+
+    manifest = json.loads(Path(sft_data + ".json").read_text())
+    assert manifest["max_token_id"] >= manifest["pad_id"]
+    with pytest.raises(RecipeError, match=rf"holds token ids up to {manifest['max_token_id']} "):
+        check_setup(recipe(tmp_path / "run", sft_data, "train.stage=sft", "train.global_batch_size=1",
+                           f"model.vocab_size={manifest['max_token_id']}"))
+
+
+@pytest.mark.parametrize("suffix, keep, message", [
+    (".idx", 100, r"cpt\.idx is truncated or corrupt \(buffer is smaller than requested size\); prepare the data again"),
+    (".idx", 0, r"cpt\.idx is truncated or corrupt \(bad header"),
+    (".bin", 1000, r"cpt\.bin is truncated or corrupt \(1000 bytes, its index points up to byte \d+\)"),
+    (".bin", 0, r"cpt\.bin is truncated or corrupt \(0 bytes\)"),
+    (".json", 10, r"cpt\.json is truncated or corrupt"),
+])
+def test_truncated_dataset(tmp_path, token_data, suffix, keep, message):
+    prefix = copy_data(token_data, tmp_path)
+    path = Path(prefix + suffix)
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(RecipeError, match=message):
+        check_setup(recipe(tmp_path / "run", prefix))
+
+
+def checkpoint_root(folder: Path, iterations: list[int]) -> Path:
+    """The layout of a checkpoint root (what check_setup looks at): iter_* folders and the latest pointer."""
+    for it in iterations:
+        (folder / f"iter_{it:07d}").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text(f"{iterations[-1]}\n")
+    return folder
+
+
+def test_init_from_an_iteration_folder(tmp_path, token_data):
+    root = checkpoint_root(tmp_path / "ckpt", [2, 4])
+    check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}"))
+    with pytest.raises(RecipeError, match=rf"checkpoint\.init_from = '.*iter_0000004': an iteration folder; init_from "
+                                          rf"takes the checkpoint folder that holds iter_\* and loads its latest "
+                                          rf"iteration \(4\): set checkpoint\.init_from={root}$"):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}/iter_0000004"))
+    with pytest.raises(RecipeError, match=r"iteration \(4\): .* \(init_from cannot load an older iteration than 4\)"):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}/iter_0000002"))
+    with pytest.raises(RecipeError, match=r"checkpoint\.init_from = .*: no latest_checkpointed_iteration\.txt there, "
+                                          r"so not a Megatron checkpoint folder"):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={tmp_path}"))
+
+
+def train_cli(*overrides):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), *TINY, *overrides],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def test_cli_one_line_before_the_model_is_built(tmp_path, token_data):
+    """The trainer's own entry point (one process): exit 1, one error line, no traceback, no folder made."""
+    prefix = copy_data(token_data, tmp_path)
+    Path(prefix + ".idx").write_bytes(Path(prefix + ".idx").read_bytes()[:100])
+    for overrides, fragment in (([f"data.prefix={token_data}", "model.vocab_size=256"], "model.vocab_size = 256"),
+                                ([f"data.prefix={prefix}"], "cpt.idx is truncated or corrupt")):
+        proc = train_cli(f"checkpoint.dir={tmp_path / 'run'}", *overrides)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
+        assert not (tmp_path / "run").exists()
