@@ -62,7 +62,7 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
         raise RecipeError(f"recipe {recipe_path!r}: file not found; give a recipe YAML, e.g. recipes/cpt_1m.yaml")
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
-        from megatron_ext.train import check_setup
+        from megatron_ext.train_setup import check_setup
 
         check_setup(recipe)
     if recipe.runtime.device == "cuda" and gpus_per_node is not None and tasks_per_node is not None:

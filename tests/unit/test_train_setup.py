@@ -1,4 +1,4 @@
-"""`megatron_ext.train.check_setup`: mistakes in paths and data found before any process group or model exists.
+"""`megatron_ext.train_setup.check_setup`: mistakes in paths and data found before any process group or model exists.
 
 Each case used to fail later, with a bare traceback (seen by hand with recipes/tiny/cpt.yaml): the vocabulary
 mismatch as `IndexError: index out of range in self` in the first forward step, a file as checkpoint.dir as
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.recipe import RecipeError, load_recipe
-from megatron_ext.train import check_setup
+from megatron_ext.train_setup import check_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"

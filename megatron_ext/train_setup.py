@@ -1,0 +1,67 @@
+"""Checks of a training recipe's paths and data before any process group exists or the model is built
+(`python -m megatron_ext.train` and the launchers run them): mistakes end as one error line at once, not
+minutes into a job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_ext.recipe import Recipe, RecipeError
+
+
+def check_setup(recipe: Recipe) -> None:
+    """Static checks on paths and data before any process group exists or the model is built: the output folder
+    can be made, the datasets are complete and fit the model's vocabulary, init_from is a checkpoint root. Cheap:
+    a few stat calls, a probe folder, each dataset's manifest and index header."""
+    import os
+    import re
+    import tempfile
+
+    from megatron_ext.data import DataError
+    from megatron_ext.data.loaders import check_token_ids, open_index, read_manifest
+
+    if recipe.checkpoint.dir is None:
+        raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
+    out = Path(recipe.checkpoint.dir)
+    # The run makes the folder only after building the model (or dies half-way, leaving empty folders): find the
+    # nearest part of the path that exists and try making a folder there, removed at once.
+    there = out.absolute()
+    while not os.path.lexists(there):
+        there = there.parent
+    if not there.is_dir():
+        where = "is a file" if there == out.absolute() else f"lies under {there}, which is a file"
+        raise RecipeError(f"checkpoint.dir = {str(out)!r}: {where}, not a folder; give a folder path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_test_", dir=there))
+    except OSError as e:
+        raise RecipeError(f"checkpoint.dir = {str(out)!r}: cannot make folders in {there} ({e.strerror}); give a "
+                          "writable folder path") from None
+    if recipe.data.prefix is None:
+        raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
+    for prefix in recipe.data.prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise RecipeError(f"data.prefix = {prefix!r}: {prefix + suffix} not found; "
+                                  "run tools/prepare_data.py first")
+        try:
+            check_token_ids(prefix, read_manifest(prefix, recipe.train.stage), recipe.model.vocab_size)
+            open_index(prefix)  # a truncated .bin/.idx fails here, not mid-training
+        except DataError as e:
+            raise RecipeError(str(e)) from None
+    init = recipe.checkpoint.init_from
+    if init is not None and not Path(init).is_dir():
+        raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
+                          "(tools/convert.py to-megatron writes one)")
+    if init is not None and not (Path(init) / "latest_checkpointed_iteration.txt").is_file():
+        folder = Path(init)
+        root = folder.parent
+        if re.fullmatch(r"iter_\d+", folder.name) and (root / "latest_checkpointed_iteration.txt").is_file():
+            latest = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+            raise RecipeError(f"checkpoint.init_from = {init!r}: an iteration folder; init_from takes the checkpoint "
+                              f"folder that holds iter_* and loads its latest iteration ({latest}): set "
+                              f"checkpoint.init_from={root}" + (
+                                  "" if latest.isdigit() and int(latest) == int(folder.name[5:]) else
+                                  f" (init_from cannot load an older iteration than {latest})"))
+        raise RecipeError(f"checkpoint.init_from = {init!r}: no latest_checkpointed_iteration.txt there, so not a "
+                          "Megatron checkpoint folder; give the folder that holds iter_* (tools/convert.py "
+                          "to-megatron writes one)")
