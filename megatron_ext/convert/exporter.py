@@ -14,6 +14,7 @@ from megatron_ext.convert.hf_io import (
     StreamingSafetensorsWriter,
     check_llama,
     copy_tokenizer,
+    dtype_name,
     export_config,
     generation_config,
 )
@@ -117,7 +118,7 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
         tok_dir = Path(tokenizer) if tokenizer else (Path(meta["tokenizer"]) if meta.get("tokenizer") else None)
         copied = copy_tokenizer(tok_dir, tmp)
-        report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": str(target),
+        report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": dtype_name(target),
                   "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
         if (hf_cfg["rope_theta"], hf_cfg["rope_scaling"]) != (cfg["rope_theta"], cfg["rope_scaling"]):
             report["rope_changed"] = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs "
@@ -128,7 +129,8 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         if verify:
             from megatron_ext.convert.verify import compare_logits
 
-            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration)
+            # the oracle is the checkpoint rounded to the exported dtype (every HF tensor is written in it)
+            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration, round_megatron=target)
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g} between the "
                                    f"exported model and {path}; nothing written")

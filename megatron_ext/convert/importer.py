@@ -144,9 +144,12 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
         del state
         report = {"direction": "to-megatron", "out": str(out), "dtype": dtype_name(target)}
         if verify:
-            from megatron_ext.convert.verify import compare_logits
+            from megatron_ext.checkpoint import iter_dir_name
+            from megatron_ext.convert.verify import compare_logits, stored_hf_dtypes
 
-            report["max_abs_logit_diff"] = diff = compare_logits(hf_dir, tmp)
+            # the oracle is the source rounded to what was stored (bf16 of an fp32 model is not a mapping error)
+            stored = stored_hf_dtypes(tmp / iter_dir_name(0), cfg)
+            report["max_abs_logit_diff"] = diff = compare_logits(hf_dir, tmp, round_hf=stored)
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g}; "
                                    f"conversion of {hf_dir} is wrong, nothing written")
