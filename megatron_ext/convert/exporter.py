@@ -63,6 +63,15 @@ def check_stored(reader: TorchDistReader, cfg: dict, path: Path) -> None:
                                f"{list(shape)}; the metadata does not describe these weights")
 
 
+def _rope_of(cfg: dict) -> tuple:
+    """What the rope computes, with transformers' defaults filled in (an implicit and an explicit
+    original_max_position_embeddings of the same value are the same rope)."""
+    from megatron_ext.rope_spec import rope_spec
+
+    spec = rope_spec(cfg)
+    return spec.rope_type, spec.theta, spec.dim, spec.params
+
+
 def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = None, rope_preset: str | None = None,
           max_position_embeddings: int | None = None, dtype: str | None = None, tokenizer: str | Path | None = None,
           verify: bool = False, force: bool = False, tolerance: float = 1e-4, max_shard_bytes: int = 5 * 2**30,
@@ -120,7 +129,7 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         copied = copy_tokenizer(tok_dir, tmp)
         report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": dtype_name(target),
                   "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
-        if (hf_cfg["rope_theta"], hf_cfg["rope_scaling"]) != (cfg["rope_theta"], cfg["rope_scaling"]):
+        if _rope_of(hf_cfg) != _rope_of(cfg):
             report["rope_changed"] = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs "
                                       f"from the checkpoint's {cfg['rope_scaling']} (theta {cfg['rope_theta']})")
         if not copied:
