@@ -19,7 +19,7 @@ from megatron_ext.convert.hf_io import (
     generation_config,
 )
 from megatron_ext.convert.dist_reader import TorchDistReader
-from megatron_ext.convert.staging import peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import check_separate, peak_rss_bytes, staged_output
 from megatron_ext.model import normalize_hf_config
 
 # Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
@@ -85,6 +85,9 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     out = Path(out)
     if rope_preset is not None and max_position_embeddings is not None:
         raise ConvertError("pass either --rope-preset or --max-position-embeddings, not both")
+    if max_shard_bytes < 1:
+        raise ConvertError(f"max_shard_bytes = {max_shard_bytes}: must be positive (--max-shard-size-gb, e.g. 5)")
+    check_separate(out, Path(megatron_dir), "--megatron")
     try:
         iteration, path = resolve_iteration_dir(megatron_dir, iteration)
         meta = read_metadata(path)

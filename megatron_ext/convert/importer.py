@@ -19,7 +19,7 @@ from megatron_ext.convert.hf_io import (
     source_dtype,
     tokenizer_files,
 )
-from megatron_ext.convert.staging import ensure_cpu_process_group, peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import check_separate, ensure_cpu_process_group, peak_rss_bytes, staged_output
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -119,6 +119,11 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
 
     start = time.time()
     hf_dir, out = Path(hf_dir), Path(out)
+    if isinstance(make_vocab_size_divisible_by, bool) or not isinstance(make_vocab_size_divisible_by, int) \
+            or make_vocab_size_divisible_by < 1:
+        raise ConvertError(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be a positive "
+                           "integer (128, the default, matches the trainer)")
+    check_separate(out, hf_dir, "--hf")
     cfg = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
     check_hf_tensors(reader, cfg)

@@ -207,7 +207,21 @@ def test_config_without_hidden_size(src, tmp_path, cpu_parallel_state):
           "hidden_size is missing")
 
 
-# ---- --max-position-embeddings ---------------------------------------------------------------
+# ---- flag values and output paths ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_vocab_divisor_must_be_positive(src, tmp_path, cpu_parallel_state, value):
+    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "o"), "--make-vocab-size-divisible-by", value],
+          f"--make-vocab-size-divisible-by {value}: must be a positive integer")
+    no_leftovers(tmp_path, "o")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_max_shard_size_must_be_positive(mcore, tmp_path, cpu_parallel_state, value):
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), f"--max-shard-size-gb={value}"],
+          "--max-shard-size-gb", "must be a positive number")
+    no_leftovers(tmp_path, "o")
+
 
 @pytest.mark.parametrize("value", ["0", "-5"])
 def test_max_position_embeddings_must_be_positive(mcore, tmp_path, cpu_parallel_state, value):
@@ -222,3 +236,21 @@ def test_max_position_embeddings_below_original_length(mcore, tmp_path, cpu_para
           "--max-position-embeddings 16: the exported config.json would be invalid",
           "original_max_position_embeddings = 32: above max_position_embeddings = 16")
     no_leftovers(tmp_path, "o")
+
+
+def test_out_under_a_file_or_unwritable(src, tmp_path, cpu_parallel_state):
+    (tmp_path / "afile").write_text("x")
+    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "afile/sub")], f"--out {tmp_path / 'afile/sub'}",
+          "cannot create a folder there")
+    fails(["to-megatron", "--hf", str(src), "--out", "/proc/x"], "--out /proc/x", "cannot create a folder there")
+    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "afile"), "--force"], "is a file, not a folder")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_out_overlapping_the_source_is_refused(src, mcore, tmp_path, cpu_parallel_state):
+    before = sorted(p.relative_to(mcore) for p in mcore.rglob("*"))
+    for out in (mcore, mcore / "hf", mcore.parent):
+        fails(["to-hf", "--megatron", str(mcore), "--out", str(out), "--force"], f"overlaps --megatron {mcore}")
+    assert sorted(p.relative_to(mcore) for p in mcore.rglob("*")) == before
+    fails(["to-megatron", "--hf", str(src), "--out", str(src), "--force"], f"overlaps --hf {src}")
+    assert (src / "config.json").is_file() and (src / "model.safetensors").is_file()
