@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,10 +48,19 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
         p.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    # also refused: a positive size that rounds to 0 bytes, nan (every comparison is false) and inf
+    if args.cmd == "to-hf" and not (args.max_shard_size_gb * 2**30 >= 1 and math.isfinite(args.max_shard_size_gb)):
+        sys.exit(f"error: --max-shard-size-gb {args.max_shard_size_gb}: must be a positive number of GiB per "
+                 "safetensors shard (default 5)")
 
     from megatron_ext.checkpoint import CheckpointError
     from megatron_ext.convert import ConvertError, to_hf, to_megatron
+    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
+    # scancel / kill send SIGTERM: run the Ctrl-C cleanup (staged_output removes its model-sized temp folder).
+    # The previous handler comes back on return, for callers that run main() in-process (tests).
+    previous = signal.getsignal(signal.SIGTERM)
+    sigterm_as_interrupt()
     try:
         if args.cmd == "to-megatron":
             report = to_megatron(args.hf, args.out, dtype=args.dtype, verify=args.verify, force=args.force,
@@ -62,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                            max_shard_bytes=int(args.max_shard_size_gb * 2**30), progress=not args.no_progress)
     except (ConvertError, CheckpointError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:
+        # staged_output has removed its temporary folder; --out is the old one, or the new one if the
+        # signal came after it was complete. No traceback.
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"error: interrupted ({how}); the unfinished output was removed (--out {args.out} is replaced "
+              "only by a complete conversion)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for key in ("warning", "rope_changed"):
         if key in report:
             print(f"warning: {report[key]}", file=sys.stderr)

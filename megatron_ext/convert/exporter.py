@@ -14,11 +14,12 @@ from megatron_ext.convert.hf_io import (
     StreamingSafetensorsWriter,
     check_llama,
     copy_tokenizer,
+    dtype_name,
     export_config,
     generation_config,
 )
 from megatron_ext.convert.dist_reader import TorchDistReader
-from megatron_ext.convert.staging import peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import check_separate, peak_rss_bytes, staged_output
 from megatron_ext.model import normalize_hf_config
 
 # Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
@@ -62,6 +63,15 @@ def check_stored(reader: TorchDistReader, cfg: dict, path: Path) -> None:
                                f"{list(shape)}; the metadata does not describe these weights")
 
 
+def _rope_of(cfg: dict) -> tuple:
+    """What the rope computes, with transformers' defaults filled in (an implicit and an explicit
+    original_max_position_embeddings of the same value are the same rope)."""
+    from megatron_ext.rope_spec import rope_spec
+
+    spec = rope_spec(cfg)
+    return spec.rope_type, spec.theta, spec.dim, spec.params
+
+
 def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = None, rope_preset: str | None = None,
           max_position_embeddings: int | None = None, dtype: str | None = None, tokenizer: str | Path | None = None,
           verify: bool = False, force: bool = False, tolerance: float = 1e-4, max_shard_bytes: int = 5 * 2**30,
@@ -75,6 +85,9 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     out = Path(out)
     if rope_preset is not None and max_position_embeddings is not None:
         raise ConvertError("pass either --rope-preset or --max-position-embeddings, not both")
+    if max_shard_bytes < 1:
+        raise ConvertError(f"max_shard_bytes = {max_shard_bytes}: must be positive (--max-shard-size-gb, e.g. 5)")
+    check_separate(out, Path(megatron_dir), "--megatron")
     try:
         iteration, path = resolve_iteration_dir(megatron_dir, iteration)
         meta = read_metadata(path)
@@ -117,9 +130,9 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
         tok_dir = Path(tokenizer) if tokenizer else (Path(meta["tokenizer"]) if meta.get("tokenizer") else None)
         copied = copy_tokenizer(tok_dir, tmp)
-        report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": str(target),
+        report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": dtype_name(target),
                   "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
-        if (hf_cfg["rope_theta"], hf_cfg["rope_scaling"]) != (cfg["rope_theta"], cfg["rope_scaling"]):
+        if _rope_of(hf_cfg) != _rope_of(cfg):
             report["rope_changed"] = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs "
                                       f"from the checkpoint's {cfg['rope_scaling']} (theta {cfg['rope_theta']})")
         if not copied:
@@ -128,7 +141,8 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         if verify:
             from megatron_ext.convert.verify import compare_logits
 
-            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration)
+            # the oracle is the checkpoint rounded to the exported dtype (every HF tensor is written in it)
+            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration, round_megatron=target)
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g} between the "
                                    f"exported model and {path}; nothing written")

@@ -21,9 +21,10 @@ SUPPORTED_ROPE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
+# Size fields every Llama config.json must state (the tensor shapes follow from them).
+REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
-
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -56,14 +57,36 @@ def check_llama(raw: dict, where: str) -> None:
             raise ConvertError(f"{where}: {flag}=true is not supported (Llama-3.1 has no biases)")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConvertError(f"{where}: hidden_act={raw.get('hidden_act')!r}; only 'silu' (SwiGLU) is supported")
+    for key in REQUIRED_INTS:
+        value = raw.get(key)
+        if value is None:
+            raise ConvertError(f"{where}: {key} is missing; a Llama config.json needs {', '.join(REQUIRED_INTS)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConvertError(f"{where}: {key} = {value!r}: must be a positive integer")
     cfg = normalize_hf_config(raw)
     rope = (cfg.get("rope_scaling") or {}).get("rope_type", "default")
     if rope not in SUPPORTED_ROPE:
         raise ConvertError(f"{where}: rope_scaling.rope_type={rope!r} is not supported; "
                            f"expected one of {', '.join(SUPPORTED_ROPE)}")
+    check_rope(raw, where)
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise ConvertError(f"{where}: num_attention_heads={cfg['num_attention_heads']} is not a multiple of "
                            f"num_key_value_heads={cfg['num_key_value_heads']}")
+
+
+def check_rope(raw: dict, where: str) -> None:
+    """Raise ConvertError unless the rope block passes the project's validator (`rope_spec`).
+
+    The same check recipes get: a block transformers would crash on (llama3 without low_freq_factor,
+    yarn without factor) or read differently from us (rope_scaling and rope_parameters that disagree;
+    normalize_hf_config would silently keep rope_parameters) must not become a checkpoint or an export.
+    """
+    from megatron_ext.rope_spec import RopeConfigError, rope_spec
+
+    try:
+        rope_spec(raw)
+    except RopeConfigError as e:
+        raise ConvertError(f"{where}: {e}") from None
 
 
 def source_dtype(cfg: dict) -> torch.dtype:
@@ -233,12 +256,47 @@ def export_config(cfg: dict, dtype: torch.dtype, rope_preset: str | None, max_po
         scaling = out["rope_scaling"]
         out["max_position_embeddings"] = int(scaling["factor"] * scaling["original_max_position_embeddings"])
     if max_positions is not None:
-        out["max_position_embeddings"] = max_positions
+        _set_max_positions(out, max_positions)
     for key in ("rope_parameters", "dtype", "transformers_version"):
         out.pop(key, None)
     out["architectures"], out["model_type"] = ["LlamaForCausalLM"], "llama"
     out["torch_dtype"] = dtype_name(dtype)
+    if rope_preset is not None or max_positions is not None:  # the flags changed the rope block or its lengths
+        flag = f"--rope-preset {rope_preset}" if rope_preset else f"--max-position-embeddings {max_positions}"
+        check_rope(out, f"{flag}: the exported config.json would be invalid")
     return out
+
+
+# Rope types whose frequencies transformers derives from max_position_embeddings itself: dynamic
+# rescales past it at run time, longrope picks its factor and attention scale from max / original.
+_ROPE_READS_MAX_POSITIONS = ("dynamic", "longrope")
+
+
+def _set_max_positions(out: dict, max_positions: int) -> None:
+    """Declare another context length in `out` (normalised) without changing what the model computes."""
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise ConvertError(f"--max-position-embeddings {max_positions}: must be a positive integer "
+                           "(the context length the model was trained for, e.g. 1048576)")
+    old = out.get("max_position_embeddings")
+    if max_positions == old:
+        return
+    scaling = out.get("rope_scaling") or {}
+    rope = scaling.get("rope_type", "default")
+    if rope in _ROPE_READS_MAX_POSITIONS:
+        raise ConvertError(f"--max-position-embeddings {max_positions}: the checkpoint's rope_type {rope!r} computes "
+                           f"its frequencies from max_position_embeddings ({old}), so another value would change "
+                           "the model; export without the flag (or train with the rope you want to declare)")
+    if "original_max_position_embeddings" in _rope_fields(rope) and "original_max_position_embeddings" not in scaling \
+            and out.get("original_max_position_embeddings") is None:
+        # transformers falls back to max_position_embeddings for the pre-scaling length: pin the old value
+        out["rope_scaling"] = {**scaling, "original_max_position_embeddings": old}
+    out["max_position_embeddings"] = max_positions
+
+
+def _rope_fields(rope_type: str) -> set[str]:
+    from megatron_ext.rope_spec import ROPE_FIELDS
+
+    return ROPE_FIELDS.get(rope_type, set())
 
 
 def generation_config(cfg: dict, source: dict | None) -> dict:

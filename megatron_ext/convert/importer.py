@@ -19,7 +19,7 @@ from megatron_ext.convert.hf_io import (
     source_dtype,
     tokenizer_files,
 )
-from megatron_ext.convert.staging import ensure_cpu_process_group, peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import check_separate, ensure_cpu_process_group, peak_rss_bytes, staged_output
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -119,6 +119,11 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
 
     start = time.time()
     hf_dir, out = Path(hf_dir), Path(out)
+    if isinstance(make_vocab_size_divisible_by, bool) or not isinstance(make_vocab_size_divisible_by, int) \
+            or make_vocab_size_divisible_by < 1:
+        raise ConvertError(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be a positive "
+                           "integer (128, the default, matches the trainer)")
+    check_separate(out, hf_dir, "--hf")
     cfg = read_hf_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
     check_hf_tensors(reader, cfg)
@@ -144,9 +149,12 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
         del state
         report = {"direction": "to-megatron", "out": str(out), "dtype": dtype_name(target)}
         if verify:
-            from megatron_ext.convert.verify import compare_logits
+            from megatron_ext.checkpoint import iter_dir_name
+            from megatron_ext.convert.verify import compare_logits, stored_hf_dtypes
 
-            report["max_abs_logit_diff"] = diff = compare_logits(hf_dir, tmp)
+            # the oracle is the source rounded to what was stored (bf16 of an fp32 model is not a mapping error)
+            stored = stored_hf_dtypes(tmp / iter_dir_name(0), cfg)
+            report["max_abs_logit_diff"] = diff = compare_logits(hf_dir, tmp, round_hf=stored)
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g}; "
                                    f"conversion of {hf_dir} is wrong, nothing written")

@@ -6,10 +6,23 @@ import contextlib
 import os
 import resource
 import shutil
+import signal
 from pathlib import Path
 from typing import Iterator
 
 from megatron_ext.convert.hf_io import ConvertError
+
+
+def check_separate(out: Path, source: Path, source_flag: str) -> None:
+    """Refuse an `--out` that is the source folder, lies inside it or contains it.
+
+    Replacing `out` (with --force) would delete the source; writing inside it would mix the export
+    into the checkpoint being read.
+    """
+    o, s = Path(out).resolve(), Path(source).resolve()
+    if o == s or s in o.parents or o in s.parents:
+        raise ConvertError(f"--out {out}: overlaps {source_flag} {source} (the folder being converted); "
+                           "write the output to a separate folder")
 
 
 @contextlib.contextmanager
@@ -17,26 +30,48 @@ def staged_output(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block succeeds.
 
     An existing `out` is an error unless `force`, and is replaced only after the new one is complete.
+    Any exception, including KeyboardInterrupt (Ctrl-C, and SIGTERM under `sigterm_as_interrupt`),
+    removes the temporary folder: it is as large as the model.
     """
     out = Path(out).absolute()
     if out.exists() and not force:
         raise ConvertError(f"--out {out} already exists; choose another path or pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"--out {out} is a file, not a folder; choose another path")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:  # a parent that is a file, a read-only or virtual file system (/proc), no permission
+        raise ConvertError(f"--out {out}: cannot create a folder there ({e.strerror or e}: {e.filename}); "
+                           "choose a writable path") from None
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _signals_held():  # a second Ctrl-C / SIGTERM must not cut the cleanup short
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    # A signal between the two renames would leave neither folder at `out`, one during the removal a
+    # full-size `.old` folder: hold signals until both are done (a few file deletions).
+    with _signals_held():
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Delay SIGINT and SIGTERM until the block ends (they are delivered then, not lost)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def peak_rss_bytes() -> int:

@@ -1,4 +1,11 @@
-"""Logit check: transformers' LlamaForCausalLM and our Megatron model on the same random tokens (fp32)."""
+"""Logit check: transformers' LlamaForCausalLM and our Megatron model on the same random tokens (fp32).
+
+Both models run in float32. The converted side holds the weights as stored (bf16, fp16 or fp32); the
+source side is rounded to those stored dtypes first. Rounding is the one intended change a conversion
+makes, so the oracle must include it: otherwise a bf16 copy of an fp32 model differs by ~1e-3 in the
+logits and fails a tolerance that is tight enough to catch a wrong mapping (a swapped head, a
+transposed tensor). With rounding on the source side a correct conversion matches to float32 noise.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +13,44 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.convert import mapping
 from megatron_ext.convert.hf_io import ConvertError
 
 
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' logits `[b, s, vocab]` of the HF folder in float32 (eager attention)."""
+@torch.no_grad()
+def round_params_(model: torch.nn.Module, dtype_of: dict[str, torch.dtype] | torch.dtype) -> None:
+    """Round a float32 model's parameters in place to the values a copy stored in a narrower dtype holds.
+
+    `dtype_of` is one dtype for every parameter, or a dtype per parameter name (names not listed stay).
+    """
+    for name, p in model.named_parameters():
+        dtype = dtype_of if isinstance(dtype_of, torch.dtype) else dtype_of.get(name)
+        if dtype is not None and dtype != p.dtype:
+            p.copy_(p.to(dtype).to(p.dtype))
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor,
+              round_to: dict[str, torch.dtype] | torch.dtype | None = None) -> torch.Tensor:
+    """transformers' logits `[b, s, vocab]` of the HF folder in float32 (eager attention).
+
+    With `round_to`, the weights are first rounded as `round_params_` does (HF parameter names).
+    """
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    if round_to is not None:
+        round_params_(model, round_to)
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
 
 
 def megatron_logits(root: str | Path, tokens: torch.Tensor, iteration: int | None = None,
-                    hf_config: dict | None = None) -> torch.Tensor:
+                    hf_config: dict | None = None, round_to: torch.dtype | None = None) -> torch.Tensor:
     """Our Megatron model's logits `[b, s, vocab]` (padding rows dropped) loaded from a checkpoint root, fp32.
 
     The architecture (and RoPE) comes from the checkpoint metadata unless `hf_config` is given.
+    With `round_to`, every weight is first rounded to that dtype (what an export in that dtype stores).
     Needs a TP=1, PP=1 parallel state.
     """
     from megatron_ext.checkpoint import load_checkpoint, read_metadata, resolve_iteration_dir
@@ -41,10 +68,30 @@ def megatron_logits(root: str | Path, tokens: torch.Tensor, iteration: int | Non
         raise ConvertError(f"--verify: our model cannot run this config yet ({e})") from None
     load_checkpoint(root, [model], iteration=iteration, weights_only=True)
     model.eval()
+    if round_to is not None:
+        round_params_(model, round_to)
     b, s = tokens.shape
     with torch.no_grad():
         logits = model(tokens, torch.arange(s).expand(b, s), None)
     return logits[..., : cfg["vocab_size"]].float()
+
+
+def stored_hf_dtypes(iteration_dir: str | Path, cfg: dict) -> dict[str, torch.dtype]:
+    """HF parameter name -> dtype its values are stored in by a Megatron checkpoint (one iteration folder).
+
+    Read from the checkpoint itself, not assumed: a bf16 model may keep some tensors in float32.
+    """
+    from megatron_ext.convert.dist_reader import TorchDistReader
+
+    reader = TorchDistReader(iteration_dir)
+    out: dict[str, torch.dtype] = {}
+    for e in mapping.entries(cfg["tie_word_embeddings"]):
+        for layer in range(cfg["num_hidden_layers"]) if e.per_layer else [None]:
+            for name in e.hf_names(layer):
+                out[name] = reader.dtype(e.megatron)
+    if cfg["tie_word_embeddings"]:  # transformers shares the embedding as lm_head; it is rounded once
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def random_tokens(vocab_size: int, batch: int = 2, seq_len: int = 32, seed: int = 0) -> torch.Tensor:
@@ -52,8 +99,13 @@ def random_tokens(vocab_size: int, batch: int = 2, seq_len: int = 32, seed: int 
 
 
 def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int | None = None, *,
+                   round_hf: dict[str, torch.dtype] | None = None, round_megatron: torch.dtype | None = None,
                    batch: int = 2, seq_len: int = 32, seed: int = 0) -> float:
-    """Max |logit difference| of the HF folder vs the Megatron checkpoint on random tokens (fp32)."""
+    """Max |logit difference| of the HF folder vs the Megatron checkpoint on random tokens (fp32).
+
+    The source side of a conversion is rounded to what the converted side stores: `round_hf`
+    (per HF parameter) after an import, `round_megatron` (the exported dtype) after an export.
+    """
     import json
 
     from megatron_ext.convert.staging import ensure_cpu_process_group
@@ -61,6 +113,8 @@ def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int
     ensure_cpu_process_group()
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = random_tokens(vocab, batch, seq_len, seed)
-    diff = (hf_logits(hf_dir, tokens) - megatron_logits(megatron_root, tokens, iteration)).abs().max().item()
-    print(f"verify: max |logit diff| HF vs Megatron = {diff:.3e} (fp32, {batch}x{seq_len} random tokens)")
+    ref = hf_logits(hf_dir, tokens, round_hf)
+    diff = (ref - megatron_logits(megatron_root, tokens, iteration, round_to=round_megatron)).abs().max().item()
+    print(f"verify: max |logit diff| HF vs Megatron = {diff:.3e} (fp32 compute, source rounded to the stored "
+          f"dtype, {batch}x{seq_len} random tokens)")
     return diff

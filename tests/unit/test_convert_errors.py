@@ -174,3 +174,83 @@ def test_partially_copied_checkpoint_is_named(tmp_path, mcore, cpu_parallel_stat
     fails(["to-hf", "--megatron", str(d), "--out", str(tmp_path / "o")], "incomplete checkpoint",
           f"{shard.name} has 10 bytes")
     no_leftovers(tmp_path, "o")
+
+
+# ---- rope blocks the project's validator (megatron_ext.rope_spec) refuses --------------------------
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    # transformers-5 block says llama3, transformers-4 block says linear: which one a reader uses differs
+    ({"rope_parameters": LLAMA3, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_scaling and rope_parameters disagree on ['factor', 'rope_type']"),
+    ({"rope_parameters": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}}, "low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 32, "rope_theta": 1e4}},
+     "rope_parameters.factor: missing"),
+    ({"vocab_size": "512"}, "vocab_size = '512': must be a positive integer"),
+])
+def test_bad_rope_or_sizes_refused(src, tmp_path, cpu_parallel_state, changes, fragment):
+    d = copy_src(src, tmp_path)
+    edit_config(d, **changes)
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], str(d / "config.json"), fragment)
+    no_leftovers(tmp_path, "o")
+
+
+def test_config_without_hidden_size(src, tmp_path, cpu_parallel_state):
+    d = copy_src(src, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], str(d / "config.json"),
+          "hidden_size is missing")
+
+
+# ---- flag values and output paths ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_vocab_divisor_must_be_positive(src, tmp_path, cpu_parallel_state, value):
+    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "o"), "--make-vocab-size-divisible-by", value],
+          f"--make-vocab-size-divisible-by {value}: must be a positive integer")
+    no_leftovers(tmp_path, "o")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_max_shard_size_must_be_positive(mcore, tmp_path, cpu_parallel_state, value):
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), f"--max-shard-size-gb={value}"],
+          "--max-shard-size-gb", "must be a positive number")
+    no_leftovers(tmp_path, "o")
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_position_embeddings_must_be_positive(mcore, tmp_path, cpu_parallel_state, value):
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), f"--max-position-embeddings={value}"],
+          f"--max-position-embeddings {value}: must be a positive integer")
+    no_leftovers(tmp_path, "o")
+
+
+def test_max_position_embeddings_below_original_length(mcore, tmp_path, cpu_parallel_state):
+    """llama3 rope with original_max_position_embeddings 32: declaring 16 positions is not a valid config."""
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--max-position-embeddings", "16"],
+          "--max-position-embeddings 16: the exported config.json would be invalid",
+          "original_max_position_embeddings = 32: above max_position_embeddings = 16")
+    no_leftovers(tmp_path, "o")
+
+
+def test_out_under_a_file_or_unwritable(src, tmp_path, cpu_parallel_state):
+    (tmp_path / "afile").write_text("x")
+    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "afile/sub")], f"--out {tmp_path / 'afile/sub'}",
+          "cannot create a folder there")
+    fails(["to-megatron", "--hf", str(src), "--out", "/proc/x"], "--out /proc/x", "cannot create a folder there")
+    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "afile"), "--force"], "is a file, not a folder")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_out_overlapping_the_source_is_refused(src, mcore, tmp_path, cpu_parallel_state):
+    before = sorted(p.relative_to(mcore) for p in mcore.rglob("*"))
+    for out in (mcore, mcore / "hf", mcore.parent):
+        fails(["to-hf", "--megatron", str(mcore), "--out", str(out), "--force"], f"overlaps --megatron {mcore}")
+    assert sorted(p.relative_to(mcore) for p in mcore.rglob("*")) == before
+    fails(["to-megatron", "--hf", str(src), "--out", str(src), "--force"], f"overlaps --hf {src}")
+    assert (src / "config.json").is_file() and (src / "model.safetensors").is_file()

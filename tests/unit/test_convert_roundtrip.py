@@ -191,3 +191,34 @@ def test_yarn_trained_checkpoint_exports_with_preset(tmp_path, cpu_parallel_stat
         to_hf(tmp_path / "m", tmp_path / "h4", rope_preset="ultralong-4m", verify=True, progress=False)
     r4 = to_hf(tmp_path / "m", tmp_path / "h4", rope_preset="ultralong-4m", progress=False)
     assert "rope_changed" in r4
+
+
+@pytest.mark.parametrize("variant", ["dynamic-gqa2", "longrope-gqa2"])
+def test_max_position_embeddings_refused_where_rope_reads_it(variant, tmp_path, cpu_parallel_state):
+    """dynamic and longrope derive frequencies from max_position_embeddings: another value is another model."""
+    src = make_hf_model(tmp_path / "hf", **VARIANTS[variant])
+    to_megatron(src, tmp_path / "m", progress=False)
+    rope = VARIANTS[variant]["rope_scaling"]["rope_type"]
+    with pytest.raises(ConvertError, match=rf"--max-position-embeddings 1024: the checkpoint's rope_type '{rope}'"):
+        to_hf(tmp_path / "m", tmp_path / "h", max_position_embeddings=1024, progress=False)
+    assert not (tmp_path / "h").exists()
+    same = json.loads((src / "config.json").read_text())["max_position_embeddings"]  # declaring it again is fine
+    to_hf(tmp_path / "m", tmp_path / "h", max_position_embeddings=same, progress=False)
+
+
+def test_max_position_embeddings_pins_implicit_original_length(tmp_path, cpu_parallel_state):
+    """yarn without original_max_position_embeddings: transformers takes max_position_embeddings, so the
+    export writes the old value explicitly; --verify (Megatron model from the checkpoint's rope) agrees."""
+    if not rope_supported("yarn-gqa2"):
+        pytest.skip("megatron_ext.rope cannot build yarn yet (issue 3)")
+    src = make_hf_model(tmp_path / "hf", rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_theta=500000.0)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["rope_parameters"]["original_max_position_embeddings"]  # transformers 5 writes it; a v4 config may not
+    (src / "config.json").write_text(json.dumps(cfg))
+    to_megatron(src, tmp_path / "m", progress=False)
+    r = to_hf(tmp_path / "m", tmp_path / "h", max_position_embeddings=1024, verify=True, progress=False)
+    out = json.loads((tmp_path / "h/config.json").read_text())
+    assert out["max_position_embeddings"] == 1024
+    assert out["rope_scaling"]["original_max_position_embeddings"] == 256  # TINY's max_position_embeddings
+    assert r["max_abs_logit_diff"] <= TOL
+    assert "rope_changed" not in r  # the same rope, only stated explicitly

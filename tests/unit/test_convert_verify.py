@@ -1,0 +1,99 @@
+"""--verify when the stored dtype is narrower than the source (bf16 / fp16 copies of an fp32 model).
+
+The oracle is the source model with its weights rounded to the stored dtype, so a correct conversion
+matches to float32 noise at the default tolerance (1e-4), while a wrong mapping still fails at bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from megatron_ext.convert import ConvertError, mapping, to_hf, to_megatron
+from tests.unit.test_convert_fixtures import make_hf_model
+
+TOL = 1e-4  # the default --tolerance
+
+
+@pytest.fixture(scope="module")
+def fp32_src(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("verify") / "hf")  # fp32 weights, config says float32
+
+
+@pytest.fixture(scope="module")
+def fp32_ckpt(fp32_src, tmp_path_factory, cpu_parallel_state):
+    out = tmp_path_factory.mktemp("verify_m") / "m"
+    to_megatron(fp32_src, out, progress=False)
+    return out
+
+
+def test_import_to_bf16_of_fp32_source_verifies(fp32_src, tmp_path, cpu_parallel_state):
+    r = to_megatron(fp32_src, tmp_path / "m", dtype="bf16", verify=True, progress=False)
+    assert r["dtype"] == "bfloat16" and r["max_abs_logit_diff"] <= TOL
+
+
+def test_import_config_declares_bf16_but_weights_are_fp32(fp32_src, tmp_path, cpu_parallel_state):
+    d = tmp_path / "hf"
+    shutil.copytree(fp32_src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"  # the stored dtype follows the config: a bf16 checkpoint of fp32 weights
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = to_megatron(d, tmp_path / "m", verify=True, progress=False)
+    assert r["dtype"] == "bfloat16" and r["max_abs_logit_diff"] <= TOL
+
+
+@pytest.mark.parametrize("dtype, name", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")])
+def test_export_to_narrower_dtype_verifies(dtype, name, fp32_ckpt, tmp_path, cpu_parallel_state):
+    r = to_hf(fp32_ckpt, tmp_path / "h", dtype=dtype, verify=True, progress=False)
+    assert r["max_abs_logit_diff"] <= TOL
+    assert r["dtype"] == name  # same form as to-megatron's report ("float32", not "torch.float32")
+    assert json.loads((tmp_path / "h/config.json").read_text())["torch_dtype"] == name
+
+
+# ---- negative controls: rounding the oracle does not hide a wrong mapping -----------------------
+
+def _swap_q_heads(q, k, v, heads, groups):
+    d = k.shape[0] // groups
+    q = q.reshape(heads, d, -1)[[1, 0, *range(2, heads)]].reshape(heads * d, -1)
+    return _real_merge(q, k, v, heads, groups)
+
+
+_real_merge = mapping.merge_qkv
+
+
+def test_wrong_import_mapping_fails_verify_at_bf16(fp32_src, tmp_path, cpu_parallel_state, monkeypatch):
+    monkeypatch.setattr(mapping, "merge_qkv", _swap_q_heads)
+    with pytest.raises(ConvertError, match="--verify"):
+        to_megatron(fp32_src, tmp_path / "bad", dtype="bf16", verify=True, progress=False)
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_wrong_export_mapping_fails_verify_narrow(dtype, fp32_ckpt, tmp_path, cpu_parallel_state, monkeypatch):
+    real = mapping.to_hf
+
+    def gate_up_swapped(entry, t, cfg):
+        out = real(entry, t, cfg)
+        return out[::-1] if entry.kind == "gate_up" else out
+
+    monkeypatch.setattr(mapping, "to_hf", gate_up_swapped)
+    with pytest.raises(ConvertError, match="--verify"):
+        to_hf(fp32_ckpt, tmp_path / "bad", dtype=dtype, verify=True, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_round_params_matches_a_stored_copy():
+    """The oracle's rounding equals what a bf16 / fp16 copy holds (one round-to-nearest, no double rounding)."""
+    from megatron_ext.convert.verify import round_params_
+
+    lin = torch.nn.Linear(64, 64)
+    for dtype in (torch.bfloat16, torch.float16):
+        ref = lin.weight.detach().to(dtype)
+        m = torch.nn.Linear(64, 64)
+        m.load_state_dict(lin.state_dict())
+        round_params_(m, {"weight": dtype})
+        assert torch.equal(m.weight, ref.float()) and torch.equal(m.bias, lin.bias)  # bias not listed: kept
