@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +20,17 @@ from pathlib import Path
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _convert(args, to_megatron, to_hf) -> dict:
+    if args.cmd == "to-megatron":
+        return to_megatron(args.hf, args.out, dtype=args.dtype, verify=args.verify, force=args.force,
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                           tolerance=args.tolerance, progress=not args.no_progress)
+    return to_hf(args.megatron, args.out, iteration=args.iteration, rope_preset=args.rope_preset,
+                 max_position_embeddings=args.max_position_embeddings, dtype=args.dtype,
+                 tokenizer=args.tokenizer, verify=args.verify, force=args.force, tolerance=args.tolerance,
+                 max_shard_bytes=int(args.max_shard_size_gb * 2**30), progress=not args.no_progress)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,19 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
     # scancel / kill send SIGTERM: run the Ctrl-C cleanup (staged_output removes its model-sized temp folder).
-    # The previous handler comes back on return, for callers that run main() in-process (tests).
-    previous = signal.getsignal(signal.SIGTERM)
-    sigterm_as_interrupt()
     try:
-        if args.cmd == "to-megatron":
-            report = to_megatron(args.hf, args.out, dtype=args.dtype, verify=args.verify, force=args.force,
-                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                 tolerance=args.tolerance, progress=not args.no_progress)
-        else:
-            report = to_hf(args.megatron, args.out, iteration=args.iteration, rope_preset=args.rope_preset,
-                           max_position_embeddings=args.max_position_embeddings, dtype=args.dtype,
-                           tokenizer=args.tokenizer, verify=args.verify, force=args.force, tolerance=args.tolerance,
-                           max_shard_bytes=int(args.max_shard_size_gb * 2**30), progress=not args.no_progress)
+        with sigterm_as_interrupt():
+            report = _convert(args, to_megatron, to_hf)
     except (ConvertError, CheckpointError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt as e:
@@ -80,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: interrupted ({how}); the unfinished output was removed (--out {args.out} is replaced "
               "only by a complete conversion)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     for key in ("warning", "rope_changed"):
         if key in report:
             print(f"warning: {report[key]}", file=sys.stderr)

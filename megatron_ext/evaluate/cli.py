@@ -14,10 +14,8 @@ or Megatron checkpoint (the arguments: `cli_args.py`).
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import tempfile
-import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +24,7 @@ from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers,
 from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.io import read_utf8
 from megatron_ext.evaluate.ruler_tasks import task_names
+from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
 @contextmanager
@@ -292,25 +291,6 @@ def _run_generate(args) -> None:
         print(f"[generate] wrote {write_json_atomic(args.out / 'generation.json', result.to_dict())}", file=sys.stderr)
 
 
-@contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (scancel, a Slurm time limit, kill) raises KeyboardInterrupt as Ctrl-C does, so the temporary HF copy
-    of a --megatron checkpoint (a full-size model) is removed; the default action would end the process with it
-    left behind. A handler someone else installed stays (submitit's in the launcher's evaluation stages), and the
-    default comes back when main returns (tests and launchers call main in-process)."""
-    from megatron_ext.runtime.signals import sigterm_as_interrupt
-
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-    sigterm_as_interrupt()
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -318,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     command = argv.pop(0) if argv and argv[0] in by_command else "niah"
     args = by_command[command].parse_args(argv)
     run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate, "ruler": _run_ruler}[command]
-    with warnings.catch_warnings(), _sigterm_as_interrupt():
+    # SIGTERM (scancel, a time limit) removes the temporary HF copy of a --megatron checkpoint, as Ctrl-C does
+    with warnings.catch_warnings(), sigterm_as_interrupt():
         # our warnings (lengths skipped, ...) as plain "warning: ..." lines
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")

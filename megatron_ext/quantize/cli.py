@@ -115,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors end as one `error: ...` line and exit status 2."""
     args = parser().parse_args(argv)
-    sigterm_as_interrupt()  # scancel: the export's temporary folder is removed as on Ctrl-C
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
     try:
-        return run(args)
+        with sigterm_as_interrupt():  # scancel: the export's temporary folder is removed as on Ctrl-C
+            return run(args)
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

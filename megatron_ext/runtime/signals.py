@@ -8,7 +8,10 @@ never runs, and a full-size hidden copy stays behind per attempt. The trainer ha
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+from typing import Iterator
 
 
 class Terminated(KeyboardInterrupt):
@@ -19,7 +22,19 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated(f"received signal {signal.Signals(signum).name}")
 
 
-def sigterm_as_interrupt() -> None:
-    """From now on SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so `finally` blocks
-    and `except KeyboardInterrupt` cleanups run as on Ctrl-C. Call it at the start of a tool's `main`."""
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so `finally` blocks
+    and `except KeyboardInterrupt` cleanups run as on Ctrl-C. A handler someone else installed stays (submitit's,
+    when the launcher runs a tool in-process), and the previous disposition comes back after the block (tests
+    call the tools' `main` in-process). Off the main thread nothing changes (Python delivers signals there only).
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
     signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
