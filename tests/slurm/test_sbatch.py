@@ -62,14 +62,14 @@ def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_
     run = tmp_path / "run"
     log = tmp_path / "job.log"
     with RequeueNow() as requeue:
-        # saving every step: common.sh passes the USR1 on to every process of the step, also to the result
+        # a save before the signal: common.sh passes the USR1 on to every process of the step, also to the result
         # queue server Megatron's checkpoint writer starts at the first save (it died of it before the fix)
         cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={log}", str(ROOT / "slurm/cpt_4m.sh"),
-               *overrides(run, token_data), "checkpoint.interval=1"]
+               *overrides(run, token_data), "checkpoint.interval=4"]
         job_id = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
                                 env=job_env(RECIPE=str(TINY))).stdout.strip().split(";")[0]
         deadline = time.time() + 300
-        while len(metrics(run)) < 2:  # training is under way
+        while not (run / "iter_0000004").is_dir():  # training is under way, a checkpoint saved
             assert squeue_state(job_id), f"job ended early:\n{log.read_text()[-3000:] if log.exists() else ''}"
             assert time.time() < deadline
             time.sleep(0.05)
@@ -83,7 +83,7 @@ def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_
     assert f"job {job_id} (cpt_4m) restart 1" in text  # the same job ran again (--open-mode=append kept the log)
     assert job_id in requeue.released
     resumed = int(text.split("resumed from")[1].split("at step ")[1].split()[0])
-    assert 2 <= resumed < STEPS, f"USR1 arrived after the run finished (step {resumed}); make it longer"
+    assert 4 <= resumed < STEPS, f"USR1 arrived after the run finished (step {resumed}); make it longer"
     ms = metrics(run)
     assert [m["step"] for m in ms] == list(range(1, STEPS + 1))
     assert losses(ms) == losses(torchrun_run)  # final losses equal an uninterrupted run, bitwise

@@ -9,26 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_ext.evaluate import EvalError
 from megatron_ext.evaluate.cli import main, parse_depths, parse_lengths
-from tests.unit.test_evaluate import assert_png, save_tiny
+from tests.unit.test_evaluate import assert_png, one_thread, tiny_dir  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("tiny_hf_cli"))
 
 
 def test_parse_lengths():

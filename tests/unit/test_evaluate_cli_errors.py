@@ -17,23 +17,10 @@ import torch
 from megatron_ext.evaluate import EvalError, file_haystack, perplexity_by_position, run_niah
 from megatron_ext.evaluate.cli import main
 from megatron_ext.presets import TINY
-from tests.unit.test_evaluate import make_model, make_tokenizer, save_tiny
+from tests.unit.test_evaluate import make_model, make_tokenizer, one_thread, tiny_dir  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 BINARY = bytes(range(256)) * 4  # 0x80 at byte 128 is the first byte UTF-8 cannot start a character with
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("tiny_hf_errors"))
 
 
 @pytest.fixture(scope="module")
