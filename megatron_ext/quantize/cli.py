@@ -58,16 +58,14 @@ def _check_out_parent(out: Path) -> None:
 
 
 def _check_device(device: str | None) -> None:
-    import torch
+    """The evaluation tool's --device check (cpu, cuda, cuda:N on a visible GPU), as this tool's error."""
+    from megatron_ext.evaluate.loading import check_device
+    from megatron_ext.runtime import DeviceError
 
-    if device is None or device == "cpu":
-        return
-    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise QuantizeError(f"--device {device!r}: expected cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        raise QuantizeError(f"--device {device}: this process sees no CUDA GPU; use --device cpu")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise QuantizeError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
+    try:
+        check_device(device)
+    except DeviceError as e:
+        raise QuantizeError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -315,9 +315,11 @@ def test_out_under_a_file_and_unusable_device(tmp_path, hf_dir, token_prefix):
     (tmp_path / "afile").write_text("x")
     code, _, stderr = _cli("--hf", hf_dir, "--out", tmp_path / "afile/sub", "--calib", token_prefix)
     assert code == 2 and "afile is a file, not a directory" in stderr and "Traceback" not in stderr, stderr
-    assert "--device 'tpu': expected cpu, cuda or cuda:N" in _bad(tmp_path, hf_dir, token_prefix, "--device", "tpu")
+    assert "--device tpu: not a device this tool runs on; give cpu, cuda or cuda:N" in _bad(
+        tmp_path, hf_dir, token_prefix, "--device", "tpu")
     if not torch.cuda.is_available():
-        assert "sees no CUDA GPU; use --device cpu" in _bad(tmp_path, hf_dir, token_prefix, "--device", "cuda")
+        assert "--device cuda: no CUDA device is visible to this process" in _bad(
+            tmp_path, hf_dir, token_prefix, "--device", "cuda")
 
 
 def test_existing_output_refused(tmp_path, hf_dir, token_prefix):
