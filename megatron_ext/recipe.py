@@ -61,7 +61,7 @@ class RopeConfig:
 
     preset: str | None = _f(None, f"Named rope block, one of {sorted(ROPE_PRESETS)} (UltraLong YaRN); it replaces "
                                   "the inherited rope, and fields set next to it override it.")
-    rope_theta: float = _f(10000.0, "RoPE base frequency theta.")
+    rope_theta: float = _f(10000.0, "RoPE base frequency theta; left out, the model preset's / HF config's.")
     rope_type: Literal["default", "linear", "dynamic", "yarn", "longrope", "llama3"] = _f(
         "default", f"Scaling method: one of {list(ROPE_TYPES)}."
     )
@@ -77,7 +77,7 @@ class RopeConfig:
     truncate: bool | None = _f(None, "yarn: round the correction range to integers (HF default true).")
     short_factor: tuple[float, ...] | None = _f(None, "longrope: per-frequency factors for short contexts.")
     long_factor: tuple[float, ...] | None = _f(None, "longrope: per-frequency factors for long contexts.")
-    partial_rotary_factor: float = _f(1.0, "Fraction of head_dim that is rotated.")
+    partial_rotary_factor: float = _f(1.0, "Fraction of head_dim that is rotated; left out, the model's.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,19 +336,41 @@ def rope_from_hf_config(cfg: dict) -> dict:
     return {k: v for k, v in params.items() if k in valid}
 
 
-def _fill_rope(raw: dict) -> dict:
-    """Without a `rope` section, the rope of the preset / HF config applies (and overrides edit it).
-
-    Returns the filled-in fields, so that a later `rope.preset` can replace them.
-    """
+def _model_rope(raw: dict) -> dict | None:
+    """The rope of the recipe's model preset / HF config, or None for a model given by its sizes alone."""
     model = raw.get("model")
-    if not isinstance(model, dict) or "rope" in raw:
-        return {}
+    if not isinstance(model, dict):
+        return None
     source = _architecture_source(model)
-    if source is not None:
-        raw["rope"] = rope_from_hf_config(source)
-        return dict(raw["rope"])
-    return {}
+    return rope_from_hf_config(source) if source is not None else None
+
+
+def _fill_rope(raw: dict) -> dict:
+    """Without a `rope` section, or with an empty one (`rope: null`, `rope={}`), the model's own rope applies
+    (and overrides edit it). Returns the filled-in fields, so that a later `rope.preset` can replace them.
+    """
+    if raw.get("rope") not in (None, {}):
+        return {}
+    own = _model_rope(raw)
+    if own is None:
+        return {}
+    raw["rope"] = own
+    return dict(own)
+
+
+# Properties of the model rather than of the scaling: in an HF config they sit beside `rope_scaling`.
+_MODEL_ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
+
+
+def _fill_model_rope_fields(raw: dict) -> None:
+    """A rope block that leaves out theta or the rotary fraction keeps the model's, not the schema default:
+    a YaRN block written without `rope_theta` on Llama-3.1 means theta 500000, never 10000."""
+    rope, own = raw.get("rope"), _model_rope(raw)
+    if not isinstance(rope, dict) or own is None:
+        return
+    for key in _MODEL_ROPE_FIELDS:
+        if key not in rope and key in own:
+            rope[key] = own[key]
 
 
 def _fill_rope_preset(raw: dict, inherited: dict) -> None:
@@ -396,7 +418,9 @@ def load_recipe(
     inherited_rope = _fill_rope(raw)
     for text in overrides:
         _apply_override(raw, *parse_override(text))
+    _fill_rope(raw)  # an override `rope=null` / `rope={}`
     _fill_rope_preset(raw, inherited_rope)
+    _fill_model_rope_fields(raw)
     _fill_model(raw)
     recipe = build(Recipe, raw, "", _REQUIRED)
     from megatron_ext.recipe_rules import validate  # the rules import this module's types

@@ -198,6 +198,39 @@ def test_hf_config_source(tmp_path):
         load(raw={**BASE, "model": {"hf_config": str(tmp_path / "missing")}})
 
 
+@pytest.mark.parametrize("how", ["yaml null", "yaml {}", "override null", "override {}"])
+def test_empty_rope_is_the_models_own(how, tmp_path):
+    from megatron_ext.presets import PRESETS
+    from megatron_ext.recipe import rope_from_hf_config
+
+    own = load_recipe(ROOT / "recipes/base/llama31_8b.yaml").rope
+    assert own.rope_type == "llama3" and own.rope_theta == rope_from_hf_config(PRESETS["llama3.1-8b"])["rope_theta"]
+    value = "null" if "null" in how else "{}"
+    if how.startswith("yaml"):
+        (tmp_path / "r.yaml").write_text(f"extends: {ROOT / 'recipes/cpt_1m.yaml'}\nrope: {value}\n")
+        r = load_recipe(tmp_path / "r.yaml")
+    else:
+        r = load_recipe(ROOT / "recipes/cpt_1m.yaml", [f"rope={value}"])
+    assert r.rope == own  # not the schema's default rope (theta 10000, no scaling)
+
+
+def test_rope_block_keeps_the_models_theta_and_rotary_fraction(tmp_path):
+    import json
+
+    from megatron_ext.presets import TINY
+
+    cfg = {**TINY, "rope_theta": 250000.0, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    r = load(raw={**BASE, "model": {"hf_config": str(tmp_path)}, "rope": yarn})
+    assert (r.rope.rope_type, r.rope.rope_theta, r.rope.partial_rotary_factor) == ("yarn", 250000.0, 0.5)
+    # set in the block, they win
+    r = load(raw={**BASE, "model": {"hf_config": str(tmp_path)}, "rope": {**yarn, "rope_theta": 1e4}})
+    assert r.rope.rope_theta == 1e4 and r.rope.partial_rotary_factor == 0.5
+    r = load(raw={**BASE, "model": {"hf_config": str(tmp_path)}, "rope": yarn}, overrides=["rope.rope_theta=2e6"])
+    assert r.rope.rope_theta == 2e6
+
+
 def test_parse_override_values():
     assert parse_override("a.b=3") == (["a", "b"], 3)
     assert parse_override("a=null") == (["a"], None)
