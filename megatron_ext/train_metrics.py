@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -42,7 +43,17 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
+
+
+def strict_json_record(record: dict) -> dict:
+    """`record` with NaN/Inf numbers (a diverged step) as null, named in `non_finite` ({"loss": "nan"}):
+    Python's json writes them as the bare words NaN and Infinity, which jq, JavaScript and most JSON readers
+    refuse, so one diverged step made the whole file unreadable to them."""
+    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "non_finite": bad}
 
 
 def memory_gib() -> float:

@@ -1,5 +1,6 @@
 """Trainer bad input: one clear line on stderr and exit 1, before training starts; a diverged run stops unsaved."""
 
+import json
 import os
 import subprocess
 import sys
@@ -78,4 +79,6 @@ def test_divergence_stops_without_saving(tmp_path, token_data, cpu_parallel_stat
     model = {k: t for k, t in weights.items() if hasattr(t, "isfinite") and "optimizer" not in k}
     assert "embedding.word_embeddings.weight" in model and all(bool(t.isfinite().all()) for t in model.values())
     metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(metrics) == 2 and '"grad_norm": NaN' in metrics[1]
+    assert len(metrics) == 2
+    diverged = json.loads(metrics[1], parse_constant=pytest.fail)  # strict JSON: no bare NaN / Infinity
+    assert diverged["grad_norm"] is None and diverged["non_finite"]["grad_norm"] == "nan", diverged
