@@ -136,7 +136,8 @@ def rope_overrides_from_hf(hf_dir: Path) -> list[str]:
     (fields it does not use: null), e.g. to run a recipe whose rope is YaRN with the base's llama3."""
     from dataclasses import fields
 
-    from megatron_ext.recipe import RopeConfig, rope_from_hf_config
+    from megatron_ext.recipe import RopeConfig
+    from megatron_ext.recipe_sources import rope_from_hf_config
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     rope = rope_from_hf_config(cfg)

@@ -201,7 +201,7 @@ def test_hf_config_source(tmp_path):
 @pytest.mark.parametrize("how", ["yaml null", "yaml {}", "override null", "override {}"])
 def test_empty_rope_is_the_models_own(how, tmp_path):
     from megatron_ext.presets import PRESETS
-    from megatron_ext.recipe import rope_from_hf_config
+    from megatron_ext.recipe_sources import rope_from_hf_config
 
     own = load_recipe(ROOT / "recipes/base/llama31_8b.yaml").rope
     assert own.rope_type == "llama3" and own.rope_theta == rope_from_hf_config(PRESETS["llama3.1-8b"])["rope_theta"]
