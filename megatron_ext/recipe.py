@@ -170,6 +170,8 @@ class CheckpointConfig:
     keep_last: int | None = _f(None, "Keep only the newest this many iter_* folders (null: keep all).")
     async_save: bool = _f(False, "Write checkpoints in the background while training goes on (Megatron-Core's "
                                  "async save; the state is staged in host memory). The last one is waited for.")
+    tensorboard_dir: str | None = _f(None, "Also write the metrics as TensorBoard event files here (rank 0; needs "
+                                           "the tensorboard package; W&B can sync them). null: metrics.jsonl only.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,9 +13,15 @@ import torch
 class MetricsLog:
     """`metrics.jsonl`: one JSON line per step (rank 0), truncated to the resumed step on restart."""
 
-    def __init__(self, path: Path, start_step: int, enabled: bool):
+    def __init__(self, path: Path, start_step: int, enabled: bool, tensorboard_dir: str | None = None):
         self.path = path
         self.enabled = enabled
+        self.tensorboard = None
+        if enabled and tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides the events a killed run wrote after the step this one resumes at
+            self.tensorboard = SummaryWriter(tensorboard_dir, purge_step=start_step + 1)
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
         if enabled and path.exists():
@@ -44,6 +50,16 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(tensorboard_tag(key), value, record["step"])
+            self.tensorboard.flush()  # a step takes seconds at scale; a killed run keeps every step written
+
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics.jsonl field: `val_loss` -> `val/loss`, `loss` -> `train/loss`."""
+    return f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
 
 
 def strict_json_record(record: dict) -> dict:

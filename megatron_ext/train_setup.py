@@ -13,29 +13,21 @@ def check_setup(recipe: Recipe) -> None:
     """Static checks on paths and data before any process group exists or the model is built: the output folder
     can be made, the datasets are complete and fit the model's vocabulary, init_from is a checkpoint root. Cheap:
     a few stat calls, a probe folder, each dataset's manifest and index header."""
-    import os
+    import importlib.util
     import re
-    import tempfile
 
     from megatron_ext.data import DataError
     from megatron_ext.data.loaders import check_token_ids, open_index, read_manifest
 
     if recipe.checkpoint.dir is None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
-    out = Path(recipe.checkpoint.dir)
-    # The run makes the folder only after building the model (or dies half-way, leaving empty folders): find the
-    # nearest part of the path that exists and try making a folder there, removed at once.
-    there = out.absolute()
-    while not os.path.lexists(there):
-        there = there.parent
-    if not there.is_dir():
-        where = "is a file" if there == out.absolute() else f"lies under {there}, which is a file"
-        raise RecipeError(f"checkpoint.dir = {str(out)!r}: {where}, not a folder; give a folder path")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write_test_", dir=there))
-    except OSError as e:
-        raise RecipeError(f"checkpoint.dir = {str(out)!r}: cannot make folders in {there} ({e.strerror}); give a "
-                          "writable folder path") from None
+    _check_folder_can_be_made("checkpoint.dir", recipe.checkpoint.dir)
+    if recipe.checkpoint.tensorboard_dir is not None:
+        _check_folder_can_be_made("checkpoint.tensorboard_dir", recipe.checkpoint.tensorboard_dir)
+        if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard's writer needs it
+            raise RecipeError(f"checkpoint.tensorboard_dir = {recipe.checkpoint.tensorboard_dir!r}: the tensorboard "
+                              "package is not installed; pip install tensorboard (or megatron-ext[tensorboard]), "
+                              "or unset it")
     if recipe.data.prefix is None:
         raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
     for prefix in recipe.data.prefixes:
@@ -65,3 +57,23 @@ def check_setup(recipe: Recipe) -> None:
         raise RecipeError(f"checkpoint.init_from = {init!r}: no latest_checkpointed_iteration.txt there, so not a "
                           "Megatron checkpoint folder; give the folder that holds iter_* (tools/convert.py "
                           "to-megatron writes one)")
+
+
+def _check_folder_can_be_made(name: str, path: str) -> None:
+    """The run makes its output folders only after building the model (or dies half-way, leaving empty folders):
+    find the nearest part of the path that exists and try making a folder there, removed at once."""
+    import os
+    import tempfile
+
+    out = Path(path)
+    there = out.absolute()
+    while not os.path.lexists(there):
+        there = there.parent
+    if not there.is_dir():
+        where = "is a file" if there == out.absolute() else f"lies under {there}, which is a file"
+        raise RecipeError(f"{name} = {str(out)!r}: {where}, not a folder; give a folder path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_test_", dir=there))
+    except OSError as e:
+        raise RecipeError(f"{name} = {str(out)!r}: cannot make folders in {there} ({e.strerror}); give a "
+                          "writable folder path") from None

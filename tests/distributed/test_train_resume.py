@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from megatron_ext.checkpoint_index import check_complete
@@ -57,15 +58,15 @@ def straight(tmp_path_factory, token_data):
 
 def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straight):
 
-    resumed = tmp_path / "resumed"
-    proc = subprocess.Popen(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3"),
+    resumed, tensorboard = tmp_path / "resumed", f"checkpoint.tensorboard_dir={tmp_path / 'tb'}"
+    proc = subprocess.Popen(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3", tensorboard),
                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     killed = wait_for(lambda: latest(resumed) == 3, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert killed, "run finished before it could be killed; make steps slower"
     assert latest(resumed) == 3
-    out = subprocess.run(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3"),
+    out = subprocess.run(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3", tensorboard),
                          env=env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "at step 3" in out.stdout
@@ -75,6 +76,11 @@ def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straig
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise on CPU
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+    from tests.unit.test_train_metrics import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(tmp_path / "tb")  # TensorBoard stores float32
+    assert scalars["train/loss"] == [(m["step"], float(np.float32(m["loss"]))) for m in b]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/memory_gib"} <= set(scalars)
 
 
 def test_negative_control_changed_update_after_resume_differs(tmp_path, token_data, straight):

@@ -57,6 +57,19 @@ def test_checkpoint_dir_unwritable(token_data):
         check_setup(recipe("/proc/x/run", token_data))
 
 
+def test_tensorboard_dir_checked_like_the_checkpoint_dir(tmp_path, token_data, monkeypatch):
+    (tmp_path / "file").write_text("")
+    check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.tensorboard_dir={tmp_path / 'tb'}"))
+    with pytest.raises(RecipeError, match=r"checkpoint\.tensorboard_dir = '.*/file/tb': lies under .*/file, which is "
+                                          r"a file, not a folder"):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.tensorboard_dir={tmp_path / 'file/tb'}"))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # how Python marks a package as not importable
+    with pytest.raises(RecipeError, match=r"checkpoint\.tensorboard_dir = '.*/tb': the tensorboard package is not "
+                                          r"installed; pip install tensorboard"):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.tensorboard_dir={tmp_path / 'tb'}"))
+    check_setup(recipe(tmp_path / "run", token_data))  # not asked for: not needed
+
+
 def test_vocab_smaller_than_the_data_ids(tmp_path, token_data):
     with pytest.raises(RecipeError, match=r"data prefix .*cpt holds token ids up to 5\d\d \(tokenizer .*, 512 ids\), "
                                           r"but model\.vocab_size = 256 has rows for ids 0\.\.255 only; set "
