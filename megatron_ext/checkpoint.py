@@ -18,6 +18,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -302,10 +303,17 @@ def unfinished_saves(root: Path) -> list[int]:
 
 
 def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tuple[int, Path]:
-    """(iteration, directory) of a checkpoint root; `iteration=None` means the latest."""
+    """(iteration, directory) of a checkpoint root (`iteration=None`: its latest), or of one of its `iter_*`
+    folders given itself (an earlier iteration, e.g. to start SFT or an evaluation from)."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist; check the path")
+    named = re.fullmatch(r"iter_(\d+)", root.name)
+    if named and not (root / LATEST_FILE).exists():
+        if iteration is not None and iteration != int(named[1]):
+            raise CheckpointError(f"{root} is iteration {int(named[1])}, not the iteration {iteration} asked for; "
+                                  "give the checkpoint root with an iteration, or an iteration folder alone")
+        return int(named[1]), root
     if iteration is None:
         iteration = latest_iteration(root)
         if iteration is None:

@@ -11,11 +11,12 @@ from megatron_ext.recipe import Recipe, RecipeError
 
 def check_setup(recipe: Recipe) -> None:
     """Static checks on paths and data before any process group exists or the model is built: the output folder
-    can be made, the datasets are complete and fit the model's vocabulary, init_from is a checkpoint root. Cheap:
-    a few stat calls, a probe folder, each dataset's manifest and index header."""
+    can be made, the datasets are complete and fit the model's vocabulary, init_from is a checkpoint root or
+    one of its iterations. Cheap: a few stat calls, a probe folder, each dataset's manifest and index header."""
     import importlib.util
     import re
 
+    from megatron_ext.checkpoint_index import METADATA_FILE
     from megatron_ext.data import DataError
     from megatron_ext.data.loaders import check_token_ids, open_index, read_manifest
 
@@ -45,18 +46,14 @@ def check_setup(recipe: Recipe) -> None:
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
                           "(tools/convert.py to-megatron writes one)")
     if init is not None and not (Path(init) / "latest_checkpointed_iteration.txt").is_file():
-        folder = Path(init)
-        root = folder.parent
-        if re.fullmatch(r"iter_\d+", folder.name) and (root / "latest_checkpointed_iteration.txt").is_file():
-            latest = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-            raise RecipeError(f"checkpoint.init_from = {init!r}: an iteration folder; init_from takes the checkpoint "
-                              f"folder that holds iter_* and loads its latest iteration ({latest}): set "
-                              f"checkpoint.init_from={root}" + (
-                                  "" if latest.isdigit() and int(latest) == int(folder.name[5:]) else
-                                  f" (init_from cannot load an older iteration than {latest})"))
-        raise RecipeError(f"checkpoint.init_from = {init!r}: no latest_checkpointed_iteration.txt there, so not a "
-                          "Megatron checkpoint folder; give the folder that holds iter_* (tools/convert.py "
-                          "to-megatron writes one)")
+        folder = Path(init)  # not a root: one of its iterations, or not a checkpoint
+        if not re.fullmatch(r"iter_\d+", folder.name):
+            raise RecipeError(f"checkpoint.init_from = {init!r}: no latest_checkpointed_iteration.txt there, so not a "
+                              "Megatron checkpoint folder; give the folder that holds iter_* (its latest iteration) "
+                              "or one iter_* folder (tools/convert.py to-megatron writes one)")
+        if not (folder / METADATA_FILE).is_file():
+            raise RecipeError(f"checkpoint.init_from = {init!r}: an iteration folder without {METADATA_FILE}, so not "
+                              "one a finished save wrote; give another iteration, or the checkpoint root (its latest)")
 
 
 def _check_folder_can_be_made(name: str, path: str) -> None:

@@ -163,6 +163,26 @@ def test_errors(tmp_path, cpu_parallel_state):
     json.dumps  # noqa: B018
 
 
+def test_an_iteration_folder_loads_that_iteration(tmp_path, cpu_parallel_state):
+    """An `iter_*` folder given instead of the root (checkpoint.init_from, niah --megatron, convert --megatron)
+    loads that iteration, not the root's latest."""
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+    first = params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_checkpoint(root, 2, [model], metadata={"hf_config": TINY})
+    fresh = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    assert load_checkpoint(root / "iter_0000001", [fresh], weights_only=True)[0] == 1
+    assert all(torch.equal(v, first[k]) for k, v in params(fresh).items())
+    assert load_checkpoint(root, [fresh], weights_only=True)[0] == 2  # the root: its latest
+    assert not any(torch.equal(v, first[k]) for k, v in params(fresh).items())
+    with pytest.raises(CheckpointError, match=r"iter_0000001 is iteration 1, not the iteration 2 asked for"):
+        load_checkpoint(root / "iter_0000001", [fresh], iteration=2)
+
+
 def test_weights_only_load_unpickles_nothing(tmp_path, cpu_parallel_state, monkeypatch):
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
