@@ -6,6 +6,7 @@ metadata (`megatron_ext.checkpoint.read_metadata`) and the recipe, used by the t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,8 @@ class Resume:
     why_not_full: str | None
     consumed_samples: int
     tokens: int
-    data_changed: list[str] = field(default_factory=list)  # 'field: old -> new'
+    # 'field: old -> new'; 'data.prefix P: contents changed (...)' for data prepared again under the same prefix
+    data_changed: list[str] = field(default_factory=list)
     architecture_changed: list[str] = field(default_factory=list)  # the model does not fit: the load fails
     data_samples: int | None = None  # CPT: training samples the saved run's data order was built for
     order_warning: str | None = None  # when this run needs more samples than that order was built for
@@ -94,12 +96,18 @@ def _order_warning(saved: dict, step: int, consumed: int, recipe: Recipe) -> str
             "skipped): set train.steps to the most you may train when a run starts")
 
 
-def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, list[str]]:
+def resume_position(saved: dict, step: int, recipe: Recipe,
+                    data_now: dict[str, dict] | None = None) -> tuple[int, int, list[str]]:
     """Where a run resumed at `step` from a checkpoint with run metadata `saved` goes on in its data:
-    (samples consumed, tokens seen, the data settings that changed since, as 'field: old -> new').
+    (samples consumed, tokens seen, the data settings that changed since, as 'field: old -> new', and the data
+    prefixes whose contents changed, as 'data.prefix P: contents changed (...)').
 
     Checkpoints record both counts; older ones are counted at their recipe's global batch. A changed
-    data setting gives another sample order, in which the run goes on at the same sample count.
+    data setting gives another sample order, in which the run goes on at the same sample count. A data.prefix
+    at another path holding the recorded contents (data moved) is the same data: GPTDataset orders samples by
+    the contents and the seed, not the path.
+    `data_now`: `data_identities(recipe)` when the caller has them (else read here, if the checkpoint recorded
+    any); {} compares no contents.
     """
     old = saved.get("recipe") or {}
     old_train = old.get("train") or {}
@@ -109,30 +117,82 @@ def resume_position(saved: dict, step: int, recipe: Recipe) -> tuple[int, int, l
     tokens = saved.get("tokens")
     if tokens is None:
         tokens = consumed * old_train.get("seq_length", recipe.train.seq_length)
+    recorded = saved.get("data_identity") or {}  # older checkpoints: none, and nothing to read
+    if data_now is None:
+        data_now = data_identities(recipe) if recorded else {}
+
+    def same_dataset(a: str, b: str) -> bool:
+        return _same_path(a, b) or _contents_equal(recorded.get(a), data_now.get(b)) is True
+
     changed = []
     for section, key in _DATA_IDENTITY:
         saved_section = old.get(section) or {}
         now = getattr(getattr(recipe, section), key)
-        if key in saved_section and not _same_setting(key, saved_section[key], now):
+        if key in saved_section and not _same_setting(key, saved_section[key], now, same_dataset):
             shown = list(now) if isinstance(now, tuple) else now
             changed.append(f"{section}.{key}: {saved_section[key]!r} -> {shown!r}")
-    return int(consumed), int(tokens), changed
+    return int(consumed), int(tokens), changed + _contents_changed(recorded, data_now)
 
 
-def _same_setting(key: str, saved, now) -> bool:
-    """Equal values (a saved list and a recipe's tuple alike); for data.prefix also two spellings of one dataset
-    (relative and absolute, links), each of a blend's."""
+def data_identities(recipe: Recipe) -> dict[str, dict]:
+    """`loaders.data_identity` of each of `recipe`'s data prefixes that can be read here, by prefix: recorded in
+    the checkpoint metadata (`data_identity`) and compared on resume."""
+    from megatron_ext.data.loaders import data_identity
+
+    found = {p: data_identity(p) for p in recipe.data.prefixes}
+    return {p: identity for p, identity in found.items() if identity is not None}
+
+
+def _contents_equal(old: dict | None, new: dict | None) -> bool | None:
+    """Whether two data identities show the same contents; None when either is unknown. Only the fields both
+    have are compared, so an identity with more fields (a later version) still compares."""
+    common = (old or {}).keys() & (new or {}).keys()
+    if not common:
+        return None
+    return all(old[k] == new[k] for k in common)
+
+
+def _contents_changed(recorded: dict[str, dict], now: dict[str, dict]) -> list[str]:
+    """'data.prefix P: contents changed (...)' for each of this run's prefixes at the path of a recorded one whose
+    contents differ from the recorded (`tools/prepare_data.py ... --force` under the same prefix)."""
+    out = []
+    for prefix, new in now.items():
+        old = next((recorded[p] for p in recorded if _same_path(p, prefix)), None)
+        if _contents_equal(old, new) is False:
+            tokenizer = old.get("tokenizer_hash") not in (None, new.get("tokenizer_hash"))
+            out.append(f"data.prefix {prefix}: contents changed ({_counts(old)} -> {_counts(new)}"
+                       + (", another tokenizer" if tokenizer else "") + f"; {prefix}.bin/.idx prepared again? "
+                       "restore the checkpoint's data to read on in its order)")
+    return out
+
+
+def _counts(identity: dict) -> str:
+    """'120 documents, 48,453 tokens' of a data identity."""
+    return ", ".join(f"{identity[k]:,} {k}" if isinstance(identity.get(k), int) else f"? {k}"
+                     for k in ("documents", "tokens"))
+
+
+def _same_setting(key: str, saved, now, same_dataset: Callable[[str, str], bool]) -> bool:
+    """Equal values (a saved list and a recipe's tuple alike); for data.prefix also one dataset each of a blend's
+    (`same_dataset`: two spellings of one path, a copy with the recorded contents)."""
     now = list(now) if isinstance(now, tuple) else now
     if saved == now:
         return True
     if key == "prefix" and isinstance(saved, list) and isinstance(now, list):
-        return len(saved) == len(now) and all(_same_setting(key, a, b) for a, b in zip(saved, now))
+        return len(saved) == len(now) and all(_same_setting(key, a, b, same_dataset) for a, b in zip(saved, now))
     if key == "prefix" and isinstance(saved, str) and isinstance(now, str):
-        try:
-            return os.path.samefile(saved + ".bin", now + ".bin")
-        except OSError:  # gone, or on another machine: the text decides
-            return False
+        return same_dataset(saved, now)
     return False
+
+
+def _same_path(saved: str, now: str) -> bool:
+    """Two spellings of one dataset PREFIX (relative and absolute, links)."""
+    if saved == now:
+        return True
+    try:
+        return os.path.samefile(saved + ".bin", now + ".bin")
+    except OSError:  # gone, or on another machine: the text decides
+        return False
 
 
 _ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")
@@ -148,14 +208,17 @@ def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
     return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ROPE if old.get(k) != new.get(k)]
 
 
-def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int) -> Resume:
-    """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`."""
+def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
+                data_now: dict[str, dict] | None = None) -> Resume:
+    """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`.
+
+    `data_now`: the recipe's `data_identities`, if the caller has read them (see `resume_position`)."""
     from megatron_ext.model import hf_config_from_recipe, normalize_hf_config
 
     p, t = recipe.parallel, recipe.train
     layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}
     why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer, t.precision)
-    consumed, tokens, data_changed = resume_position(saved, step, recipe)
+    consumed, tokens, data_changed = resume_position(saved, step, recipe, data_now)
     arch = []
     if saved.get("hf_config"):
         old, new = normalize_hf_config(saved["hf_config"]), normalize_hf_config(hf_config_from_recipe(recipe))

@@ -189,7 +189,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
-    from megatron_ext.resume import plan_resume, rope_changes
+    from megatron_ext.resume import data_identities, plan_resume, rope_changes
     from megatron_ext.training_data import build_batches
 
     t, p = recipe.train, recipe.parallel
@@ -206,11 +206,15 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     optimizer, scheduler = build_optimizer(recipe, [ddp_model])
 
     start = consumed_samples = tokens_seen = data_samples = 0
-    metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer}
+    # What the data holds, read once (a pass over each PREFIX.idx) and by rank 0 alone, which writes the metadata
+    # and the log: a resume from a checkpoint of other contents under the same prefix is warned about.
+    data_now = data_identities(recipe) if rank0 else {}
+    metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer,
+                "data_identity": data_now}
     done = latest_iteration(root)
     if done is not None:
         saved = read_metadata(root)
-        resume = plan_resume(saved, done, recipe, dp_size)
+        resume = plan_resume(saved, done, recipe, dp_size, data_now)
         if resume.finished:  # a finished run started again (a requeue, a rerun)
             log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
                 "(raise train.steps to go on)")

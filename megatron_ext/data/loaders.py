@@ -127,6 +127,24 @@ def index_fingerprint(prefixes: Sequence[str]) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def data_identity(prefix: str) -> dict | None:
+    """What a checkpoint records of dataset PREFIX, so that a resume notices data prepared again under the same
+    prefix; None when it cannot be read (gone, incomplete): then nothing is recorded or compared.
+
+    The contents, not the files' times, so the same data prepared again identically has the same identity: the
+    sha256 of PREFIX.idx (every document's length and offset, ~20 bytes a document: tens of MB for 1B tokens, read
+    once at a run's start), the size of PREFIX.bin (the tokens themselves are too large to read at every start)
+    and the manifest's counts, for the warning, and tokenizer hash (other token ids of the same lengths).
+    """
+    try:
+        manifest = read_manifest(prefix)
+        return {"idx_sha256": index_fingerprint([prefix]), "bin_bytes": Path(prefix + ".bin").stat().st_size,
+                "documents": int(manifest["documents"]), "tokens": int(manifest["tokens"]),
+                "tokenizer_hash": manifest.get("tokenizer_hash")}
+    except (DataError, OSError, KeyError, TypeError, ValueError):  # the trainer reports it when it opens the data
+        return None
+
+
 def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weights: Sequence[float] | None = None,
                        seed: int = 1234, num_samples: Sequence[int | None] = (None, None, None),
                        split: str | None = None, cache_dir: str | None = None,

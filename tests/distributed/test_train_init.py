@@ -52,6 +52,7 @@ def test_resume_with_another_global_batch_goes_on_where_it_stopped(tmp_path, tor
     """Two steps of 4 samples, then two of 2: the run reads samples 8..11 next (not 4..7, which step x batch
     would give) and its checkpoint counts 12 samples; the same run resumed at CP 2 reads the same."""
     from megatron_ext.checkpoint import read_metadata
+    from megatron_ext.data.loaders import data_identity
 
     args = ["--recipe", str(RECIPE), f"data.prefix={token_data}", f"checkpoint.dir={tmp_path}",
             "train.seq_length=256", "parallel.context=1"]
@@ -63,3 +64,5 @@ def test_resume_with_another_global_batch_goes_on_where_it_stopped(tmp_path, tor
     assert [(m["step"], m["tokens"]) for m in metrics(tmp_path)] == [(1, 1024), (2, 2048), (3, 2560), (4, 3072)]
     meta = read_metadata(tmp_path)
     assert (meta["consumed_samples"], meta["tokens"]) == (12, 12 * 256)
+    # rank 0 records what the data holds, and found the same at the resume (no warning above)
+    assert meta["data_identity"] == {token_data: data_identity(token_data)}

@@ -94,3 +94,26 @@ def test_prelaunch_check_reports_the_resume(ckpt, capsys, token_data):
     sorted((ckpt / "iter_0000002").glob("*.distcp"))[0].write_bytes(b"x")
     assert launch(args) == 1
     assert "incomplete checkpoint" in capsys.readouterr().err
+
+
+def test_says_when_the_data_was_prepared_again(ckpt, capsys, tmp_path, toy_tokenizer):
+    """A checkpoint that recorded its data's contents (the trainer does): other documents under the same
+    data.prefix are named in the verdict like any other data change."""
+    import json
+
+    from megatron_ext.resume import data_identities
+    from tests.unit.test_training_data import _prepare
+
+    prefix = str(tmp_path / "cpt")
+    _prepare(prefix, toy_tokenizer, 20)
+    sets = [a for o in [*RUN, f"data.prefix={prefix}"] for a in ("--set", o)]
+    meta_file = ckpt / "iter_0000002/megatron_ext.json"
+    recipe = load_recipe(RECIPE, [*RUN, f"data.prefix={prefix}"])
+    meta = {**json.loads(meta_file.read_text()), "recipe": recipe.to_dict(), "data_identity": data_identities(recipe)}
+    meta_file.write_text(json.dumps(meta))
+    assert "warning" not in _info(capsys, ckpt, "--recipe", RECIPE, *sets)[1]
+    _prepare(prefix, toy_tokenizer, 30)
+    code, out, err = _info(capsys, ckpt, "--recipe", RECIPE, *sets)
+    assert code == 0, err
+    assert f"warning: data.prefix {prefix}: contents changed (20 documents, " in out, out
+    assert "-> 30 documents, " in out and "prepared again? restore the checkpoint's data" in out, out

@@ -90,3 +90,70 @@ def test_another_spelling_of_the_same_data_prefix_is_no_change(token_data, tmp_p
     copied = _recipe(str(tmp_path / "copy"), "train.global_batch_size=2")
     assert resume_position(saved, 4, copied)[2] == [f"data.prefix: {token_data!r} -> {str(tmp_path / 'copy')!r}"]
     assert os.path.samefile(relative.data.prefix + ".bin", token_data + ".bin")
+
+
+def _prepare(prefix, tokenizer, documents, seed=0):
+    """`prepare_data.py cpt --force` of `documents` synthetic documents into PREFIX (the corpus file named by its
+    contents, so preparing the same again reads the same file)."""
+    from megatron_ext.data import prepare_cpt
+    from megatron_ext.data.toy import synthetic_corpus, write_jsonl
+
+    corpus = write_jsonl(f"{prefix}_{documents}_{seed}.jsonl", synthetic_corpus(documents, seed=seed))
+    prepare_cpt([str(corpus)], tokenizer, prefix, force=True, progress=False)
+
+
+def test_data_prepared_again_under_the_same_prefix_is_named(tmp_path, toy_tokenizer):
+    """The checkpoint records each prefix's contents (megatron_ext.data.loaders.data_identity): other documents
+    under the same data.prefix are a data change; the same documents prepared again (new files) are none."""
+    import os
+
+    from megatron_ext.data.loaders import data_identity
+    from megatron_ext.resume import data_identities, plan_resume
+
+    prefix = str(tmp_path / "cpt")
+    _prepare(prefix, toy_tokenizer, 20)
+    recipe = _recipe(prefix, "train.global_batch_size=2")
+    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict(),
+             "data_identity": data_identities(recipe)}
+    old = saved["data_identity"][prefix]
+    assert old["documents"] == 20 and old == data_identity(prefix)
+    inode = os.stat(prefix + ".idx").st_ino
+    _prepare(prefix, toy_tokenizer, 20)  # the same documents again: new files, the same contents
+    assert os.stat(prefix + ".idx").st_ino != inode and resume_position(saved, 4, recipe)[2] == []
+    _prepare(prefix, toy_tokenizer, 30)
+    new = data_identity(prefix)
+    expect = (f"data.prefix {prefix}: contents changed (20 documents, {old['tokens']:,} tokens -> 30 documents, "
+              f"{new['tokens']:,} tokens; {prefix}.bin/.idx prepared again? restore the checkpoint's data to read "
+              "on in its order)")
+    assert resume_position(saved, 4, recipe)[2] == [expect]
+    assert plan_resume(saved, 4, recipe, 1).data_changed == [expect]  # the trainer's and the info tool's decision
+    assert plan_resume(saved, 4, recipe, 1, data_now={}).data_changed == []  # what other ranks than 0 pass
+    no_record = {k: v for k, v in saved.items() if k != "data_identity"}  # a checkpoint from before: no warning
+    assert resume_position(no_record, 4, recipe)[2] == []
+    assert data_identity(str(tmp_path / "gone")) is None  # unreadable data: nothing recorded or compared
+
+
+def test_data_moved_with_its_contents_is_the_same_data(tmp_path, token_data, second_token_data, toy_tokenizer):
+    """A copy at another path with the recorded contents reads in the same order (GPTDataset orders by contents
+    and seed): no warning. Of a blend, only the prefix prepared again is named."""
+    import shutil
+
+    from megatron_ext.resume import data_identities
+
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(token_data + suffix, tmp_path / f"moved{suffix}")
+    recipe = _recipe(token_data, "train.global_batch_size=2")
+    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict(),
+             "data_identity": data_identities(recipe)}
+    moved = _recipe(str(tmp_path / "moved"), "train.global_batch_size=2")
+    assert resume_position(saved, 4, moved)[2] == []
+    shutil.copy(second_token_data + ".idx", tmp_path / "moved.idx")  # control: another dataset at the new path
+    assert resume_position(saved, 4, moved)[2] == [f"data.prefix: {token_data!r} -> {str(tmp_path / 'moved')!r}"]
+
+    mine = str(tmp_path / "mine")
+    _prepare(mine, toy_tokenizer, 20)
+    blend = _recipe(f"[{token_data}, {mine}]", "train.global_batch_size=2", "data.weights=[1, 1]")
+    saved = {**saved, "recipe": blend.to_dict(), "data_identity": data_identities(blend)}
+    _prepare(mine, toy_tokenizer, 20, seed=1)
+    changed = resume_position(saved, 4, blend)[2]
+    assert len(changed) == 1 and changed[0].startswith(f"data.prefix {mine}: contents changed (20 documents, ")
