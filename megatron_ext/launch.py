@@ -37,6 +37,7 @@ from pathlib import Path
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_refusal
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The trainer's SIGUSR1 handler saves and exits with EXIT_REQUEUE; submitit reads this variable
@@ -177,8 +178,20 @@ class TrainStage:
 
         from megatron_ext.train import EXIT_REQUEUE, main
 
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:
+            try:
+                recipe = load_recipe(self.recipe, self.overrides,
+                                     world_size=int(os.environ.get("SLURM_NTASKS", "1")))
+                if recipe.checkpoint.dir:
+                    claim_checkpoint_dir(recipe.checkpoint.dir, job)
+            except RecipeError as e:  # every rank reads the same claim, so every rank stops here
+                raise SystemExit(f"error: {e}") from None
         code = main(["--recipe", self.recipe, *self.overrides])
         if code == EXIT_REQUEUE:
+            refusal = requeue_refusal()
+            if refusal:  # without the bound a stage that never gets further requeues forever
+                raise RuntimeError(f"{refusal} (recipe {self.recipe})")
             if int(os.environ.get("SLURM_PROCID", "0")) == 0:
                 job = os.environ["SLURM_JOB_ID"]
                 print(f"[launch] checkpoint saved; requeueing job {job}", flush=True)
@@ -233,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(what slurm/*.sh run before srun)")
     p.add_argument("--world-size", type=int, help="--check: tasks of the job")
     p.add_argument("--tasks-per-node", type=int, help="--check: tasks per node")
+    p.add_argument("--claim", action="store_true", help="--check: record this Slurm job as the one writing "
+                   "checkpoint.dir; fails while another queued or running job holds it (slurm/*.sh do this)")
     p.add_argument("--get", metavar="KEY", help="print one resolved recipe field (e.g. checkpoint.dir) and exit")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
     return p
@@ -266,11 +281,18 @@ def resume_report(recipe: Recipe, world_size: int) -> list[str]:
 
 
 def run_check(args) -> int:
+    """`--check`: validate the recipe for the job, say what it does with its checkpoint, and with `--claim` record
+    this Slurm job as the writer of checkpoint.dir (refused while another live job holds it)."""
     world = args.world_size or 1
     recipe = check(args.recipe, args.overrides, world, args.tasks_per_node, args.gpus_per_node, paths=True)
     print(f"ok: {describe(recipe, world)}", flush=True)
     for line in resume_report(recipe, world):
         print(f"checkpoint: {line}", flush=True)
+    if args.claim:  # last: a job that fails a check above leaves no folder behind
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            raise RecipeError("--claim: no SLURM_JOB_ID; it records the Slurm job that writes checkpoint.dir")
+        claim_checkpoint_dir(recipe.checkpoint.dir, job)
     return 0
 
 
@@ -287,6 +309,7 @@ def print_field(args) -> int:
 
 def submit(args, plan: list[Stage]) -> int:
     """Validate every stage, then print (dry run) or submit the chain."""
+    check_warning_fits(args.time, parse_time(args.time), args.signal_delay_s)
     # --nodes/--gpus-per-node override the recipe's cluster block, which sizes the job.
     size = [f"cluster.nodes={args.nodes}"] if args.nodes else []
     size += [f"cluster.gpus_per_node={args.gpus_per_node}"] if args.gpus_per_node else []

@@ -1,0 +1,87 @@
+"""What a Slurm job checks about other jobs and about itself before it trains or requeues: whether another job
+is writing the same `checkpoint.dir`, and whether it may requeue itself once more (`MAX_REQUEUES`). Used by
+`python -m megatron_ext.launch --check` (the sbatch scripts' preflight) and by the submitit stages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from megatron_ext.recipe import RecipeError
+
+# The Slurm job that writes a checkpoint.dir, one line: its id. Beside the checkpoints, not in them.
+OWNER_FILE = ".slurm_job"
+DEFAULT_MAX_REQUEUES = 50  # slurm/common.sh's default too
+_ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+          "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED")
+
+
+def job_state(job_id: str) -> str | None:
+    """The state squeue shows for `job_id` (`RUNNING`, `PENDING`, ...), or None when Slurm no longer lists it
+    (or squeue cannot be asked)."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = proc.stdout.strip().split("\n")[0].strip() if proc.returncode == 0 else ""
+    return state or None
+
+
+def claim_checkpoint_dir(checkpoint_dir: str, job_id: str,
+                         state_of: Callable[[str], str | None] | None = None) -> None:
+    """Record Slurm job `job_id` as the writer of `checkpoint_dir` (in its `.slurm_job`), or raise RecipeError
+    when another job that is still queued or running holds it.
+
+    Two jobs of the same run (the same stage submitted twice) would save into one folder at once: each
+    overwrites the other's iterations and `latest` pointer, the metrics file gets both runs' lines, and one of
+    them dies mid-save. A requeued run is the same job id and keeps its claim; a job that has ended leaves a
+    claim the next one takes over.
+    """
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / OWNER_FILE
+    try:  # O_EXCL: of two jobs starting at once, one creates the file and the other reads its id
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        owner = path.read_text().strip()
+        if owner and owner != job_id:
+            state = (state_of or job_state)(owner)
+            if state is not None and state.split()[0] not in _ENDED:
+                raise RecipeError(
+                    f"checkpoint.dir = {checkpoint_dir!r} is being written by Slurm job {owner} ({state}); two runs "
+                    f"in one folder overwrite each other's checkpoints. Wait for it, cancel it (scancel {owner}), "
+                    "or give this run another checkpoint.dir") from None
+        if owner != job_id:
+            tmp = root / f"{OWNER_FILE}.{job_id}"
+            tmp.write_text(f"{job_id}\n")
+            os.replace(tmp, path)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{job_id}\n")
+
+
+def requeue_refusal(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this job must not requeue itself again (`MAX_REQUEUES`, default 50, against SLURM_RESTART_COUNT), or
+    None when it may. The bound keeps a job that can never finish from requeueing forever."""
+    env = os.environ if environ is None else environ
+    restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    text = env.get("MAX_REQUEUES", "") or str(DEFAULT_MAX_REQUEUES)
+    if not text.isdigit():
+        return f"MAX_REQUEUES = {text!r} is not a whole number; export MAX_REQUEUES=50 (or another bound)"
+    if restarts >= int(text):
+        return f"not requeueing: {restarts} restarts (MAX_REQUEUES = {text}); resubmit to go on from the checkpoint"
+    return None
+
+
+def check_warning_fits(time_text: str, minutes: int, delay_s: int) -> None:
+    """RecipeError when the time limit (`time_text`, `minutes` long) is not longer than the USR1 warning sent
+    `delay_s` seconds before it: every run would be warned while it starts, save at once (or not at all) and
+    requeue, over and over, with next to no training in between."""
+    if delay_s < 0:
+        raise RecipeError(f"--signal-delay-s {delay_s}: give the seconds before the time limit, e.g. 600")
+    if minutes * 60 <= delay_s:
+        raise RecipeError(f"--time {time_text}: not longer than the USR1 warning --signal-delay-s {delay_s} s before "
+                          "it, so each job would be told to stop as it starts and requeue in a loop; give a longer "
+                          "--time or a smaller --signal-delay-s")

@@ -1,0 +1,96 @@
+"""megatron_ext.slurm_jobs and its use by the launcher: one live job per checkpoint.dir, the MAX_REQUEUES bound of
+the submitit stages, a time limit that leaves room for the USR1 warning. No Slurm needed: squeue is a stub."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext import launch
+from megatron_ext.recipe import RecipeError
+from megatron_ext.slurm_jobs import OWNER_FILE, check_warning_fits, claim_checkpoint_dir, requeue_refusal
+
+
+def test_claim_refuses_a_folder_another_live_job_writes(tmp_path):
+    run = tmp_path / "run"
+    claim_checkpoint_dir(str(run), "100", state_of=lambda job: None)
+    assert (run / OWNER_FILE).read_text() == "100\n"
+    claim_checkpoint_dir(str(run), "100", state_of=lambda job: "RUNNING")  # requeued: the same job id
+    with pytest.raises(RecipeError, match=r"being written by Slurm job 100 \(RUNNING\).*scancel 100"):
+        claim_checkpoint_dir(str(run), "101", state_of=lambda job: "RUNNING")
+    with pytest.raises(RecipeError, match="job 100 .PENDING."):
+        claim_checkpoint_dir(str(run), "101", state_of=lambda job: "PENDING")
+    assert (run / OWNER_FILE).read_text() == "100\n"
+
+
+@pytest.mark.parametrize("state", [None, "COMPLETED", "CANCELLED by 0", "FAILED"])
+def test_claim_takes_over_from_a_job_that_ended(tmp_path, state):
+    claim_checkpoint_dir(str(tmp_path), "100", state_of=lambda job: None)
+    claim_checkpoint_dir(str(tmp_path), "101", state_of=lambda job: state)
+    assert (tmp_path / OWNER_FILE).read_text() == "101\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE]
+
+
+def test_requeue_refusal_bounds_restarts():
+    assert requeue_refusal({"SLURM_RESTART_COUNT": "49"}) is None
+    assert "50 restarts (MAX_REQUEUES = 50)" in requeue_refusal({"SLURM_RESTART_COUNT": "50"})
+    assert requeue_refusal({"SLURM_RESTART_COUNT": "2", "MAX_REQUEUES": "3"}) is None
+    assert "MAX_REQUEUES = 3" in requeue_refusal({"SLURM_RESTART_COUNT": "3", "MAX_REQUEUES": "3"})
+    assert "not a whole number" in requeue_refusal({"MAX_REQUEUES": "ten"})
+
+
+def test_submitit_stage_stops_requeueing_at_the_bound(monkeypatch, tmp_path):
+    """Before, TrainStage ran `scontrol requeue` after every EXIT_REQUEUE, with no bound."""
+    import megatron_ext.train as train
+
+    calls = []
+    monkeypatch.setattr(train, "main", lambda argv: train.EXIT_REQUEUE)
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("MAX_REQUEUES", "2")
+    stage = launch.TrainStage("recipes/tiny/cpt.yaml", [f"checkpoint.dir={tmp_path}"])
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(SystemExit, match="3"):
+        stage()
+    assert calls and calls[-1][:2] == ["scontrol", "requeue"]
+    calls.clear()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    with pytest.raises(RuntimeError, match="not requeueing: 2 restarts"):
+        stage()
+    assert calls == []
+
+
+def test_submitit_stage_refuses_a_folder_another_job_writes(monkeypatch, tmp_path):
+    import megatron_ext.train as train
+
+    monkeypatch.setattr(train, "main", lambda argv: pytest.fail("trained although another job holds the folder"))
+    monkeypatch.setattr("megatron_ext.slurm_jobs.job_state", lambda job: "RUNNING")
+    (tmp_path / OWNER_FILE).write_text("7\n")
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(SystemExit, match="error: checkpoint.dir .* Slurm job 7 .RUNNING."):
+        launch.TrainStage("recipes/tiny/cpt.yaml", [f"checkpoint.dir={tmp_path}"])()
+
+
+def test_time_limit_must_leave_room_for_the_warning(capsys):
+    check_warning_fits("11", 11, 600)
+    with pytest.raises(RecipeError, match="--time 10: not longer than the USR1 warning --signal-delay-s 600"):
+        check_warning_fits("10", 10, 600)
+    code = launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "00:05:00", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: --time 00:05:00: not longer than") and "Traceback" not in err
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "5", "--signal-delay-s", "60",
+                        "--dry-run"]) == 0
+
+
+def test_check_claims_only_when_asked(monkeypatch, tmp_path, capsys):
+    """`--check --claim` (the sbatch preflight) records the job; a plain --check (a user in salloc) does not."""
+    args = ["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", f"checkpoint.dir={tmp_path / 'r'}",
+            "data.prefix=x"]
+    monkeypatch.setattr(launch, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
+                                                                             world_size=2))
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert launch.main(args) == 0 and not (tmp_path / "r").exists()
+    assert launch.main([*args, "--claim"]) == 0
+    assert (tmp_path / "r" / OWNER_FILE).read_text() == "9\n"
