@@ -71,6 +71,7 @@ log_job() {
   fi
   log "job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}"
   log "git $sha in $PROJECT_ROOT"
+  [[ . -ef $PROJECT_ROOT ]] || log "working directory $PWD: relative paths in the recipe are taken from here"
   if [[ -n ${RECIPE:-} ]]; then
     log "recipe $RECIPE"
     log "overrides: ${*:-(none)}"
@@ -88,7 +89,7 @@ preflight() {
   per_node=${per_node%%[(,]*} # "8(x32)" -> 8
   local -a check=("$PYTHON" -m megatron_ext.launch --check --recipe "$RECIPE"
     --world-size "$SLURM_NTASKS" --tasks-per-node "$per_node"
-    --gpus-per-node "${SLURM_GPUS_ON_NODE:-0}" "$@")
+    --gpus-per-node "${SLURM_GPUS_ON_NODE:-0}" --claim "$@")
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     local help # captured first: `srun --help | grep -q` can fail under pipefail (SIGPIPE)
     help=$(srun --help 2>&1 || true)
@@ -122,9 +123,34 @@ requeue_job() {
 }
 
 on_signal() {
-  SIGNALLED=$1
+  SIGNALLED=$1 SIGNAL_AT=$SECONDS
   log "received $1: asking the tasks to save a checkpoint and exit"
   scancel --signal="$1" "$SLURM_JOB_ID" || log "scancel --signal=$1 failed"
+}
+
+# slurm_seconds TIME: squeue's time ([D-]H:MM:SS or M:SS) in seconds; nothing for UNLIMITED or anything else.
+slurm_seconds() {
+  [[ $1 =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]] || return 0
+  echo $(((10#${BASH_REMATCH[2]:-0} * 24 + 10#${BASH_REMATCH[4]:-0}) * 3600 + 10#${BASH_REMATCH[5]} * 60 + 10#${BASH_REMATCH[6]}))
+}
+
+# cancelled_by_user: the TERM this job got came from scancel, not from its time limit or a preemption (Slurm
+# says which). Unknown counts as cancelled: a job its user cancelled must not come back by itself.
+cancelled_by_user() {
+  local reason state
+  reason=$(squeue -h -j "$SLURM_JOB_ID" -o %r 2>/dev/null || true)
+  [[ $reason == TimeLimit || $reason == Preempt* ]] && return 1
+  state=$(sacct -X -n -P -j "$SLURM_JOB_ID" -o State 2>/dev/null || true)
+  [[ $state == TIMEOUT* || $state == PREEMPTED* ]] && return 1
+  return 0
+}
+
+# warned_at_start: the USR1 came in the first half of the job's time limit. When that USR1 is the time-limit
+# warning (--signal=B:USR1@S with S too close to --time) every requeued run gets it as early: requeueing loops.
+warned_at_start() {
+  local limit
+  limit=$(slurm_seconds "$(squeue -h -j "$SLURM_JOB_ID" -o %l 2>/dev/null || true)")
+  [[ -n $limit ]] && ((2 * ${SIGNAL_AT:-0} < limit))
 }
 
 # stage_main STAGE [dotted.key=value ...]: run recipes/STAGE.yaml (or $RECIPE) with the overrides.
@@ -157,10 +183,18 @@ stage_main() {
   if ((rc == EXIT_DIVERGED)); then
     log "training diverged (the error line above names the step); not requeued: the newest checkpoint is from before"
   fi
-  # 128 + 10: the tasks got USR1 before the trainer's handler was installed (still starting up),
-  # so nothing new was saved; requeueing resumes from the previous checkpoint.
-  if ((rc == EXIT_REQUEUE)) || [[ ${SIGNALLED:-} == USR1 && $rc -eq 138 ]]; then
-    requeue_job "checkpoint saved; " ""
+  if ((rc == EXIT_REQUEUE)) && [[ ${SIGNALLED:-} == TERM ]] && cancelled_by_user; then
+    log "job cancelled (scancel): not requeued; submitting the same job again resumes from the checkpoint"
+    exit "$rc"
+  fi
+  ((rc == EXIT_REQUEUE)) && requeue_job "checkpoint saved; " ""
+  # 128 + 10: the tasks got USR1 before the trainer's handler was installed (still starting up), so nothing
+  # was saved; a requeued run resumes from the previous checkpoint, unless it would be warned as early.
+  if [[ ${SIGNALLED:-} == USR1 && $rc -eq 138 ]]; then
+    warned_at_start && die "USR1 came ${SIGNAL_AT}s into the job, before training started, and a requeued job" \
+      "would get it as early (if it is the time-limit warning, --signal=B:USR1@S comes S seconds before" \
+      "--time): not requeued; submit again with a longer --time"
+    requeue_job "nothing saved (USR1 came before training started); " ", resuming from the previous checkpoint"
   fi
   exit "$rc"
 }

@@ -1,0 +1,106 @@
+"""slurm/common.sh's decision after the tasks end, run for real in bash with srun, squeue, sacct, scontrol and
+scancel replaced by stubs: a job its user cancels stays cancelled, a time-limit warning at start does not requeue in
+a loop, and the script finds the project when submitted from another folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+STUBS = {
+    # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
+    "srun": '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\nexit "${FAKE_RC:-0}"',
+    "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
+              '*) echo RUNNING ;; esac',
+    "sacct": 'echo "${FAKE_STATE:-RUNNING}"',
+    "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; else '
+                'echo "   Command=$FAKE_COMMAND"; fi',
+    "scancel": "exit 0",
+    "python": "exit 0",  # the preflight (megatron_ext.launch --check) passes
+}
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Run a spool copy of slurm/cpt_1m.sh as a batch job submitted from an unrelated folder."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    spool = tmp_path / "spool_script"
+    shutil.copy(ROOT / "slurm/cpt_1m.sh", spool)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    calls = tmp_path / "calls"
+    calls.touch()
+
+    def run(**fake: str) -> tuple[subprocess.CompletedProcess, str]:
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_JOB_ID": "42",
+               "SLURM_NTASKS": "2", "SLURM_SUBMIT_DIR": str(elsewhere), "PYTHON": str(bin_dir / "python"),
+               "RECIPE": str(ROOT / "recipes/tiny/cpt.yaml"), "FAKE_CALLS": str(calls),
+               "FAKE_COMMAND": f"{ROOT}/slurm/cpt_1m.sh train.steps=3", **fake}
+        proc = subprocess.run(["bash", str(spool), "train.steps=3"], cwd=elsewhere, env=env, capture_output=True,
+                              text=True, timeout=60)
+        return proc, calls.read_text()
+
+    return run
+
+
+def test_found_from_another_folder_and_a_normal_requeue(job):
+    """Negative control: the trainer saved on USR1 (exit 3) -> requeued. Before the fix, a job submitted from another
+    folder died at once on `/elsewhere/slurm/common.sh: No such file or directory`."""
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="3")
+    assert proc.returncode == 0, proc.stderr
+    assert "working directory" in proc.stdout and "checkpoint saved; requeueing job 42 (restart 1)" in proc.stdout
+    assert calls == "requeue 42\n"
+
+
+def test_scancel_is_not_undone_by_a_requeue(job):
+    """scancel sends TERM; the trainer saves and exits 3. Before the fix the script requeued the cancelled job."""
+    proc, calls = job(FAKE_SIGNAL="TERM", FAKE_RC="3", FAKE_REASON="None", FAKE_STATE="CANCELLED by 0")
+    assert "job cancelled (scancel): not requeued" in proc.stdout, proc.stdout + proc.stderr
+    assert calls == ""
+
+
+def test_term_at_the_time_limit_still_requeues(job):
+    proc, calls = job(FAKE_SIGNAL="TERM", FAKE_RC="3", FAKE_REASON="TimeLimit", FAKE_STATE="TIMEOUT")
+    assert calls == "requeue 42\n", proc.stdout + proc.stderr
+
+
+def test_warning_before_training_started_does_not_requeue_in_a_loop(job):
+    """USR1 killed the tasks before the trainer's handler (exit 138) right at the start of a 10-minute job: the
+    requeued job would get it as early. Before the fix it requeued (up to MAX_REQUEUES times), logging
+    'checkpoint saved' although nothing was saved."""
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="10:00")
+    assert proc.returncode == 1 and calls == ""
+    assert "before training started" in proc.stderr and "longer --time" in proc.stderr
+    assert "checkpoint saved" not in proc.stdout
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="UNLIMITED")  # no time limit: a manual USR1
+    assert calls == "requeue 42\n" and "nothing saved" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_slurm_seconds():
+    script = f'source "{ROOT}/slurm/common.sh"; for t in 10:00 1:00:00 2-01:00:05 0:07 UNLIMITED; do ' \
+             'echo "[$(slurm_seconds "$t")]"; done'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[600]", "[3600]", "[176405]", "[7]", "[]"]
+
+
+def test_a_missing_project_is_one_error_line(tmp_path):
+    spool = tmp_path / "spool_script"
+    shutil.copy(ROOT / "slurm/sft.sh", spool)
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "none-such", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(spool)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>"
+    assert Path(tmp_path / "slurm").exists() is False
+
