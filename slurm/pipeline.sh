@@ -20,9 +20,15 @@
 #   --dry-run  print the sbatch commands instead of submitting
 # Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>.
 # SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
-# Run from the project root; PYTHON selects the python (default: python).
+# The jobs run in the project root; --hf, --export and --sft-recipe are taken relative to the folder this is run
+# from, the recipes' own paths and overrides relative to the project root. PYTHON selects the python (default: python).
 set -euo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
+# from_caller PATH: PATH as the user meant it, from the folder they ran this in (the jobs run in the project root).
+from_caller() {
+  if [[ -z $1 || $1 == /* || $CALLER -ef . ]]; then printf '%s\n' "$1"; else printf '%s\n' "$CALLER/$1"; fi
+}
 PYTHON=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -30,15 +36,17 @@ CPT=cpt_1m HF="" EXPORT="" SFT_RECIPE="" SFT=1 DRY=0 NIAH="" RULER=""
 OVERRIDES=()
 while (($#)); do
   case $1 in
+    --cpt | --hf | --export | --sft-recipe | --niah | --ruler)
+      (($# >= 2)) || { echo "error: $1 needs a value (see --help)" >&2; exit 1; } ;;&
     --cpt) CPT=$2; shift 2 ;;
-    --hf) HF=$2; shift 2 ;;
-    --export) EXPORT=$2; shift 2 ;;
-    --sft-recipe) SFT_RECIPE=$2; shift 2 ;;
+    --hf) HF=$(from_caller "$2"); shift 2 ;;
+    --export) EXPORT=$(from_caller "$2"); shift 2 ;;
+    --sft-recipe) SFT_RECIPE=$(from_caller "$2"); shift 2 ;;
     --no-sft) SFT=0; shift ;;
     --niah) NIAH=$2; shift 2 ;;
     --ruler) RULER=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
     --*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;;
     *) OVERRIDES+=("$1"); shift ;;
   esac

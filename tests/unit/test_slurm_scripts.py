@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,15 @@ def test_a_missing_project_is_one_error_line(tmp_path):
     assert proc.stderr.strip() == "error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>"
     assert Path(tmp_path / "slurm").exists() is False
 
+
+def test_pipeline_paths_are_the_callers(tmp_path):
+    """pipeline.sh moves to the project root to submit; --hf/--export given from another folder used to be read
+    from the project root (the export written into the project, the conversion failing on a path that exists)."""
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", "--no-sft", "--hf", "../models/m",
+                           "--export", "out/x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--hf\\ {tmp_path}/../models/m\\ " in proc.stdout and f"--out\\ {tmp_path}/out/x\\ " in proc.stdout
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--export"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help)\n"
