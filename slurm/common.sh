@@ -101,6 +101,17 @@ preflight() {
   fi
 }
 
+# A MASTER_ADDR exported in the submitting shell (sbatch passes the environment on; torchrun habits) wins over the
+# job's first node in megatron_ext.runtime. A loopback one on several nodes leaves the ranks of every other node
+# waiting for a rendezvous on themselves until the 30-minute timeout: stop now instead.
+check_rendezvous() {
+  if [[ ${MASTER_ADDR:-} =~ ^(localhost|127\.|::1$) ]] && ((${SLURM_JOB_NUM_NODES:-1} > 1)); then
+    die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) on a ${SLURM_JOB_NUM_NODES}-node job: the other nodes" \
+      "cannot reach it; unset MASTER_ADDR before sbatch (the job's first node is used)"
+  fi
+  return 0
+}
+
 # wait_step PID: wait for the srun step PID; its exit status in STEP_RC. `wait` returns early (> 128) when a
 # trap ran while srun still runs: then wait again.
 wait_step() {
@@ -168,6 +179,7 @@ stage_main() {
   # Trapped from here on: an early warning signal must not kill this shell (bash's default).
   trap 'SIGNALLED=USR1' USR1
   trap 'SIGNALLED=TERM' TERM
+  check_rendezvous
   preflight "$@"
 
   "${LAUNCH[@]}" "$PYTHON" -m megatron_ext.train --recipe "$RECIPE" "$@" &
@@ -224,6 +236,7 @@ eval_main() {
     args+=(--resume)
   fi
   log_job "${args[@]}"
+  check_rendezvous
   trap 'SIGNALLED=USR1' USR1 # bash's default for USR1 would end this shell
   "${LAUNCH[@]}" "$PYTHON" "$PROJECT_ROOT/tools/niah.py" "${args[@]}" --engine megatron &
   local pid=$! rc

@@ -117,3 +117,13 @@ def test_pipeline_paths_are_the_callers(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--export"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help)\n"
+
+
+def test_loopback_master_addr_from_the_login_shell_stops_a_multi_node_job(job):
+    """sbatch exports the submitting shell's MASTER_ADDR; before, a 2-node job took 'localhost' as its rendezvous
+    and the second node's ranks waited for themselves until the timeout."""
+    proc, calls = job(MASTER_ADDR="localhost", SLURM_JOB_NUM_NODES="2", FAKE_RC="0")
+    assert proc.returncode == 1 and "MASTER_ADDR=localhost (from the submitting shell)" in proc.stderr
+    assert "training exited" not in proc.stdout
+    proc, _ = job(MASTER_ADDR="localhost", SLURM_JOB_NUM_NODES="1", FAKE_RC="0")  # one node: loopback is right
+    assert proc.returncode == 0 and "training exited with 0" in proc.stdout, proc.stderr
