@@ -82,6 +82,16 @@ log_job() {
     "gpus/node ${SLURM_GPUS_ON_NODE:-0}, python $PYTHON${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
 }
 
+# check_python: end the job with one line when PYTHON is not a python with megatron_ext's dependencies (the
+# default `python` of a compute node often is the system one): what made the check above fail with a traceback.
+check_python() {
+  command -v "$PYTHON" >/dev/null ||
+    die "PYTHON=$PYTHON: no such program; export PYTHON=/path/to/venv/bin/python before sbatch"
+  "$PYTHON" -c 'import torch, megatron.core, yaml' 2>/dev/null ||
+    die "PYTHON=$PYTHON cannot import torch, megatron.core and yaml; export PYTHON=/path/to/venv/bin/python" \
+      "(the environment megatron_ext is installed in) before sbatch"
+}
+
 # Fail before any worker starts: the recipe, overrides, data and checkpoint paths must be good
 # for this many tasks.
 preflight() {
@@ -97,7 +107,7 @@ preflight() {
       die "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed); unset it or install pyxis"
     "${LAUNCH[@]}" --nodes=1 --ntasks=1 "${check[@]}" || die "recipe check failed; nothing launched"
   else
-    "${check[@]}" || die "recipe check failed; nothing launched"
+    "${check[@]}" || { check_python; die "recipe check failed; nothing launched"; }
   fi
 }
 

@@ -127,3 +127,15 @@ def test_loopback_master_addr_from_the_login_shell_stops_a_multi_node_job(job):
     assert "training exited" not in proc.stdout
     proc, _ = job(MASTER_ADDR="localhost", SLURM_JOB_NUM_NODES="1", FAKE_RC="0")  # one node: loopback is right
     assert proc.returncode == 0 and "training exited with 0" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("python, message", [
+    ("/no/such/python", "PYTHON=/no/such/python: no such program"),
+    ("false", "PYTHON=false cannot import torch, megatron.core and yaml"),  # runs, but is not the venv's python
+])
+def test_a_python_without_the_dependencies_is_named(job, python, message):
+    """Before: a traceback (ModuleNotFoundError: torch) or 'No such file', then 'recipe check failed'."""
+    proc, calls = job(PYTHON=python)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith(f"error: {message}") and "export PYTHON=" in last, proc.stderr
+    assert "training exited" not in proc.stdout
