@@ -174,6 +174,15 @@ warned_at_start() {
   [[ -n $limit ]] && ((2 * ${SIGNAL_AT:-0} < limit))
 }
 
+# run_finished [overrides]: the checkpoint of $RECIPE is at train.steps (the preflight's own report), so a USR1 that
+# killed the tasks (exit 138) came while they were exiting after the last save, not before training.
+run_finished() {
+  local out
+  out=$("$PYTHON" -m megatron_ext.launch --check --recipe "$RECIPE" --world-size "$SLURM_NTASKS" "$@" 2>/dev/null) ||
+    return 1
+  [[ $out == *"checkpoint: nothing to train"* ]]
+}
+
 # stage_main STAGE [dotted.key=value ...]: run recipes/STAGE.yaml (or $RECIPE) with the overrides.
 stage_main() {
   set -euo pipefail
@@ -213,6 +222,10 @@ stage_main() {
   # 128 + 10: the tasks got USR1 before the trainer's handler was installed (still starting up), so nothing
   # was saved; a requeued run resumes from the previous checkpoint, unless it would be warned as early.
   if [[ ${SIGNALLED:-} == USR1 && $rc -eq 138 ]]; then
+    if run_finished "$@"; then
+      log "the run had reached train.steps: USR1 came while the tasks were exiting; done"
+      exit 0
+    fi
     warned_at_start && die "USR1 came ${SIGNAL_AT}s into the job, before training started, and a requeued job" \
       "would get it as early (if it is the time-limit warning, --signal=B:USR1@S comes S seconds before" \
       "--time): not requeued; submit again with a longer --time"

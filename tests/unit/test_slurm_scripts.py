@@ -23,7 +23,8 @@ STUBS = {
     "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; else '
                 'echo "   Command=$FAKE_COMMAND"; fi',
     "scancel": "exit 0",
-    "python": "exit 0",  # the preflight (megatron_ext.launch --check) passes
+    # the preflight (megatron_ext.launch --check) passes and prints FAKE_CHECK_OUT
+    "python": '[[ -n ${FAKE_CHECK_OUT:-} ]] && echo "$FAKE_CHECK_OUT"\nexit 0',
 }
 
 
@@ -87,6 +88,14 @@ def test_warning_before_training_started_does_not_requeue_in_a_loop(job):
     assert "checkpoint saved" not in proc.stdout
     proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="UNLIMITED")  # no time limit: a manual USR1
     assert calls == "requeue 42\n" and "nothing saved" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_warning_as_a_finished_run_exits_is_success(job):
+    """The last save done, USR1 killed the tasks on their way out: the run is complete, not failed or requeued."""
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="10:00",
+                      FAKE_CHECK_OUT="checkpoint: nothing to train: the checkpoint is at step 3, train.steps = 3")
+    assert proc.returncode == 0 and calls == "", proc.stdout + proc.stderr
+    assert "USR1 came while the tasks were exiting" in proc.stdout
 
 
 def test_slurm_seconds():
