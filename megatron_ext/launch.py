@@ -183,9 +183,10 @@ class TrainStage:
             try:
                 recipe = load_recipe(self.recipe, self.overrides,
                                      world_size=int(os.environ.get("SLURM_NTASKS", "1")))
-                if recipe.checkpoint.dir:
-                    claim_checkpoint_dir(recipe.checkpoint.dir, job)
-            except RecipeError as e:  # every rank reads the same claim, so every rank stops here
+                if recipe.checkpoint.dir:  # rank 0 records it; every rank checks, so all stop together
+                    claim_checkpoint_dir(recipe.checkpoint.dir, job,
+                                         write=os.environ.get("SLURM_PROCID", "0") == "0")
+            except RecipeError as e:
                 raise SystemExit(f"error: {e}") from None
         code = main(["--recipe", self.recipe, *self.overrides])
         if code == EXIT_REQUEUE:

@@ -30,9 +30,10 @@ def job_state(job_id: str) -> str | None:
 
 
 def claim_checkpoint_dir(checkpoint_dir: str, job_id: str,
-                         state_of: Callable[[str], str | None] | None = None) -> None:
+                         state_of: Callable[[str], str | None] | None = None, write: bool = True) -> None:
     """Record Slurm job `job_id` as the writer of `checkpoint_dir` (in its `.slurm_job`), or raise RecipeError
-    when another job that is still queued or running holds it.
+    when another job that is still queued or running holds it. `write=False` only checks: the other tasks of a
+    job, whose rank 0 records it (each task stops by itself, none waits for a rank that has stopped).
 
     Two jobs of the same run (the same stage submitted twice) would save into one folder at once: each
     overwrites the other's iterations and `latest` pointer, the metrics file gets both runs' lines, and one of
@@ -40,26 +41,36 @@ def claim_checkpoint_dir(checkpoint_dir: str, job_id: str,
     claim the next one takes over.
     """
     root = Path(checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
     path = root / OWNER_FILE
+    if not write:
+        owner = path.read_text().strip() if path.is_file() else ""
+        if owner and owner != job_id:
+            _refuse_if_live(checkpoint_dir, owner, state_of)
+        return
+    root.mkdir(parents=True, exist_ok=True)
     try:  # O_EXCL: of two jobs starting at once, one creates the file and the other reads its id
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         owner = path.read_text().strip()
         if owner and owner != job_id:
-            state = (state_of or job_state)(owner)
-            if state is not None and state.split()[0] not in _ENDED:
-                raise RecipeError(
-                    f"checkpoint.dir = {checkpoint_dir!r} is being written by Slurm job {owner} ({state}); two runs "
-                    f"in one folder overwrite each other's checkpoints. Wait for it, cancel it (scancel {owner}), "
-                    "or give this run another checkpoint.dir") from None
+            _refuse_if_live(checkpoint_dir, owner, state_of)
         if owner != job_id:
-            tmp = root / f"{OWNER_FILE}.{job_id}"
+            tmp = root / f"{OWNER_FILE}.{job_id}.{os.getpid()}"
             tmp.write_text(f"{job_id}\n")
             os.replace(tmp, path)
         return
     with os.fdopen(fd, "w") as f:
         f.write(f"{job_id}\n")
+
+
+def _refuse_if_live(checkpoint_dir: str, owner: str, state_of: Callable[[str], str | None] | None) -> None:
+    """RecipeError when job `owner`, which holds `checkpoint_dir`, is still queued or running."""
+    state = (state_of or job_state)(owner)
+    if state is not None and state.split()[0] not in _ENDED:
+        raise RecipeError(
+            f"checkpoint.dir = {checkpoint_dir!r} is being written by Slurm job {owner} ({state}); two runs "
+            f"in one folder overwrite each other's checkpoints. Wait for it, cancel it (scancel {owner}), "
+            "or give this run another checkpoint.dir")
 
 
 def requeue_refusal(environ: Mapping[str, str] | None = None) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,38 @@ def test_usr1_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, token_
     ms = metrics(run)
     assert [m["step"] for m in ms] == list(range(1, STEPS + 1))
     assert losses(ms) == losses(torchrun_run)  # final losses equal an uninterrupted run, bitwise
+
+
+def test_scancel_stays_cancelled_and_a_second_job_cannot_share_the_folder(slurm_cluster, tmp_path, token_data):
+    """Two findings of a user audit, on the real cluster: the same stage submitted twice trained into one
+    checkpoint.dir at once (one job died mid-save, metrics.jsonl held both runs' steps), and `scancel` of a running
+    job came back by itself (the trainer saves on TERM and exits 3, and the script requeued it)."""
+    run = tmp_path / "run"
+    one_node = ["--nodes=1", f"--ntasks-per-node={NODES * TASKS_PER_NODE}", "--gpus-per-node=0",
+                "--cpus-per-task=1", "--time=30"]
+
+    def submit(log: Path) -> str:
+        cmd = ["sbatch", "--parsable", *one_node, f"--output={log}", str(ROOT / "slurm/cpt_4m.sh"),
+               *overrides(run, token_data, steps=1000), "checkpoint.interval=4"]  # still running when cancelled
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
+                              env=job_env(RECIPE=str(TINY))).stdout.strip().split(";")[0]
+
+    first = submit(tmp_path / "first.log")
+    deadline = time.time() + 300
+    while not (run / "iter_0000004").is_dir():  # training under way
+        assert squeue_state(first), (tmp_path / "first.log").read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    second = submit(tmp_path / "second.log")
+    assert wait_job(second, timeout=120)[0] == "FAILED"
+    text = (tmp_path / "second.log").read_text()
+    assert f"is being written by Slurm job {first} (RUNNING)" in text and "[train]" not in text, text[-3000:]
+    subprocess.run(["scancel", first], check=True)
+    state, _ = wait_job(first, timeout=90)  # a requeued job would be pending again, not settle
+    text = (tmp_path / "first.log").read_text()
+    assert state == "CANCELLED", text[-3000:]
+    assert "job cancelled (scancel): not requeued" in text and "requeueing" not in text, text[-3000:]
+    assert (run / "latest_checkpointed_iteration.txt").is_file()  # it saved on the way out
 
 
 @pytest.mark.parametrize("what, env_extra, args, message", [

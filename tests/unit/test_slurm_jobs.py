@@ -30,6 +30,19 @@ def test_claim_takes_over_from_a_job_that_ended(tmp_path, state):
     assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE]
 
 
+def test_other_tasks_only_check_the_claim(tmp_path):
+    """Under submitit every task checks (each stops by itself) and rank 0 alone writes: tasks of one job writing
+    one temporary name at once made a rank's rename fail."""
+    run = tmp_path / "run"
+    claim_checkpoint_dir(str(run), "101", state_of=lambda job: "RUNNING", write=False)
+    assert not run.exists()  # nothing written, not even the folder
+    claim_checkpoint_dir(str(run), "100", state_of=lambda job: None)
+    with pytest.raises(RecipeError, match=r"being written by Slurm job 100 \(RUNNING\)"):
+        claim_checkpoint_dir(str(run), "101", state_of=lambda job: "RUNNING", write=False)
+    claim_checkpoint_dir(str(run), "101", state_of=lambda job: None, write=False)  # 100 ended
+    assert (run / OWNER_FILE).read_text() == "100\n"
+
+
 def test_requeue_refusal_bounds_restarts():
     assert requeue_refusal({"SLURM_RESTART_COUNT": "49"}) is None
     assert "50 restarts (MAX_REQUEUES = 50)" in requeue_refusal({"SLURM_RESTART_COUNT": "50"})
