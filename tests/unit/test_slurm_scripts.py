@@ -1,7 +1,8 @@
 """slurm/common.sh's decision after the tasks end, run for real in bash with srun, squeue, sacct, scontrol and
-scancel replaced by stubs, for the cases the local cluster cannot show in seconds (a time-limit or preemption TERM,
-an early time-limit warning): a job its user cancels stays cancelled (also on the real cluster: tests/slurm/test_sbatch.py), a time-limit warning at start does not requeue in
-a loop, and the script finds the project when submitted from another folder."""
+scancel replaced by stubs, for the cases the local cluster cannot show in seconds (a time-limit or preemption
+TERM, an early time-limit warning): a job its user cancels stays cancelled (on the real cluster too:
+tests/slurm/test_sbatch.py), a time-limit warning at start does not requeue in a loop, and the script finds the
+project when submitted from another folder."""
 
 from __future__ import annotations
 
