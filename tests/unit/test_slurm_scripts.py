@@ -41,18 +41,19 @@ def job(tmp_path):
         (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     spool = tmp_path / "spool_script"
-    shutil.copy(ROOT / "slurm/cpt_1m.sh", spool)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     calls = tmp_path / "calls"
     calls.touch()
 
-    def run(**fake: str) -> tuple[subprocess.CompletedProcess, str]:
+    def run(script: str = "cpt_1m.sh", args: tuple[str, ...] = ("train.steps=3",),
+            **fake: str) -> tuple[subprocess.CompletedProcess, str]:
+        shutil.copy(ROOT / "slurm" / script, spool)
         env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_JOB_ID": "42",
                "SLURM_NTASKS": "2", "SLURM_SUBMIT_DIR": str(elsewhere), "PYTHON": str(bin_dir / "python"),
                "RECIPE": str(ROOT / "recipes/tiny/cpt.yaml"), "FAKE_CALLS": str(calls),
                "FAKE_COMMAND": f"{ROOT}/slurm/cpt_1m.sh train.steps=3", **fake}
-        proc = subprocess.run(["bash", str(spool), "train.steps=3"], cwd=elsewhere, env=env, capture_output=True,
+        proc = subprocess.run(["bash", str(spool), *args], cwd=elsewhere, env=env, capture_output=True,
                               text=True, timeout=60)
         return proc, calls.read_text()
 
@@ -90,6 +91,17 @@ def test_warning_before_training_started_does_not_requeue_in_a_loop(job):
     assert "checkpoint saved" not in proc.stdout
     proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="UNLIMITED")  # no time limit: a manual USR1
     assert calls == "requeue 42\n" and "nothing saved" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_evaluation_warned_at_start_does_not_requeue_in_a_loop(job):
+    """The same for slurm/niah.sh: a NIAH grid stopped by a USR1 that comes as it starts (a time limit not longer
+    than the warning) requeued with --resume up to MAX_REQUEUES times, doing nothing each time."""
+    grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", "out")
+    proc, calls = job("niah.sh", grid, FAKE_SIGNAL="USR1", FAKE_RC="143", FAKE_LIMIT="5:00")
+    assert proc.returncode == 1 and calls == "", proc.stdout + proc.stderr
+    assert "not requeued; submit again with a longer --time" in proc.stderr
+    proc, calls = job("niah.sh", grid, FAKE_SIGNAL="USR1", FAKE_RC="143", FAKE_LIMIT="UNLIMITED")  # control
+    assert calls == "requeue 42\n" and "goes on with --resume" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_warning_as_a_finished_run_exits_is_success(job):
