@@ -240,7 +240,7 @@ stage_main() {
 # on the warning signal (USR1) before the time limit this script stops the tasks and requeues the job, and the
 # requeued job adds --resume, so it runs only the cells its results lack. ppl and generate run to the end.
 stop_evaluation() {
-  SIGNALLED=USR1 SIGNAL_AT=$SECONDS
+  SIGNALLED=USR1
   log "received USR1: stopping the evaluation (results.json keeps what is done)"
   scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM failed"
 }
@@ -272,9 +272,6 @@ eval_main() {
   trap - USR1
   log "evaluation exited with $rc"
   if ((grid)) && [[ ${SIGNALLED:-} == USR1 ]] && ((rc != 0)); then
-    warned_at_start && die "USR1 came ${SIGNAL_AT}s into the job, and a requeued job would get it as early (if it" \
-      "is the time-limit warning, --signal=B:USR1@S comes S seconds before --time): not requeued; submit again" \
-      "with a longer --time (and --resume)"
     requeue_job "" "; it goes on with --resume"
   fi
   exit "$rc"

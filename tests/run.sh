@@ -29,15 +29,17 @@ TARGET=(tests)
 for a in "${ARGS[@]}"; do [[ -e ${a%%::*} ]] && TARGET=(); done
 rc=0
 if [[ ${#TARGET[@]} -gt 0 ]]; then
-  # The whole suite: tests/slurm in a second pytest beside the rest. Much of its time is Slurm scheduling,
-  # job start-up and polling, which the other tests fill; the suite takes minutes less. Its report follows.
+  # The whole suite: tests/slurm in a second pytest beside the rest, with the demo and the evaluation engine's
+  # tests to even out the two. Much of tests/slurm's time is Slurm scheduling, job start-up and polling, which
+  # the other tests fill; the suite takes minutes less. Its report follows.
+  BESIDE=(tests/slurm tests/test_demo.py tests/distributed/test_niah_megatron.py)
   SLURM_LOG=$(mktemp "${TMPDIR:-/tmp}/megatron_ext_slurm_tests.XXXXXX")
-  "$PY" -m pytest -q -ra -p no:cacheprovider tests/slurm "${ARGS[@]}" >"$SLURM_LOG" 2>&1 &
+  "$PY" -m pytest -q -ra -p no:cacheprovider "${BESIDE[@]}" "${ARGS[@]}" >"$SLURM_LOG" 2>&1 &
   slurm_tests=$!
-  "$PY" -m pytest -q -ra tests --ignore=tests/slurm "${ARGS[@]}" || rc=$?
+  "$PY" -m pytest -q -ra tests "${BESIDE[@]/#/--ignore=}" "${ARGS[@]}" || rc=$?
   slurm_rc=0
   wait "$slurm_tests" || slurm_rc=$?
-  echo "--- tests/slurm (run beside the others)"
+  echo "--- ${BESIDE[*]} (run beside the others)"
   cat "$SLURM_LOG"
   rm -f "$SLURM_LOG"
   ((rc == 0)) && rc=$slurm_rc

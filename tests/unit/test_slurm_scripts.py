@@ -93,17 +93,6 @@ def test_warning_before_training_started_does_not_requeue_in_a_loop(job):
     assert calls == "requeue 42\n" and "nothing saved" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_evaluation_warned_at_start_does_not_requeue_in_a_loop(job):
-    """The same for slurm/niah.sh: a NIAH grid stopped by a USR1 that comes as it starts (a time limit not longer
-    than the warning) requeued with --resume up to MAX_REQUEUES times, doing nothing each time."""
-    grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", "out")
-    proc, calls = job("niah.sh", grid, FAKE_SIGNAL="USR1", FAKE_RC="143", FAKE_LIMIT="5:00")
-    assert proc.returncode == 1 and calls == "", proc.stdout + proc.stderr
-    assert "not requeued; submit again with a longer --time" in proc.stderr
-    proc, calls = job("niah.sh", grid, FAKE_SIGNAL="USR1", FAKE_RC="143", FAKE_LIMIT="UNLIMITED")  # control
-    assert calls == "requeue 42\n" and "goes on with --resume" in proc.stdout, proc.stdout + proc.stderr
-
-
 def test_warning_as_a_finished_run_exits_is_success(job):
     """The last save done, USR1 killed the tasks on their way out: the run is complete, not failed or requeued."""
     proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="10:00",
