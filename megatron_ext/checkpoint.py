@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits
+from megatron_ext.runtime.signals import children_killed_on_interrupt
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron_ext/1"
@@ -178,7 +179,9 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
     finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
     if async_queue is None:
-        dist_checkpointing.save(state, str(tmp), content_metadata=content)
+        # The writers it forks get Ctrl-C and scancel too and leave them to us: stop them if one ends the save.
+        with children_killed_on_interrupt():
+            dist_checkpointing.save(state, str(tmp), content_metadata=content)
         _barrier()
         finish()
     else:
