@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -192,30 +191,30 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
 
 
 def _start_write_results_queue() -> None:
-    """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 ignored in its server.
+    """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 blocked in its server.
 
     The queue lives in a `multiprocessing.Manager` server process that dist_checkpointing spawns at the first
     save and keeps. Slurm delivers its pre-timeout USR1 (slurm/common.sh) and its TERM to every process of
     the job step, and the server had no handler: it died, and the save the signal asked for then failed
-    (BrokenPipeError, no requeue) in every run that had saved before. A spawned process keeps ignored and
-    blocked signals across exec; this process blocks them meanwhile, so one that arrives now is delivered
-    to the trainer's handler afterwards, not lost.
+    (BrokenPipeError, no requeue) in every run that had saved before. A spawned process keeps the signal mask
+    it was started with across exec, so this thread blocks both while it spawns the server: there they stay
+    blocked for good. Here a signal that arrives meanwhile is delivered afterwards, or at once by another
+    thread, to our handler. (Setting SIG_IGN instead lost it when another thread took it: the trainer's stop
+    request, or a converter's SIGTERM, which then completed and exited 0.)
     """
     import signal
+    from multiprocessing import resource_tracker
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
-    stops = {signal.SIGTERM, signal.SIGUSR1}
-    main_thread = threading.current_thread() is threading.main_thread()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in stops} if main_thread else {}
+    # The spawn starts the resource tracker if it is not running, and unblocks SIGTERM afterwards: start it first.
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
     try:
         filesystem_async._get_write_results_queue()
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 

@@ -127,3 +127,40 @@ def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
         time.sleep(0.02)
     assert _group_alive(proc.pid) == []
 
+
+def test_a_sigterm_while_the_writer_result_server_starts_is_not_lost(monkeypatch):
+    """The server of Megatron's writer-result queue must survive Slurm's TERM and USR1 (slurm/common.sh). Making
+    this process ignore them while it spawned the server lost a SIGTERM that another thread took meanwhile: the
+    conversion went on and exited 0. The converter has such threads (gloo's, tqdm's)."""
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_ext.checkpoint import _start_write_results_queue
+
+    received = []
+    start = filesystem_async._get_write_results_queue
+
+    def start_with_a_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return start()
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(filesystem_async, "_get_write_results_queue", start_with_a_sigterm)
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)  # takes the signal while this thread blocks it
+    other.start()
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+        _start_write_results_queue()
+        queue = filesystem_async._results_queue
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            os.kill(queue._manager._process.pid, sig)
+        queue.put("the server is alive")
+        assert queue.get(timeout=10) == "the server is alive"
+        queue._manager.shutdown()
+    finally:
+        idle.set()
+        other.join()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert received == [signal.SIGTERM]
