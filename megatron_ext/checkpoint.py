@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits
+from megatron_ext.runtime.signals import children_killed_on_interrupt
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron_ext/1"
@@ -178,7 +178,9 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
     finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
     if async_queue is None:
-        dist_checkpointing.save(state, str(tmp), content_metadata=content)
+        # The writers it forks get Ctrl-C and scancel too and leave them to us: stop them if one ends the save.
+        with children_killed_on_interrupt():
+            dist_checkpointing.save(state, str(tmp), content_metadata=content)
         _barrier()
         finish()
     else:
@@ -189,30 +191,30 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
 
 
 def _start_write_results_queue() -> None:
-    """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 ignored in its server.
+    """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 blocked in its server.
 
     The queue lives in a `multiprocessing.Manager` server process that dist_checkpointing spawns at the first
     save and keeps. Slurm delivers its pre-timeout USR1 (slurm/common.sh) and its TERM to every process of
     the job step, and the server had no handler: it died, and the save the signal asked for then failed
-    (BrokenPipeError, no requeue) in every run that had saved before. A spawned process keeps ignored and
-    blocked signals across exec; this process blocks them meanwhile, so one that arrives now is delivered
-    to the trainer's handler afterwards, not lost.
+    (BrokenPipeError, no requeue) in every run that had saved before. A spawned process keeps the signal mask
+    it was started with across exec, so this thread blocks both while it spawns the server: there they stay
+    blocked for good. Here a signal that arrives meanwhile is delivered afterwards, or at once by another
+    thread, to our handler. (Setting SIG_IGN instead lost it when another thread took it: the trainer's stop
+    request, or a converter's SIGTERM, which then completed and exited 0.)
     """
     import signal
+    from multiprocessing import resource_tracker
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
-    stops = {signal.SIGTERM, signal.SIGUSR1}
-    main_thread = threading.current_thread() is threading.main_thread()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in stops} if main_thread else {}
+    # The spawn starts the resource tracker if it is not running, and unblocks SIGTERM afterwards: start it first.
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
     try:
         filesystem_async._get_write_results_queue()
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 

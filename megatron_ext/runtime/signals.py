@@ -4,37 +4,111 @@ Slurm's `scancel` and its time limit, and a plain `kill`, send SIGTERM, whose de
 process at once: the cleanup that runs on Ctrl-C (removing a half-written output's temporary folder)
 never runs, and a full-size hidden copy stays behind per attempt. The trainer has its own handler
 (`megatron_ext.train.StopFlag`: finish the step, save, exit for requeue); this one is for the tools.
+
+Only the process that installed the handler raises. `scancel` and Ctrl-C signal every process of the job
+step or terminal, and processes forked from a tool inherit its handlers: Megatron-Core's checkpoint writers
+(forked at each save) died halfway through their queue protocol, and the tool then waited for their results
+forever. In them the signal now does nothing; the tool stops them (`children_killed_on_interrupt`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from typing import Iterator
+
+_owner_pid: int | None = None  # the process inside `sigterm_as_interrupt`; its forked children have other pids
+_received: list[int] = []  # signals that raised in the owner, oldest first
 
 
 class Terminated(KeyboardInterrupt):
     """Raised in the main thread when the process receives SIGTERM."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated(f"received signal {signal.Signals(signum).name}")
+def _interrupt_for(signum: int) -> KeyboardInterrupt:
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt()
+    return Terminated(f"received signal {signal.Signals(signum).name}")
+
+
+def _interrupt(signum: int, frame) -> None:
+    if os.getpid() != _owner_pid:
+        return  # a forked helper: the owner got the same signal and stops it
+    _received.append(signum)
+    raise _interrupt_for(signum)
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Within the block SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so `finally` blocks
-    and `except KeyboardInterrupt` cleanups run as on Ctrl-C. A handler someone else installed stays (submitit's,
-    when the launcher runs a tool in-process), and the previous disposition comes back after the block (tests
-    call the tools' `main` in-process). Off the main thread nothing changes (Python delivers signals there only).
+    and `except KeyboardInterrupt` cleanups run as on Ctrl-C; SIGINT raises KeyboardInterrupt as before. In
+    processes forked inside the block both signals do nothing (see the module docstring). A handler someone else
+    installed stays (submitit's, when the launcher runs a tool in-process), and the previous dispositions come
+    back after the block (tests call the tools' `main` in-process). Off the main thread nothing changes (Python
+    delivers signals there only).
     """
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    global _owner_pid
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    ours = [s for s, default in defaults.items() if signal.getsignal(s) is default]
+    previous_owner, _owner_pid = _owner_pid, os.getpid()
+    for s in ours:
+        signal.signal(s, _interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s in ours:
+            signal.signal(s, defaults[s])
+        _owner_pid = previous_owner
+
+
+@contextlib.contextmanager
+def children_killed_on_interrupt() -> Iterator[None]:
+    """Child processes started in the block do not outlive an interrupt of it, and the interrupt is not lost.
+
+    For a block that forks helpers and waits for them (Megatron-Core's checkpoint writers). On KeyboardInterrupt
+    (Ctrl-C, or SIGTERM under `sigterm_as_interrupt`) the helpers are killed before it propagates: the caller's
+    cleanup then does not race with them (removing the folder they write to), and the exit does not wait for
+    them. Two ways an interrupt got lost in such a block are undone here. torch.distributed.checkpoint turns a
+    KeyboardInterrupt in its planning into a CheckpointException: it is raised as the interrupt again. Python
+    runs a handler inside at-fork hooks, whose exceptions it only prints: the interrupt is raised when the block
+    ends (the helpers ignore the signal, so the block does end, when their write is done).
+    """
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    seen = len(_received)
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt) and len(_received) == seen:
+            raise
+        _kill_children(me, before)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise _interrupt_for(_received[-1]) from e
+    if len(_received) > seen:
+        raise _interrupt_for(_received[-1])
+
+
+def _kill_children(me, before: set[int]) -> None:
+    """SIGKILL (forked helpers ignore SIGTERM and SIGINT) and reap `me`'s children that are not in `before`."""
+    import multiprocessing
+
+    import psutil
+
+    new = [p for p in me.children() if p.pid not in before]
+    for p in new:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    # multiprocessing reaps the ones it started (so their exitcode is right); psutil any it had not recorded yet
+    tracked = {p.pid: p for p in multiprocessing.active_children()}
+    for p in new:
+        if p.pid in tracked:
+            tracked[p.pid].join()
+    psutil.wait_procs([p for p in new if p.pid not in tracked], timeout=30)

@@ -3,6 +3,7 @@ an existing --out stays as it was, and the command ends with one `error:` line (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import ROOT
@@ -59,3 +61,106 @@ def test_sigterm_removes_temporary_output_and_keeps_old_out(direction, src, mcor
                      "only by a complete conversion)"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .out.partial-* / .out.old-* left
     assert sorted(p.name for p in out.iterdir()) == ["keep"]
+
+
+def _writers_blocked(partial: Path, proc: subprocess.Popen, shards: int = 2) -> None:
+    """Make Megatron's checkpoint writers wait in the open() of their shard files until they are killed.
+
+    The shard files become FIFOs that nobody opens for reading. Once every writer is forked (a child that runs
+    the converter's own command line) the converter waits for them: the moment a `scancel` hits a conversion
+    writing a large model.
+    """
+    _wait_for(".iter_0000000.partial", partial, proc)
+    for i in range(shards):
+        os.mkfifo(partial / ".iter_0000000.partial" / f"__0_{i}.distcp")
+    converter = psutil.Process(proc.pid)
+    deadline = time.time() + 120
+    while len([c for c in converter.children() if c.cmdline() == converter.cmdline()]) < shards:
+        assert proc.poll() is None, f"conversion ended before its writers started: {proc.communicate()}"
+        assert time.time() < deadline, f"fewer than {shards} checkpoint writers started"
+        time.sleep(0.01)
+    # Past the last fork: a signal inside it runs the handler in an at-fork hook, where Python drops the
+    # exception (handled too, when the write ends; these writers never end).
+    asleep = 0
+    while asleep < 5:
+        asleep = asleep + 1 if converter.status() == psutil.STATUS_SLEEPING else 0
+        assert time.time() < deadline, "the converter did not settle into waiting for its writers"
+        time.sleep(0.01)
+
+
+def _group_alive(pgid: int) -> list[str]:
+    alive = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:  # init reaps those
+                alive.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:100]}")
+    return alive
+
+
+def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
+    """scancel and Ctrl-C signal every process, Megatron's forked checkpoint writers included. They died halfway
+    through their queue protocol (a traceback each, and now and then the converter waited for them forever);
+    now they ignore it and the converter kills them, removes its temporary folder and exits 143."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("previous conversion")
+    cmd = [sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(src), "--out", str(out),
+           "--force", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        _writers_blocked(tmp_path / f".out.partial-{proc.pid}", proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err
+    lines = [ln for ln in err.splitlines() if ln.startswith(("error", "Traceback", "Exception", "Process"))]
+    assert lines == [f"error: interrupted (SIGTERM); the unfinished output was removed (--out {out} is replaced "
+                     "only by a complete conversion)"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["keep"]
+    deadline = time.time() + 10  # multiprocessing's resource tracker ends when it sees the converter gone
+    while _group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.02)
+    assert _group_alive(proc.pid) == []
+
+
+def test_a_sigterm_while_the_writer_result_server_starts_is_not_lost(monkeypatch):
+    """The server of Megatron's writer-result queue must survive Slurm's TERM and USR1 (slurm/common.sh). Making
+    this process ignore them while it spawned the server lost a SIGTERM that another thread took meanwhile: the
+    conversion went on and exited 0. The converter has such threads (gloo's, tqdm's)."""
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_ext.checkpoint import _start_write_results_queue
+
+    received = []
+    start = filesystem_async._get_write_results_queue
+
+    def start_with_a_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return start()
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(filesystem_async, "_get_write_results_queue", start_with_a_sigterm)
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)  # takes the signal while this thread blocks it
+    other.start()
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+        _start_write_results_queue()
+        queue = filesystem_async._results_queue
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            os.kill(queue._manager._process.pid, sig)
+        queue.put("the server is alive")
+        assert queue.get(timeout=10) == "the server is alive"
+        queue._manager.shutdown()
+    finally:
+        idle.set()
+        other.join()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert received == [signal.SIGTERM]

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 from tests.conftest import ROOT
 
@@ -47,9 +48,11 @@ def test_the_previous_disposition_comes_back_and_other_handlers_stay():
     from megatron_ext.runtime.signals import sigterm_as_interrupt
 
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    sigint = signal.getsignal(signal.SIGINT)
     with sigterm_as_interrupt():
         assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is sigint
 
     def theirs(signum, frame):
         pass
@@ -60,3 +63,100 @@ def test_the_previous_disposition_comes_back_and_other_handlers_stay():
             assert signal.getsignal(signal.SIGTERM) is theirs
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _wait_for_go(ready, go) -> None:
+    ready.set()
+    go.wait(30)
+
+
+def test_a_forked_child_ignores_sigterm_and_sigint():
+    """Megatron's checkpoint writers are forked from the tool and get scancel's / Ctrl-C's signal too: dying
+    halfway through their queue protocol hung the tool, so only the tool's own process raises."""
+    import multiprocessing
+    import os
+    import signal
+
+    from megatron_ext.runtime.signals import sigterm_as_interrupt
+
+    ctx = multiprocessing.get_context("fork")
+    ready, go = ctx.Event(), ctx.Event()
+    with sigterm_as_interrupt():
+        child = ctx.Process(target=_wait_for_go, args=(ready, go))
+        child.start()
+    try:
+        assert ready.wait(30)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(child.pid, sig)
+        child.join(0.2)
+        assert child.is_alive()
+    finally:
+        go.set()
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def _sleep_forever(ready) -> None:
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def test_an_interrupt_kills_the_children_started_in_the_block():
+    """They ignore the signal; left running, the tool's cleanup races with their writes and its exit waits."""
+    import multiprocessing
+    import signal
+
+    import pytest
+
+    from megatron_ext.runtime.signals import Terminated, children_killed_on_interrupt, sigterm_as_interrupt
+
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_sleep_forever, args=(ready,))
+    try:
+        with pytest.raises(Terminated), sigterm_as_interrupt(), children_killed_on_interrupt():
+            child.start()
+            assert ready.wait(30)
+            signal.raise_signal(signal.SIGTERM)
+        child.join(5)
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+class _SwallowingHook:
+    """Python runs a signal handler inside at-fork hooks (and `__del__`), where it prints exceptions and goes on."""
+
+    def __del__(self):
+        import signal
+
+        signal.raise_signal(signal.SIGTERM)
+
+
+def _swallowed() -> None:
+    _SwallowingHook()
+
+
+def _wrapped() -> None:
+    import signal
+
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    except BaseException as e:  # torch.distributed.checkpoint's planning turns it into a CheckpointException
+        raise RuntimeError("checkpoint planning failed") from e
+
+
+def test_an_interrupt_that_was_swallowed_or_wrapped_in_the_block_is_raised(monkeypatch):
+    import sys
+
+    import pytest
+
+    from megatron_ext.runtime.signals import Terminated, children_killed_on_interrupt, sigterm_as_interrupt
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    for lose_it in (_swallowed, _wrapped):
+        with pytest.raises(Terminated), sigterm_as_interrupt(), children_killed_on_interrupt():
+            lose_it()
