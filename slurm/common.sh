@@ -240,9 +240,20 @@ stage_main() {
 # on the warning signal (USR1) before the time limit this script stops the tasks and requeues the job, and the
 # requeued job adds --resume, so it runs only the cells its results lack. ppl and generate run to the end.
 stop_evaluation() {
-  SIGNALLED=USR1
+  SIGNALLED=USR1 SIGNAL_AT=$SECONDS
   log "received USR1: stopping the evaluation (results.json keeps what is done)"
   scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM failed"
+}
+
+# results_stamp ARGS...: a checksum of the results.json in tools/niah.py's --out folder, or nothing.
+results_stamp() {
+  local out="" prev=""
+  for a in "$@"; do
+    [[ $prev == --out ]] && out=$a
+    [[ $a == --out=* ]] && out=${a#--out=}
+    prev=$a
+  done
+  if [[ -n $out ]]; then cksum 2>/dev/null <"$out/results.json" || true; fi
 }
 
 eval_main() {
@@ -260,6 +271,8 @@ eval_main() {
   fi
   log_job "${args[@]}"
   check_rendezvous
+  local saved_before
+  saved_before=$(results_stamp "${args[@]}")
   trap 'SIGNALLED=USR1' USR1 # bash's default for USR1 would end this shell
   "${LAUNCH[@]}" "$PYTHON" "$PROJECT_ROOT/tools/niah.py" "${args[@]}" --engine megatron &
   local pid=$! rc
@@ -272,6 +285,12 @@ eval_main() {
   trap - USR1
   log "evaluation exited with $rc"
   if ((grid)) && [[ ${SIGNALLED:-} == USR1 ]] && ((rc != 0)); then
+    # Warned as it started and nothing saved: a requeued job would be warned as early, again and again.
+    if warned_at_start && [[ $(results_stamp "${args[@]}") == "$saved_before" ]]; then
+      die "USR1 came ${SIGNAL_AT}s into the job and no results were saved since it started; a requeued job would" \
+        "be warned as early (--signal=B:USR1@S comes S seconds before --time): not requeued; submit again with a" \
+        "longer --time (and --resume)"
+    fi
     requeue_job "" "; it goes on with --resume"
   fi
   exit "$rc"

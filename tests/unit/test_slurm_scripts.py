@@ -18,7 +18,8 @@ from tests.conftest import ROOT
 
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
-    "srun": '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\nexit "${FAKE_RC:-0}"',
+    "srun": '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
+            '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
               '*) echo RUNNING ;; esac',
     "sacct": 'echo "${FAKE_STATE:-RUNNING}"',
@@ -91,6 +92,24 @@ def test_warning_before_training_started_does_not_requeue_in_a_loop(job):
     assert "checkpoint saved" not in proc.stdout
     proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="UNLIMITED")  # no time limit: a manual USR1
     assert calls == "requeue 42\n" and "nothing saved" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_evaluation_warned_at_start_requeues_only_after_a_save(job, tmp_path):
+    """slurm/niah.sh: a NIAH grid stopped by a USR1 that comes as it starts (a time limit not longer than the
+    warning) requeued with --resume up to MAX_REQUEUES times, saving nothing each time. It still requeues when the
+    run saved results (the grid goes on) or when the warning came late."""
+    out = tmp_path / "niah"
+    out.mkdir()
+    (out / "results.json").write_text("{}\n")  # from an earlier run
+    grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", str(out))
+    fake = {"FAKE_SIGNAL": "USR1", "FAKE_RC": "143", "FAKE_RESULTS": str(out / "results.json")}
+    proc, calls = job("niah.sh", grid, **fake, FAKE_LIMIT="5:00")
+    assert proc.returncode == 1 and calls == "", proc.stdout + proc.stderr
+    assert "no results were saved since it started" in proc.stderr and "longer --time" in proc.stderr
+    proc, calls = job("niah.sh", grid, **fake, FAKE_LIMIT="5:00", FAKE_SAVE='{"cells": 1}')
+    assert calls == "requeue 42\n" and "goes on with --resume" in proc.stdout, proc.stdout + proc.stderr
+    proc, calls = job("niah.sh", grid, **fake, FAKE_LIMIT="UNLIMITED")
+    assert calls == "requeue 42\nrequeue 42\n", proc.stdout + proc.stderr
 
 
 def test_warning_as_a_finished_run_exits_is_success(job):
