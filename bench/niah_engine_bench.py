@@ -1,15 +1,18 @@
-"""Forward passes and time of NIAH on the Megatron engine: the needle as draft, the KV cache, both, vs neither.
+"""Forward passes and time of NIAH on the Megatron engine: the needle as draft, the KV cache, prompts sharing their
+prefix through the cache, vs none of them.
 
     torchrun --nproc-per-node 2 bench/niah_engine_bench.py --megatron demo_out/sft --cp 2 --chat \
         [--lengths 512,2048] [--depths 0:100:10] [--samples 1] [--max-new-tokens 16] [--out bench/results]
 
-The same grid runs four times on the same ranks (`megatron_ext.evaluate.parallel`): first the baseline, greedy
+The same grid runs five times on the same ranks (`megatron_ext.evaluate.parallel`): first the baseline, greedy
 decoding one full forward pass per new token (no draft, no KV cache), then decoding checked against the expected
 answer (draft), then with the prompt's keys and values kept and one decode step per further token (kv_cache), then
-both (the engine's default). Reported per mode: accuracy, full passes, decode steps, seconds, and passes and time
-as ratios to the baseline; the scores must be equal cell by cell (neither changes the output), which the script
-checks. The draft helps a model that retrieves the needles, the cache one that does not (a decode step costs a
-pass over one token; the longer the prompt, the more that saves). Writes a JSON under bench/results/ (rank 0).
+both, then both with the cache kept from prompt to prompt so that a prompt runs only its tokens after the haystack
+it shares with the one before (+shared_prefix: the engine's default). Reported per mode: accuracy, full passes,
+extension passes, decode steps, seconds, and passes and time as ratios to the baseline; the scores must be equal
+cell by cell (none changes the output), which the script checks. The draft helps a model that retrieves the
+needles, the cache one that does not (a decode step costs a pass over one token; the longer the prompt, the more
+that saves), the shared prefix every grid with several depths. Writes a JSON under bench/results/ (rank 0).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {"token_by_token": (False, False), "draft": (True, False), "kv_cache": (False, True),
-         "draft+kv_cache": (True, True)}  # mode: (draft, KV cache)
+MODES = {"token_by_token": (False, False, False), "draft": (True, False, False), "kv_cache": (False, True, False),
+         "draft+kv_cache": (True, True, False),
+         "+shared_prefix": (True, True, True)}  # mode: (draft, KV cache, prompts share their prefix through it)
 
 
 def engine_parser(description: str) -> argparse.ArgumentParser:
@@ -58,20 +62,25 @@ def main() -> int:
     rows = []
     with megatron_engine(args.megatron, tensor=args.tp, pipeline=args.pp, context=args.cp,
                          tokenizer=args.tokenizer) as engine:
-        for mode, (draft, cache) in MODES.items():
+        for mode, (draft, cache, shared) in MODES.items():
             gen = engine.greedy(args.max_new_tokens, kv_cache=cache)
             gen.takes_drafts = draft
+            if not shared:
+                gen.min_shared = float("inf")
             start = time.perf_counter()
             result = run_niah(None, engine.tokenizer, lengths, depths, generate=gen, samples=args.samples,
                               chat=args.chat, max_new_tokens=args.max_new_tokens, batch_tokens=max(lengths), progress=False,
                               log=None, allow_beyond_max_positions=True)
             seconds = time.perf_counter() - start
-            counts = torch.tensor([gen.passes, gen.decode_steps])
+            counts = torch.tensor([gen.passes, gen.extensions, gen.shared_tokens, gen.decode_steps])
             torch.distributed.all_reduce(counts, group=torch.distributed.group.WORLD)
             counts //= args.tp * args.pp * args.cp  # every rank of a replica counted its replica's passes
             rows.append({"mode": mode, "accuracy": result.accuracy, "scores": result.scores, "seconds": seconds,
-                         "forward_passes": int(counts[0]), "decode_steps": int(counts[1]),
+                         "forward_passes": int(counts[0]), "extension_passes": int(counts[1]),
+                         "shared_tokens": int(counts[2]), "decode_steps": int(counts[3]),
                          "prompts": len(result.cells)})
+            if gen.cache is not None:
+                gen.cache.clear()
         rank0 = engine.rank0
         layout = engine.layout
     base = rows[0]
@@ -80,12 +89,13 @@ def main() -> int:
         print(f"error: {', '.join(changed)} changed a score; the decoding is not greedy", file=sys.stderr)
         return 1
     if rank0:
-        print(f"{'mode':>15} {'accuracy':>9} {'passes':>7} {'x base':>7} {'decode':>7} {'seconds':>8} {'x base':>7}")
+        print(f"{'mode':>15} {'accuracy':>9} {'passes':>7} {'x base':>7} {'extend':>7} {'decode':>7} {'seconds':>8} "
+              f"{'x base':>7}")
         for r in rows:
             r["passes_ratio"] = r["forward_passes"] / base["forward_passes"]
             r["time_ratio"] = r["seconds"] / base["seconds"]
             print(f"{r['mode']:>15} {r['accuracy']:>9.1%} {r['forward_passes']:>7} {r['passes_ratio']:>7.2f} "
-                  f"{r['decode_steps']:>7} {r['seconds']:>8.2f} {r['time_ratio']:>7.2f}")
+                  f"{r['extension_passes']:>7} {r['decode_steps']:>7} {r['seconds']:>8.2f} {r['time_ratio']:>7.2f}")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = args.out / f"niah_engine-{stamp}.json"
         write_json_atomic(path, {"checkpoint": args.megatron, "layout": layout, "lengths": lengths, "depths": depths,

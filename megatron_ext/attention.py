@@ -46,7 +46,7 @@ class _AllGatherSeq(torch.autograd.Function):
 
 
 def zigzag_causal_attention(sdpa, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                            cp_size: int, cp_rank: int) -> torch.Tensor:
+                            cp_size: int, cp_rank: int, prefix: int = 0) -> torch.Tensor:
     """Causal attention of this CP rank's zigzag queries over the whole sequence's keys.
 
     q `[b, nh, 2c, d]` holds chunks `cp_chunk_ids(cp_size, cp_rank)` (c tokens each) in local
@@ -56,12 +56,14 @@ def zigzag_causal_attention(sdpa, q: torch.Tensor, k_all: torch.Tensor, v_all: t
     tensor; flash takes no masks, so one dense `[2c, s]` mask leaves SDPA the O(s^2)-memory kernels).
     It also skips the keys after each chunk (CPU: 0.56x the time of the dense mask at s = 16K,
     bench/cp_attention_bench.py).
-    `sdpa(q, k, v, mask=...)` is the SDPA call to use. Returns `[b, nh, 2c, d]`.
+    `sdpa(q, k, v, mask=...)` is the SDPA call to use. `prefix`: keys that come before the sequence and every
+    query sees (a cached prompt prefix, `megatron_ext.evaluate.kv_cache`), s = prefix + 2 x CP x c.
+    Returns `[b, nh, 2c, d]`.
     """
     c = q.shape[2] // 2
     outs = []
     for q_chunk, chunk in zip(q.split(c, dim=2), cp_chunk_ids(cp_size, cp_rank)):
-        end = (chunk + 1) * c
+        end = prefix + (chunk + 1) * c
         outs.append(sdpa(q_chunk, k_all[:, :, :end], v_all[:, :, :end], mask=causal_lower_right(c, end)))
     return torch.cat(outs, dim=2)
 

@@ -38,7 +38,8 @@ def _megatron_engine_check(evals: Path, rows) -> dict | None:
     same = sum(a["score"] == b["score"] for a, b in zip(ours["cells"], theirs["cells"]))
     settings = ours["settings"]
     return {"by_length": by_length, "cells": len(ours["cells"]), "same_cells": same,
-            "forward_passes": settings.get("forward_passes"), "decode_steps": settings.get("decode_steps")}
+            "forward_passes": settings.get("forward_passes"), "extension_passes": settings.get("extension_passes", 0),
+            "decode_steps": settings.get("decode_steps")}
 
 
 def _param_count(hf_dir: Path) -> int:
@@ -116,8 +117,11 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
                   "| engine | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths),
                   "| Megatron, CP 2 | " + " | ".join(cell(v) for v in engine["by_length"]) + " |", "",
                   f"Cells scored as by transformers: {engine['same_cells']} of {engine['cells']}; "
-                  f"{engine['forward_passes']} forward passes over the prompts and {engine['decode_steps']} decode "
-                  f"steps for {engine['cells']} prompts (greedy decoding checked against the needle as a draft).", ""]
+                  f"{engine['forward_passes']} forward passes over the prompts"
+                  + (f", {engine['extension_passes']} over their tokens after the haystack shared with the prompt "
+                     "before" if engine["extension_passes"] else "")
+                  + f" and {engine['decode_steps']} decode steps for {engine['cells']} prompts (greedy decoding "
+                  "checked against the needle as a draft).", ""]
     lines += ["## Loss by token position", "", f"![perplexity by position]({rel(ppl_png)})", "",
               "| model | mean loss |", "|---|---:|"]
     lines += [f"| {k} | {v.mean_loss:.4f} |" for k, v in ppl.items()]

@@ -170,7 +170,9 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save, prev
     if process_env().rank == 0:
         js, png = save(result)
         counts = result.settings
-        print(f"[niah] accuracy {result.accuracy:.1%} ({counts['forward_passes']} forward passes, "
+        shared = (f", {counts['extension_passes']} passes after a shared prefix ({counts['shared_tokens']:,} prompt "
+                  "tokens not run again)" if counts.get("extension_passes") else "")
+        print(f"[niah] accuracy {result.accuracy:.1%} ({counts['forward_passes']} forward passes{shared}, "
               f"{counts['decode_steps']} decode steps); wrote {js} and {png}")
 
 

@@ -101,14 +101,19 @@ class Engine:
                     progress=progress and self.rank0, log=print if self.rank0 else None, prefill_chunk=None)
 
     def record(self, settings: dict, greedy: "MegatronGreedy") -> None:
-        """Put the engine, its layout and precision, and the full passes and decode steps of all replicas into a
-        result's `settings` (a collective: every rank calls it)."""
+        """Put the engine, its layout and precision, and the full passes, extension passes (with the prompt tokens
+        they shared) and decode steps of all replicas into a result's `settings` (a collective: every rank calls
+        it). The cache is freed: the run is over."""
         from megatron.core import parallel_state as ps
 
-        counts = torch.tensor([greedy.passes, greedy.decode_steps], device=self.device)
+        counts = torch.tensor([greedy.passes, greedy.extensions, greedy.shared_tokens, greedy.decode_steps],
+                              device=self.device)
         dist.all_reduce(counts, group=ps.get_data_parallel_group())
         settings.update(engine="megatron", layout=self.layout, dtype=self.precision, kv_cache=greedy.cache is not None,
-                        forward_passes=int(counts[0]), decode_steps=int(counts[1]))
+                        forward_passes=int(counts[0]), extension_passes=int(counts[1]), shared_tokens=int(counts[2]),
+                        decode_steps=int(counts[3]))
+        if greedy.cache is not None:
+            greedy.cache.clear()
 
     def describe(self) -> str:
         l = self.layout

@@ -10,6 +10,12 @@ attended by CP rank 0 only, so each key counts once. RoPE of the new tokens come
 `ScaledRotaryEmbedding.positions`. Entries at or after the first new position are ignored, so a step may also roll
 back the tokens of a draft the model did not take.
 
+A prompt that starts like the cached one (NIAH prompts of one length share the haystack before their needle) runs
+only its tokens after the shared prefix (`extending`): a pass over them, zigzag-split over CP like a prefill,
+whose queries attend to the cached prefix (gathered from the CP ranks, one layer at a time, the keys a prefill of
+the whole prompt would have all-gathered too) and to the pass's own keys; each rank then keeps its rows after the
+prefix. For a grid whose depths spread evenly this skips about half the prefill's tokens.
+
 Cache size per rank: 2 x layers/PP x KV heads/TP x head dim x bytes per value per token of the prompt / CP (for
 Llama-3.1-8B in bf16: 128 KiB per token / (TP x CP); 1M tokens at TP 8 x CP 4: 4 GiB on each rank).
 """
@@ -19,8 +25,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.attention import zigzag_causal_attention
+from megatron_ext.context_parallel import unshard_order
 
 # Keys attended per block in fp32 (bounds the temporary scores and the fp32 copy of a bf16 cache).
 KEY_BLOCK = 65536
@@ -75,12 +86,32 @@ class CachedCoreAttention(torch.nn.Module):
         cache = self.cache[0]
         if cache.mode == "decode":
             return self._decode(query, key, value, cache)
+        if cache.mode == "extend":
+            return self._extend(query, key, value, cache)
         if cache.mode == "record":
             # copies (`value` may be a view of the fused QKV projection), taken before the backend sees them
             self.keys, self.values = key.detach().clone(), value.detach().clone()
             self.tail_keys = self.tail_values = None
             self.tail_positions = torch.empty(0, dtype=torch.long, device=key.device)
         return self.inner(query, key, value, attention_mask, *args, **kwargs)
+
+    def _extend(self, query, key, value, cache: "ContextParallelKVCache") -> torch.Tensor:
+        s, b, nh, d = query.shape
+        kept_keys, kept_values = (t.index_select(0, cache.kept_rows) for t in (self.keys, self.values))
+        # [prefix + m, b, ng, d] in position order: the cached prefix, then the pass's tokens of every CP rank
+        k_all, v_all = (torch.cat([cache.gather_prefix(old), cache.gather_pass(new)]).permute(1, 2, 0, 3)
+                        for old, new in ((kept_keys, key), (kept_values, value)))
+        out = zigzag_causal_attention(self._sdpa, query.permute(1, 2, 0, 3), k_all, v_all, cache.cp_size,
+                                      cache.cp_rank, prefix=cache.start)
+        self.keys, self.values = torch.cat([kept_keys, key.detach()]), torch.cat([kept_values, value.detach()])
+        self.tail_keys = self.tail_values = None  # decoded tokens sit after the prefix: not in the sequence now
+        self.tail_positions = torch.empty(0, dtype=torch.long, device=key.device)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
+
+    def _sdpa(self, q, k, v, mask=None):
+        """q `[b, nh, sq, d]`, k/v `[b, ng, sk, d]`, `mask` a causal bias -> `[b, nh, sq, d]` (the model's dtype)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
     def _decode(self, query, key, value, cache: "ContextParallelKVCache") -> torch.Tensor:
         n, b, nh, d = query.shape
@@ -138,6 +169,15 @@ class ContextParallelKVCache:
             attention.core_attention = CachedCoreAttention(core, self, scale)
             self.layers.append(attention.core_attention)
 
+    def shared_prefix(self, ids: list[int], first: int) -> int:
+        """How many of `ids`' first positions the cache holds from its prefill (extendable by `extending`): their
+        common prefix with the cached ids, at most `first` (the pass must cover the positions to predict)."""
+        n = min(len(ids), len(self.ids), first, self.prefill_valid)
+        if n <= 0:
+            return 0
+        differ = np.flatnonzero(np.asarray(ids[:n]) != np.asarray(self.ids[:n]))  # numpy: millions of ids
+        return int(differ[0]) if differ.size else n
+
     def reusable_prefix(self, ids: list[int], first: int, max_new: int) -> int | None:
         """Cached positions a pass over `ids` that predicts from position `first` can reuse, or None (prefill):
         the common prefix with the cached ids, at most `first`, leaving at most `max_new` tokens to run."""
@@ -163,6 +203,70 @@ class ContextParallelKVCache:
             self.mode = None
 
     @contextmanager
+    def extending(self, start: int, positions: torch.Tensor, length: int) -> Iterator[None]:
+        """A pass over the tokens at positions `start` .. `length` - 1 (padded beyond, zigzag-split over CP like a
+        prefill; this rank's rows at global `positions`) whose queries also see the cached positions before
+        `start` (`start` <= what the last prefill left valid). Each layer then keeps the cached rows before
+        `start` and this pass's rows; decoded tokens and cached rows from `start` on are dropped."""
+        if not 0 < start <= self.prefill_valid:
+            raise ValueError(f"extending from position {start}: the cache holds positions 0 .. "
+                             f"{self.prefill_valid - 1}")
+        keep = self.prefill_positions < start
+        kept_positions = self.prefill_positions[keep]
+        self.kept_rows = keep.nonzero().flatten()
+        self._plan_prefix_gather(kept_positions, start)
+        self.start, self.pass_length = start, len(positions) * self.cp_size
+        self.mode, self.rotary.positions = "extend", positions
+        self.ids = []
+        try:
+            yield
+        except BaseException:
+            self.clear()  # some layers have moved on, others not
+            raise
+        finally:
+            self.mode, self.rotary.positions = None, None
+        self.prefill_positions = torch.cat([kept_positions, positions])
+        self.prefill_valid = length
+
+    def _plan_prefix_gather(self, kept_positions: torch.Tensor, start: int) -> None:
+        """Where positions 0 .. start - 1 are in the all-gather of every CP rank's kept rows, each rank's padded to
+        the largest count (ranks keep different numbers of rows)."""
+        if self.cp_size == 1:
+            self.prefix_rows, gathered = len(kept_positions), kept_positions
+        else:
+            counts = [torch.zeros(1, dtype=torch.long, device=kept_positions.device) for _ in range(self.cp_size)]
+            dist.all_gather(counts, torch.tensor([len(kept_positions)], device=kept_positions.device),
+                            group=self.cp_group)
+            self.prefix_rows = int(max(c.item() for c in counts))
+            padded = torch.full((self.prefix_rows,), -1, dtype=torch.long, device=kept_positions.device)
+            padded[:len(kept_positions)] = kept_positions
+            every = [torch.empty_like(padded) for _ in range(self.cp_size)]
+            dist.all_gather(every, padded, group=self.cp_group)
+            gathered = torch.cat(every)
+        order = torch.argsort(gathered)
+        self.prefix_order = order[gathered[order] >= 0]  # -1: padding
+        if not torch.equal(gathered[self.prefix_order].cpu(), torch.arange(start)):
+            raise RuntimeError(f"the KV cache does not hold positions 0 .. {start - 1} exactly once")
+
+    def gather_prefix(self, kept: torch.Tensor) -> torch.Tensor:
+        """A layer's kept rows `[k, b, ng, d]` of every CP rank -> the cached prefix `[start, b, ng, d]` in order."""
+        if self.cp_size == 1:
+            return kept.index_select(0, self.prefix_order)
+        padded = kept.new_zeros((self.prefix_rows, *kept.shape[1:]))
+        padded[:len(kept)] = kept
+        every = [torch.empty_like(padded) for _ in range(self.cp_size)]
+        dist.all_gather(every, padded, group=self.cp_group)
+        return torch.cat(every).index_select(0, self.prefix_order)
+
+    def gather_pass(self, local: torch.Tensor) -> torch.Tensor:
+        """This pass's rows `[m / CP, b, ng, d]` of every CP rank -> `[m, b, ng, d]` in position order."""
+        if self.cp_size == 1:
+            return local
+        every = [torch.empty_like(local) for _ in range(self.cp_size)]
+        dist.all_gather(every, local.contiguous(), group=self.cp_group)
+        return torch.cat(every).index_select(0, unshard_order(self.pass_length, self.cp_size).to(local.device))
+
+    @contextmanager
     def decoding(self, start: int, n: int) -> Iterator[None]:
         """A decode step over `n` new tokens at positions start .. start + n - 1 (the same on every CP rank);
         cached entries at `start` and after are dropped."""
@@ -177,5 +281,6 @@ class ContextParallelKVCache:
     def clear(self) -> None:
         """Free the cached tensors (the model stays wrapped)."""
         self.ids = []
+        self.prefill_positions, self.prefill_valid = self.prefill_positions[:0], 0
         for layer in self.layers:
             layer.clear()

@@ -247,8 +247,13 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
         from tqdm.auto import tqdm
         bar = tqdm(total=len(pending), desc="niah", unit="cell")
     start_all, saver = time.time(), PeriodicSave(on_progress, result, save_every_s)
-    for n in todo:
-        row = [c for c in pending if c["length"] == n]
+    for k, n in enumerate(todo):
+        # By depth, deeper and shallower by turns from length to length: consecutive prompts then share the
+        # haystack before the shallower needle, and a length's first prompt the previous one's (the same haystack
+        # is cut at every length). An engine that keeps its KV cache from prompt to prompt runs only the rest
+        # (`parallel.MegatronGreedy`).
+        row = sorted((c for c in pending if c["length"] == n), key=lambda c: (c["depth"], c["sample"]),
+                     reverse=k % 2 == 1)
         if not row:
             continue
         t0 = time.time()

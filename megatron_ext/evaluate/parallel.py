@@ -57,12 +57,18 @@ class MegatronGreedy:
     Called on every rank with the same prompts `[B, L]` and drafts; the data-parallel replicas share the
     rows (replica d takes rows d, d + DP, ...), each row runs alone (micro-batch 1), and every rank returns
     every row's new ids. With `kv_cache` (default), the prompt's pass keeps its keys and values on the CP ranks
-    and each further token is a decode step over that token alone (`kv_cache.py`); without, every step is a pass
-    over the whole sequence. `passes` counts the full passes this rank's replica ran, `decode_steps` the others.
+    and each further token is a decode step over that token alone (`kv_cache.py`); the cache is kept from row to
+    row, and a prompt that shares at least `min_shared` of its tokens with the cached one (NIAH depths of one
+    length share the haystack before the needle) runs only the rest (an extension pass). Without, every step is a
+    pass over the whole sequence. `passes` counts the full passes this rank's replica ran, `extensions` the
+    extension passes (`shared_tokens` the prompt tokens they did not run), `decode_steps` the others.
     """
 
     takes_drafts = True
-    max_decode_tokens = 64  # a step over more new tokens than this is a full pass
+    max_decode_tokens = 64  # a step over more new tokens than this is a full pass (or an extension)
+    # A shorter shared prefix (a chat template's head) saves too little to run a pass other than the prefill's
+    # (extensions attend with torch SDPA in the model's dtype, the prefill with the training backend: TE, FP8)
+    min_shared = 0.125
 
     def __init__(self, model, vocab_size: int, max_new_tokens: int, eos_token_ids: Sequence[int] = (),
                  settled: Callable[[list[int]], bool] | None = None, device: torch.device | None = None,
@@ -83,32 +89,51 @@ class MegatronGreedy:
         # RoPE whose table depends on the whole length (dynamic, longrope) cannot extend a cache position by position
         self.cache = (ContextParallelKVCache(model) if kv_cache and not model.rotary_pos_emb.length_dependent
                       else None)
-        self.passes = self.decode_steps = 0
+        self.passes = self.extensions = self.shared_tokens = self.decode_steps = 0
 
     @torch.no_grad()
     def predict(self, ids: list[int], first: int) -> list[int]:
         """Greedy next token after positions `first .. len(ids) - 1`: a decode step over the tokens after the
-        cached ones where the cache holds the sequence up to `first`, else a pass over the whole sequence."""
-        start = self.cache.reusable_prefix(ids, first, self.max_decode_tokens) if self.cache is not None else None
-        preds = self._prefill(ids, first) if start is None else self._decode(ids, first, start)
-        if self.cache is not None:
-            self.cache.ids = list(ids)
+        cached ones where the cache holds the sequence up to `first`, an extension pass where it holds enough of
+        its start, else a pass over the whole sequence."""
+        if self.cache is None:
+            return self._prefill(ids, first)
+        start = self.cache.reusable_prefix(ids, first, self.max_decode_tokens)
+        if start is not None:
+            preds = self._decode(ids, first, start)
+        else:
+            shared = self.cache.shared_prefix(ids, first)
+            if shared < self.min_shared * len(ids):
+                self.cache.clear()  # before the pass: the old cache would sit beside the new one
+                shared = 0
+            preds = self._prefill(ids, first, shared)
+        self.cache.ids = list(ids)
         return preds
 
-    def _prefill(self, ids: list[int], first: int) -> list[int]:
+    def _prefill(self, ids: list[int], first: int, start: int = 0) -> list[int]:
+        """A pass over the tokens from `start` (an extension of the cached positions before it, if > 0)."""
         from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel
 
         n = len(ids)
-        length = _padded_length(n, self.cp)
+        length = _padded_length(n - start, self.cp)
         tokens = torch.zeros(1, length, dtype=torch.long)
-        tokens[0, :n] = torch.tensor(ids)
-        batch = shard_for_context_parallel({"tokens": tokens, "position_ids": torch.arange(length)[None]},
+        tokens[0, :n - start] = torch.tensor(ids[start:])
+        batch = shard_for_context_parallel({"tokens": tokens, "position_ids": start + torch.arange(length)[None]},
                                            self.cp, self.cp_rank)
-        positions = cp_positions(length, self.cp, self.cp_rank)
+        positions = start + cp_positions(length, self.cp, self.cp_rank)  # global positions of this rank's rows
         mine = ((positions >= first) & (positions < n)).nonzero().flatten()  # local rows this CP rank holds
-        with self.cache.recording(positions.to(self.device), n) if self.cache is not None else nullcontext():
+        if self.cache is None:
+            recording = nullcontext()
+        elif start:
+            recording = self.cache.extending(start, positions.to(self.device), n)
+        else:
+            recording = self.cache.recording(positions.to(self.device), n)
+        with recording:
             hidden = self._forward(batch, length, mine)
-        self.passes += 1
+        if start:
+            self.extensions, self.shared_tokens = self.extensions + 1, self.shared_tokens + start
+        else:
+            self.passes += 1
         return self._greedy_tokens(hidden, positions[mine] - first, n - first, writer=self.tp_rank == 0)
 
     def _decode(self, ids: list[int], first: int, start: int) -> list[int]:
@@ -147,6 +172,16 @@ class MegatronGreedy:
         dist.all_reduce(preds, group=self.pp_group)
         return (preds - 1).tolist()
 
+    def _greedy_row(self, prompt: list[int], draft: Sequence[int]) -> list[int]:
+        try:
+            return speculative_greedy(self.predict, prompt, draft, self.max_new_tokens, self.eos, self.settled)[0]
+        except torch.OutOfMemoryError:
+            # Not retried in smaller batches (run_niah's answer to OOM on one device): the other ranks are inside
+            # this pass's collectives. The job ends, the launcher stops the other ranks.
+            raise RankError(f"rank {dist.get_rank()}: out of memory on a {len(prompt):,}-token prompt "
+                            f"({len(prompt) // self.cp:,} tokens per rank): raise --cp (or --tp), or use shorter "
+                            "--lengths (tools/plan.py RECIPE --eval LENGTHS shows what fits)") from None
+
     def __call__(self, prompts: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
         """New ids per row of `prompts` (`[B, L]`, or rows of any lengths), greedy (draft i checked against row i when
         given)."""
@@ -155,17 +190,11 @@ class MegatronGreedy:
         mine = {}
         for i in range(self.dp_rank, len(rows), self.dp):
             try:
-                mine[i], _ = speculative_greedy(self.predict, rows[i], drafts[i], self.max_new_tokens, self.eos,
-                                                self.settled)
-            except torch.OutOfMemoryError:
-                # Not retried in smaller batches (run_niah's answer to OOM on one device): the other ranks are inside
-                # this pass's collectives. The job ends, the launcher stops the other ranks.
-                raise RankError(f"rank {dist.get_rank()}: out of memory on a {len(rows[i]):,}-token prompt "
-                                f"({len(rows[i]) // self.cp:,} tokens per rank): raise --cp (or --tp), or use shorter "
-                                "--lengths (tools/plan.py RECIPE --eval LENGTHS shows what fits)") from None
-            finally:
+                mine[i] = self._greedy_row(rows[i], drafts[i])
+            except BaseException:
                 if self.cache is not None:
-                    self.cache.clear()
+                    self.cache.clear()  # a pass that failed leaves some layers' caches updated, others not
+                raise
         everyone: list[dict] = [{} for _ in range(self.dp)]
         dist.all_gather_object(everyone, mine, group=self.dp_group)
         merged = {k: v for part in everyone for k, v in part.items()}

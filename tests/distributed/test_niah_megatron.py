@@ -5,7 +5,8 @@ CP 2, TP 2, PP 2 and DP 2 on gloo. Outside oracle: transformers' `LlamaForCausal
 greedy token after every position of a prompt, the loss of every token, and greedy continuations must be the
 same. A draft that agrees with the model must be taken in one forward pass, a wrong one must not change the output.
 With the KV cache, the predictions of decode steps (one token, several, rolling back cached ones) must be HF's too,
-and a continuation must take one full pass per prompt.
+and a continuation must take one full pass per prompt; a prompt that starts like the cached one runs only its
+tokens after the shared prefix (an extension pass), and its predictions must be HF's as well.
 """
 
 from __future__ import annotations
@@ -48,15 +49,27 @@ def reference(checkpoints):
     drafts = [list(greedy[0]),                                   # the model's own answer: one pass
               [greedy[1][0], (greedy[1][1] + 1) % 500] + greedy[1][2:],  # right, then wrong: 1 + 3 passes
               [(greedy[2][0] + 7) % 500] * MAX_NEW]              # wrong from the start: one pass per token
-    spec = {"prompts": prompts.tolist(), "drafts": drafts, "max_new_tokens": MAX_NEW, "eos": [2]}
+    # Each starts like the one before (the first like prompt 0): 40, 50 and 13 shared tokens (extensions), then
+    # none (a prefill); lengths 61, 66, 61, 61
+    row0, row1, row2 = prompts.tolist()
+    shared = [row0[:40] + row1[40:], row0[:40] + row1[40:50] + row2[:16], row0[:13] + row2[13:], row1]
+    starts = [40, 50, 13, 0]
+    for before, ids, start in zip([row0] + shared, shared, starts):
+        assert before[:start] == ids[:start] and (start == 0 or before[start] != ids[start])
+    with torch.no_grad():
+        shared_every = [model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist() for ids in shared]
+    shared_greedy = [greedy_generate(model, torch.tensor([ids]), MAX_NEW, eos_token_ids=(2,), prefill_chunk=None)[0]
+                     for ids in shared]
+    spec = {"prompts": prompts.tolist(), "drafts": drafts, "max_new_tokens": MAX_NEW, "eos": [2],
+            "shared": shared, "shared_starts": starts}
     (checkpoints / "inputs.json").write_text(json.dumps(spec))
-    return every, greedy, losses
+    return every, greedy, losses, (shared, starts, shared_every, shared_greedy)
 
 
 @pytest.mark.parametrize("layout", [("--cp", "2"), ("--tp", "2"), ("--pp", "2"), (), ("--cp", "2", "--pp", "2")],
                          ids=["cp2", "tp2", "pp2", "dp2", "cp2pp2"])
 def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, layout):
-    every, greedy, losses = reference
+    every, greedy, losses, (shared, starts, shared_every, shared_greedy) = reference
     out = checkpoints / f"out_{'_'.join(layout) or 'dp2'}.json"
     torchrun(WORKER, 4 if len(layout) > 2 else 2, "--root", str(checkpoints / "mc"),
              "--inputs", str(checkpoints / "inputs.json"),
@@ -80,6 +93,16 @@ def test_megatron_engine_matches_transformers(checkpoints, reference, torchrun, 
     assert got["draft_counts"] == [1 + (1 + MAX_NEW - 2) + MAX_NEW, 0]
     assert got["no_draft_cached_counts"] == [3, 3 * (MAX_NEW - 1)]
     assert got["draft_cached_counts"] == [3, 0 + (MAX_NEW - 2) + (MAX_NEW - 1)]
+    # prompts sharing a prefix with the cached one: an extension pass from its end, then decode steps
+    for ours, theirs, ids, start in zip(got["shared_every_position"], shared_every, shared, starts):
+        assert [p for p, _ in ours] == list(range(start, len(ids)))
+        wrong = [(p, t, theirs[p]) for p, t in ours if t != theirs[p]]
+        assert not wrong, f"after {start} shared tokens (position, ours, HF): {wrong}"
+    assert got["shared_counts"] == [1 + 1, 3, 40 + 50 + 13, 2 * len(shared)]  # [passes, extensions, shared, decode]
+    assert got["shared_greedy"] == shared_greedy
+    # [passes, extensions] of their greedy continuations, from an empty cache; one replica: as above but for the
+    # first; two (dp2): prompts 0 and 2 on one (13 shared), 1 and 3 on the other (nothing shared)
+    assert got["shared_greedy_counts"] == ([3, 1] if layout == () else [2, 2])
 
 
 def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
@@ -97,12 +120,14 @@ def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
         assert b["output"] and a["output"].startswith(b["output"])  # ours stops once the first number is settled
     assert mg["settings"]["engine"] == "megatron" and mg["settings"]["layout"]["context"] == 2
     assert (tmp_path / "mg/heatmap.png").is_file()
-    # --resume with one more depth: the 4 scored cells are kept, the 2 new ones run (one pass each with the cache)
+    # --resume with one more depth: the 4 scored cells are kept, the 2 new ones run (with the cache: a prefill, then
+    # a pass after the haystack both share, the 96-token prompt's up to its needle)
     out = torchrun(ROOT / "tools/niah.py", 2, "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
                    "--cp", "2", "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), "--resume",
                    *common[:2], "--depths", "0,50,100", *common[4:])
     resumed = read_json(tmp_path / "mg/results.json")
-    assert "4 of 6 cells kept" in out and resumed["settings"]["forward_passes"] == 2
+    assert "4 of 6 cells kept" in out
+    assert (resumed["settings"]["forward_passes"], resumed["settings"]["extension_passes"]) == (1, 1)
     assert [c for c in resumed["cells"] if c["depth"] != 50] == mg["cells"]
 
 
@@ -168,7 +193,12 @@ def test_cli_ruler_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_p
     def table(run: str) -> list[str]:  # ruler.md without its title (which names the model)
         return [line for line in (tmp_path / run / "ruler.md").read_text().splitlines() if line.startswith("|")]
 
-    assert mg["settings"]["forward_passes"] == 16 and table("mg") == table("hf") and len(table("hf")) == 7
+    assert table("mg") == table("hf") and len(table("hf")) == 7
+    # with the KV cache at most one pass per prompt: a full one, or one after the prefix it shares with the one
+    # before (the samples of a task share their haystack), or none where only the last 64 tokens or fewer differ
+    # (a decode step)
+    settings = mg["settings"]
+    assert settings["extension_passes"] > 0 and settings["forward_passes"] + settings["extension_passes"] <= 16
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -193,16 +223,22 @@ def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
 
 def test_engine_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):
     """bench/niah_engine_bench.py stays runnable (a random model: the draft is refused, the outputs are the same; the
-    KV cache leaves one full pass per prompt)."""
+    KV cache leaves one full pass per prompt; with the shared prefix, prompts after the first run only their tokens
+    after the haystack they share with the one before)."""
     out = torchrun(ROOT / "bench/niah_engine_bench.py", 2, "--megatron", str(checkpoints / "mc"), "--cp", "2",
-                   "--tokenizer", str(checkpoints / "hf"), "--lengths", "96", "--depths", "0,100",
+                   "--tokenizer", str(checkpoints / "hf"), "--lengths", "256", "--depths", "0,50,100",
                    "--max-new-tokens", "3", "--out", str(tmp_path))
     (path,) = tmp_path.glob("niah_engine-*.json")
     rows = read_json(path)["rows"]
-    assert [r["mode"] for r in rows] == ["token_by_token", "draft", "kv_cache", "draft+kv_cache"] and "wrote" in out
-    assert rows[0]["forward_passes"] == 2 * 3 and 2 <= rows[1]["forward_passes"] <= 2 * 3
-    assert (rows[2]["forward_passes"], rows[2]["decode_steps"]) == (2, 2 * 2)
-    assert rows[3]["forward_passes"] == 2 and rows[3]["decode_steps"] <= 2 * 2
+    assert [r["mode"] for r in rows] == ["token_by_token", "draft", "kv_cache", "draft+kv_cache",
+                                         "+shared_prefix"] and "wrote" in out
+    assert rows[0]["forward_passes"] == 3 * 3 and 3 <= rows[1]["forward_passes"] <= 3 * 3
+    assert (rows[2]["forward_passes"], rows[2]["decode_steps"]) == (3, 3 * 2)
+    assert rows[3]["forward_passes"] == 3 and rows[3]["decode_steps"] <= 3 * 2
+    assert all(r["extension_passes"] == 0 for r in rows[:4])
+    # depth 0 shares only the instruction with depth 50 (a prefill), depth 50 its haystack's first half with 100
+    assert (rows[4]["forward_passes"], rows[4]["extension_passes"]) == (2, 1)
+    assert 0.4 * 256 < rows[4]["shared_tokens"] < 0.6 * 256 and rows[4]["decode_steps"] == rows[3]["decode_steps"]
 
 
 def test_kv_cache_bench_runs_at_toy_size(checkpoints, torchrun, tmp_path):

@@ -40,6 +40,23 @@ def test_ranks_together_equal_causal_attention_of_the_whole_sequence(cp_size):
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_a_pass_after_a_cached_prefix_equals_causal_attention_of_the_whole_sequence(cp_size):
+    """The queries of the positions after a prefix (a KV cache's extension pass), zigzag-split over CP, over the
+    prefix's keys and their own: the rows of SDPA over the whole sequence; without the prefix they differ."""
+    prefix, rest = 13, 8 * cp_size
+    q, k, v = _inputs(prefix + rest)
+    full = _sdpa(q, k, v)  # oracle: the whole sequence at once, is_causal
+    out = torch.zeros_like(full[:, :, prefix:])
+    for rank in range(cp_size):
+        pos = cp_positions(rest, cp_size, rank)  # within the pass; prefix + pos in the sequence
+        out[:, :, pos] = zigzag_causal_attention(_sdpa, q[:, :, prefix + pos], k, v, cp_size, rank, prefix=prefix)
+    torch.testing.assert_close(out, full[:, :, prefix:], rtol=0, atol=1e-12)
+    alone = zigzag_causal_attention(_sdpa, q[:, :, prefix + cp_positions(rest, cp_size, 0)], k[:, :, prefix:],
+                                    v[:, :, prefix:], cp_size, 0)  # control: the prefix's keys left out
+    assert (alone - full[:, :, prefix + cp_positions(rest, cp_size, 0)]).abs().max() > 0.1
+
+
 def test_upper_left_alignment_would_be_wrong():
     """Negative control: the same per-chunk split with SDPA's default (upper-left) causal mask differs."""
     cp_size, seq = 2, 32

@@ -116,3 +116,19 @@ def test_reusable_prefix():
     assert cache.reusable_prefix(list(range(20)) + [0] * 81, 100, 90) == 20
     cache.ids = []
     assert cache.reusable_prefix([1, 2, 3], 2, 64) is None  # nothing cached
+
+
+def test_shared_prefix():
+    """The cached positions an extension pass reuses: the common prefix with the cached ids, at most `first` (the
+    pass covers the positions to predict) and at most the prefill's valid positions (not the decoded tokens)."""
+    from megatron_ext.evaluate.kv_cache import ContextParallelKVCache
+
+    cache = ContextParallelKVCache.__new__(ContextParallelKVCache)  # the prefix rule only, no model
+    cache.ids, cache.prefill_valid = list(range(100)), 96  # 96 prompt tokens, 4 decoded
+    assert cache.shared_prefix(list(range(40)) + [7] * 60, 99) == 40
+    assert cache.shared_prefix(list(range(40)) + [7] * 60, 30) == 30
+    assert cache.shared_prefix(list(range(200)), 199) == 96  # the decoded tokens' keys sit outside the prefill
+    assert cache.shared_prefix([5] + list(range(1, 100)), 99) == 0
+    assert cache.shared_prefix(list(range(50)), 49) == 49  # a prompt inside the cached one
+    cache.ids, cache.prefill_valid = [], 0
+    assert cache.shared_prefix([1, 2, 3], 2) == 0
