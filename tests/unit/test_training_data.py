@@ -157,3 +157,74 @@ def test_data_moved_with_its_contents_is_the_same_data(tmp_path, token_data, sec
     _prepare(mine, toy_tokenizer, 20, seed=1)
     changed = resume_position(saved, 4, blend)[2]
     assert len(changed) == 1 and changed[0].startswith(f"data.prefix {mine}: contents changed (20 documents, ")
+
+
+def test_other_tokens_of_the_same_lengths_are_named(tmp_path, toy_tokenizer):
+    """Tokens rewritten with every document's length kept (a corpus packed into fixed-length documents, another
+    shuffle of equal lengths): the same .idx, .bin size and tokenizer; the sampled .bin fingerprint tells them."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from megatron_ext.data.loaders import data_identity, read_manifest
+    from megatron_ext.resume import data_identities
+
+    prefix = str(tmp_path / "cpt")
+    _prepare(prefix, toy_tokenizer, 20)
+    recipe = _recipe(prefix, "train.global_batch_size=2")
+    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict(),
+             "data_identity": data_identities(recipe)}
+    old = saved["data_identity"][prefix]
+    before = {p: {k: v for k, v in identity.items() if k != "bin_sample_sha256"}
+              for p, identity in saved["data_identity"].items()}
+    legacy = {**saved, "data_identity": before}  # a checkpoint from before the sampled fingerprint
+    assert resume_position(legacy, 4, recipe)[2] == []
+
+    bin_file = Path(prefix + ".bin")
+    tokens = np.fromfile(bin_file, dtype=read_manifest(prefix)["dtype"])
+    np.roll(tokens, 1).tofile(bin_file)
+    new = data_identity(prefix)
+    assert {k: v for k, v in new.items() if k != "bin_sample_sha256"} == before[prefix]  # only the sample tells
+    expect = (f"data.prefix {prefix}: contents changed (20 documents, {old['tokens']:,} tokens -> 20 documents, "
+              f"{old['tokens']:,} tokens; {prefix}.bin/.idx prepared again? restore the checkpoint's data to read "
+              "on in its order)")
+    assert resume_position(saved, 4, recipe)[2] == [expect]
+
+
+def test_sampled_fingerprint_reads_spaced_blocks(tmp_path):
+    """`sampled_fingerprint` on small files with tiny blocks (3 of 16 bytes) where the defaults (64 of 64 KiB)
+    would read them whole: the contents decide, not the path; a byte outside the sampled blocks is not seen."""
+    import hashlib
+
+    import numpy as np
+
+    from megatron_ext.data.loaders import sample_offsets, sampled_fingerprint
+
+    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    (tmp_path / "sub").mkdir()
+    a, b, c = tmp_path / "a.bin", tmp_path / "sub" / "b.bin", tmp_path / "c.bin"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    assert sampled_fingerprint(a) == sampled_fingerprint(b)
+    assert sampled_fingerprint(a, 3, 16) == sampled_fingerprint(b, 3, 16)
+    whole = "sha256:" + hashlib.sha256(len(data).to_bytes(8, "little") + data).hexdigest()
+    assert sampled_fingerprint(a) == whole  # under 64 x 64 KiB: hashed whole
+    assert sample_offsets(48, 3, 16) == [0, 16, 32]  # exactly the sampled total: whole too
+
+    assert sample_offsets(1000, 3, 16) == [0, 492, 984]  # first, middle, last block
+    base = sampled_fingerprint(a, 3, 16)
+
+    def flipped(i: int) -> str:
+        c.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:])
+        return sampled_fingerprint(c, 3, 16)
+
+    assert all(flipped(i) != base for i in (0, 15, 492, 507, 984, 999))
+    assert all(flipped(i) == base for i in (16, 491, 508, 983))  # the limit: bytes between blocks go unseen
+
+    c.write_bytes(b"AAAAzzBBBB")  # the same two blocks in a file one byte longer: the size tells them
+    b.write_bytes(b"AAAAzzzBBBB")
+    assert sampled_fingerprint(c, 2, 4) != sampled_fingerprint(b, 2, 4)
+
+    terabyte = sample_offsets(1 << 40)  # what a start reads of a 1 TiB .bin: 64 blocks of 64 KiB, 4 MiB
+    assert len(terabyte) == 64 and terabyte[0] == 0 and terabyte[-1] == (1 << 40) - (1 << 16)
+    assert min(np.diff(terabyte)) >= 1 << 16
