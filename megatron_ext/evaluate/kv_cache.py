@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.attention import zigzag_causal_attention
-from megatron_ext.context_parallel import unshard_order
+from megatron_ext.context_parallel import cp_positions
 
 # Keys attended per block in fp32 (bounds the temporary scores and the fp32 copy of a bf16 cache).
 KEY_BLOCK = 65536
@@ -98,8 +98,7 @@ class CachedCoreAttention(torch.nn.Module):
     def _extend(self, query, key, value, cache: "ContextParallelKVCache") -> torch.Tensor:
         s, b, nh, d = query.shape
         kept_keys, kept_values = (t.index_select(0, cache.kept_rows) for t in (self.keys, self.values))
-        # [prefix + m, b, ng, d] in position order: the cached prefix, then the pass's tokens of every CP rank
-        k_all, v_all = (torch.cat([cache.gather_prefix(old), cache.gather_pass(new)]).permute(1, 2, 0, 3)
+        k_all, v_all = (cache.whole_sequence(old, new).permute(1, 2, 0, 3)  # [b, ng, start + m, d]
                         for old, new in ((kept_keys, key), (kept_values, value)))
         out = zigzag_causal_attention(self._sdpa, query.permute(1, 2, 0, 3), k_all, v_all, cache.cp_size,
                                       cache.cp_rank, prefix=cache.start)
@@ -214,8 +213,8 @@ class ContextParallelKVCache:
         keep = self.prefill_positions < start
         kept_positions = self.prefill_positions[keep]
         self.kept_rows = keep.nonzero().flatten()
-        self._plan_prefix_gather(kept_positions, start)
-        self.start, self.pass_length = start, len(positions) * self.cp_size
+        self._plan_gather(kept_positions, positions, start)
+        self.start = start
         self.mode, self.rotary.positions = "extend", positions
         self.ids = []
         try:
@@ -228,43 +227,39 @@ class ContextParallelKVCache:
         self.prefill_positions = torch.cat([kept_positions, positions])
         self.prefill_valid = length
 
-    def _plan_prefix_gather(self, kept_positions: torch.Tensor, start: int) -> None:
-        """Where positions 0 .. start - 1 are in the all-gather of every CP rank's kept rows, each rank's padded to
-        the largest count (ranks keep different numbers of rows)."""
+    def _plan_gather(self, kept_positions: torch.Tensor, positions: torch.Tensor, start: int) -> None:
+        """Where each position of the sequence is in the all-gather of every CP rank's rows: its kept rows, padded
+        to the largest count (ranks keep different numbers), then its rows of this pass."""
+        device = kept_positions.device
         if self.cp_size == 1:
-            self.prefix_rows, gathered = len(kept_positions), kept_positions
+            self.kept_slots, gathered = len(kept_positions), torch.cat([kept_positions, positions])
         else:
-            counts = [torch.zeros(1, dtype=torch.long, device=kept_positions.device) for _ in range(self.cp_size)]
-            dist.all_gather(counts, torch.tensor([len(kept_positions)], device=kept_positions.device),
-                            group=self.cp_group)
-            self.prefix_rows = int(max(c.item() for c in counts))
-            padded = torch.full((self.prefix_rows,), -1, dtype=torch.long, device=kept_positions.device)
+            counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.cp_size)]
+            dist.all_gather(counts, torch.tensor([len(kept_positions)], device=device), group=self.cp_group)
+            self.kept_slots = int(max(c.item() for c in counts))
+            padded = torch.full((self.kept_slots,), -1, dtype=torch.long, device=device)  # -1: padding
             padded[:len(kept_positions)] = kept_positions
             every = [torch.empty_like(padded) for _ in range(self.cp_size)]
             dist.all_gather(every, padded, group=self.cp_group)
-            gathered = torch.cat(every)
+            m = len(positions) * self.cp_size
+            gathered = torch.cat([torch.cat([kept, start + cp_positions(m, self.cp_size, r).to(device)])
+                                  for r, kept in enumerate(every)])
         order = torch.argsort(gathered)
-        self.prefix_order = order[gathered[order] >= 0]  # -1: padding
-        if not torch.equal(gathered[self.prefix_order].cpu(), torch.arange(start)):
-            raise RuntimeError(f"the KV cache does not hold positions 0 .. {start - 1} exactly once")
+        self.gather_order = order[gathered[order] >= 0]
+        total = start + len(positions) * self.cp_size
+        if not torch.equal(gathered[self.gather_order].cpu(), torch.arange(total)):
+            raise RuntimeError(f"the KV cache and the pass do not hold positions 0 .. {total - 1} exactly once")
 
-    def gather_prefix(self, kept: torch.Tensor) -> torch.Tensor:
-        """A layer's kept rows `[k, b, ng, d]` of every CP rank -> the cached prefix `[start, b, ng, d]` in order."""
+    def whole_sequence(self, kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """A layer's keys or values of the whole sequence `[start + m, b, ng, d]` in position order, from this
+        rank's kept rows `[k, b, ng, d]` and rows of this pass `[m / CP, b, ng, d]` and every other CP rank's."""
         if self.cp_size == 1:
-            return kept.index_select(0, self.prefix_order)
-        padded = kept.new_zeros((self.prefix_rows, *kept.shape[1:]))
-        padded[:len(kept)] = kept
-        every = [torch.empty_like(padded) for _ in range(self.cp_size)]
-        dist.all_gather(every, padded, group=self.cp_group)
-        return torch.cat(every).index_select(0, self.prefix_order)
-
-    def gather_pass(self, local: torch.Tensor) -> torch.Tensor:
-        """This pass's rows `[m / CP, b, ng, d]` of every CP rank -> `[m, b, ng, d]` in position order."""
-        if self.cp_size == 1:
-            return local
-        every = [torch.empty_like(local) for _ in range(self.cp_size)]
-        dist.all_gather(every, local.contiguous(), group=self.cp_group)
-        return torch.cat(every).index_select(0, unshard_order(self.pass_length, self.cp_size).to(local.device))
+            return torch.cat([kept, new]).index_select(0, self.gather_order)
+        mine = new.new_zeros((self.kept_slots + len(new), *new.shape[1:]))
+        mine[:len(kept)], mine[self.kept_slots:] = kept, new
+        every = mine.new_empty((self.cp_size * len(mine), *mine.shape[1:]))
+        dist.all_gather(list(every.chunk(self.cp_size)), mine, group=self.cp_group)
+        return every.index_select(0, self.gather_order)
 
     @contextmanager
     def decoding(self, start: int, n: int) -> Iterator[None]:
