@@ -43,6 +43,35 @@ def test_working_set_is_the_engines_measured_peak(cpu_parallel_state, hidden, ff
     assert layer_working_set_bytes(shape, 2048, 1, 1, 4.0, "te") < 0.85 * measured
 
 
+@pytest.mark.parametrize("hidden, ffn, heads, kv_heads, head_dim", [(256, 1024, 8, 2, 32), (256, 256, 16, 16, 64)],
+                         ids=["gqa", "mha_small_mlp"])
+def test_a_pass_after_a_shared_prefix_peaks_below_the_prefill(cpu_parallel_state, hidden, ffn, heads, kv_heads,
+                                                              head_dim):
+    """A prompt sharing its first half with the cached one runs an extension pass (the whole sequence's K/V of a
+    layer assembled at once, `kv_cache.extending`): measured, its peak stays below the full prefill's, so the plan
+    of the prefill (above) covers it, even where K/V is large against the MLP (MHA, small FFN)."""
+    from bench.measure import cpu_peak_allocated_bytes
+    from megatron_ext.evaluate.parallel import MegatronGreedy
+    from megatron_ext.model import BuildOptions, build_model
+
+    cfg = {**copy.deepcopy(TINY), "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": 2,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": 512}
+    model = build_model(cfg, BuildOptions(device="cpu", attention="sdpa", seq_length=2048, loss_head="chunked"))
+    gen = MegatronGreedy(model.eval(), 512, 1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (2048,), generator=g).tolist()
+    other = ids[:1024] + torch.randint(3, 500, (1024,), generator=g).tolist()
+    with torch.no_grad():
+        prefill = cpu_peak_allocated_bytes(lambda: gen.predict(ids, 2047))
+        extension = cpu_peak_allocated_bytes(lambda: gen.predict(other, 2047))
+    assert (gen.passes, gen.extensions) == (1, 1)
+    shape = shape_from_hf_config(cfg)
+    whole_kv = kv_cache_bytes_per_token(shape, 4.0) / shape.layers * 2048  # one layer's K/V of the sequence
+    assert extension < prefill
+    if kv_heads == heads:  # where K/V is large: more than its tokens' working set, the layer's whole K/V besides
+        assert layer_working_set_bytes(shape, 1024, 1, 1, 4.0, "local") + whole_kv < extension
+
+
 def test_prefill_time_against_a_published_prefill():
     """perf.md §3d: Llama 3 405B, 1M-token prefill on 128 H100 (CP 16 x TP 8) in 77 s at 63% FLOPS utilization
     (arXiv 2411.01783). Our causal count at the same utilization: 67 s (their count may differ). (In bf16 the weights
