@@ -52,6 +52,12 @@ while (($#)); do
   esac
 done
 [[ -f slurm/$CPT.sh ]] || { echo "error: --cpt $CPT: no slurm/$CPT.sh (cpt_1m, cpt_2m, cpt_4m)" >&2; exit 1; }
+# the recipes are read with it below (a python without the dependencies would end in a traceback)
+"$PYTHON" -c 'import torch, megatron.core, yaml' 2>/dev/null || {
+  echo "error: PYTHON=$PYTHON cannot import torch, megatron.core and yaml: run with PYTHON=/path/to/venv/bin/python" \
+    "(the environment megatron_ext is installed in)" >&2
+  exit 1
+}
 if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
   [[ $CPT == cpt_1m ]] || {
     echo "error: recipes/sft.yaml keeps the 1M RoPE; for $CPT give --sft-recipe FILE with its RoPE" >&2
@@ -69,11 +75,17 @@ field() {
 }
 
 PREV="" N=0
-# submit NAME sbatch-args...: submit after the previous job; sets PREV to the new job id.
+# submit NAME [VAR=value ...] sbatch-args...: submit after the previous job, with VAR=value in sbatch's environment
+# (the job inherits it: unlike --export=VAR=value, a value may hold commas); sets PREV to the new job id.
 submit() {
   local name=$1 id
   shift
-  local -a cmd=(sbatch --parsable "${EXTRA[@]}")
+  local -a cmd=()
+  while [[ ${1:-} =~ ^[A-Z_]+= ]]; do
+    cmd+=("$1")
+    shift
+  done
+  cmd+=(sbatch --parsable "${EXTRA[@]}")
   # kill-on-invalid-dep: Slurm cancels the job if the one before fails (else it waits forever, DependencyNeverSatisfied)
   [[ -n $PREV ]] && cmd+=("--dependency=afterok:$PREV" --kill-on-invalid-dep=yes)
   cmd+=("$@")
@@ -82,7 +94,7 @@ submit() {
     id="<$name>"
     printf '%s\n' "$(printf '%q ' "${cmd[@]}")"
   else
-    id=$("${cmd[@]}")
+    id=$(env "${cmd[@]}")
     id=${id%%;*}
     echo "submitted $name: job $id" >&2
   fi
@@ -128,7 +140,7 @@ if [[ -n $HF ]]; then
   tool_job convert tools/convert.py to-megatron --hf "$HF" --out "$INIT"
 fi
 submit "$CPT" "slurm/$CPT.sh" "${OVERRIDES[@]}"
-((SFT)) && submit sft --export="ALL,RECIPE=$SFT_RECIPE" slurm/sft.sh "checkpoint.init_from=$CPT_DIR"
+((SFT)) && submit sft "RECIPE=$SFT_RECIPE" --export=ALL slurm/sft.sh "checkpoint.init_from=$CPT_DIR"
 # eval_job NAME COMMAND [tools/niah.py arguments]: slurm/niah.sh [COMMAND] on the last stage's checkpoint at the CPT
 # layout, results in <checkpoint.dir>_NAME/, chat prompts after SFT.
 eval_job() {

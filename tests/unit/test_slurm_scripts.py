@@ -170,3 +170,37 @@ def test_a_python_without_the_dependencies_is_named(job, python, message):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith(f"error: {message}") and "export PYTHON=" in last, proc.stderr
     assert "training exited" not in proc.stdout
+
+
+def test_pipeline_sft_recipe_path_with_a_comma(tmp_path):
+    """pipeline.sh gave the SFT job its recipe as `--export=ALL,RECIPE=PATH`, which sbatch splits at commas: a path
+    with one lost its tail. Now RECIPE is in sbatch's own environment (the job inherits it with --export=ALL);
+    sbatch is a stub that records what it got."""
+    recipes = tmp_path / "runs,v2" / "recipes"
+    shutil.copytree(ROOT / "recipes", recipes)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\nprintf "RECIPE=%s ARGS=%s\\n" "${RECIPE:-}" "$*" '
+                                    '>>"$FAKE_CALLS"\necho 7\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, PYTHONPATH=str(ROOT),
+               PYTHONWARNINGS="ignore", FAKE_CALLS=str(calls))
+    env.pop("RECIPE", None)
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--sft-recipe", str(recipes / "sft.yaml")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cpt, sft = calls.read_text().splitlines()
+    assert cpt.startswith("RECIPE= ARGS=--parsable slurm/cpt_1m.sh")
+    assert sft.startswith(f"RECIPE={recipes}/sft.yaml ARGS=--parsable --dependency=afterok:7 ")
+    assert "--export=ALL slurm/sft.sh checkpoint.init_from=checkpoints/cpt_1m" in sft
+
+
+def test_pipeline_with_a_python_without_the_dependencies(tmp_path):
+    """The login node's default python: one line naming PYTHON, not a traceback from the first recipe read."""
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHON=shutil.which("false") or "/bin/false"), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("error: PYTHON=") and "cannot import torch" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
