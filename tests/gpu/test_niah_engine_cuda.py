@@ -4,7 +4,9 @@ The CPU tests cover TP/PP/CP/DP on gloo; this one covers the CUDA path of one ra
 (TE's spec where TE imports, else torch SDPA), NCCL collectives of size 1, tensors on the device. Oracle:
 transformers' LlamaForCausalLM on the same GPU, fp32 (greedy token after every position, token losses, and the
 same through the KV cache: a prefill of 150 tokens, then decode steps of one token and one of ten); bf16 losses
-within 0.05 of fp32; rows of different lengths in one call (RULER-style runs) decoded as transformers does.
+within 0.05 of fp32; rows of different lengths in one call (RULER-style runs) decoded as transformers does; a
+prompt sharing its first 120 tokens with the cached one through an extension pass (SDPA with a lower-right causal
+mask over the cached prefix's keys and its own, as CP ranks run it).
 """
 
 import subprocess
@@ -86,3 +88,26 @@ def test_rows_of_different_lengths_on_cuda(checkpoint, gpu_state):
                             device=torch.device("cuda", torch.cuda.current_device()))
     assert engine([row.tolist() for row in rows]) == want
     assert engine.passes == 3
+
+
+def test_pass_after_a_shared_prefix_on_cuda(checkpoint, gpu_state):
+    """An extension pass (`kv_cache.extending`) on the GPU: the greedy token after each position of a prompt whose
+    first 120 tokens are the cached prompt's equals transformers' on the whole prompt, and so do the decode steps
+    after it."""
+    from megatron_ext.evaluate import load_hf
+    from megatron_ext.evaluate.engine import load_megatron_for_eval
+    from megatron_ext.evaluate.parallel import MegatronGreedy
+
+    hf, _ = load_hf(checkpoint / "hf", "cuda", "fp32")
+    gen = torch.Generator().manual_seed(9)
+    first = torch.randint(3, 500, (200,), generator=gen).tolist()
+    other = first[:120] + torch.randint(3, 500, (84,), generator=gen).tolist()  # 204 tokens
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([other]).cuda()).logits[0].argmax(-1).tolist()
+    model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision="fp32")
+    engine = MegatronGreedy(model, cfg["vocab_size"], 4, device=torch.device("cuda", torch.cuda.current_device()))
+    engine.max_decode_tokens = 4  # a pass over the 80 tokens after the prefix, not a decode step
+    engine.predict(first, 199)
+    got = engine.predict(other[:200], 120) + engine.predict(other[:201], 200) + engine.predict(other, 201)
+    assert (engine.passes, engine.extensions, engine.shared_tokens, engine.decode_steps) == (1, 1, 120, 2)
+    assert sum(a == b for a, b in zip(got, want[120:])) == len(want) - 120
