@@ -3,14 +3,16 @@
 Long prompts are prefilled in chunks through the model's KV cache, so the activations (MLP
 intermediate, logits) of a 1M-token prompt are those of one chunk, and only the KV cache grows
 with the length. Greedy decoding is then one token per step; it matches `model.generate(
-do_sample=False)` token for token (tested).
+do_sample=False)` token for token (tested). `SharedPrefixGreedy` keeps the cache from prompt to
+prompt, so that a prompt starting like the one before runs only the rest.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -147,6 +149,67 @@ def greedy_generate_rows(model, rows: list[list[int]], max_new_tokens: int, *, e
                      **kwargs).logits
 
     return _decode(logits, max_new_tokens, eos_token_ids, step)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` share (numpy: prompts of millions of ids)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+class SharedPrefixGreedy:
+    """`greedy_generate` that keeps the KV cache of the last prompt it ran alone: a prompt alone in its batch whose
+    first `min_shared` or more of tokens are that prompt's runs only the rest, the cache cropped to the shared
+    prefix (NIAH prompts of one length share the haystack up to the shallower needle). Batches of several rows
+    run as `greedy_generate`, and so does every prompt with `min_shared` > 1. `shared_tokens` counts the prompt
+    tokens not run again."""
+
+    # A shorter shared prefix (a chat template's head) saves too little to keep the cache for
+    min_shared = 0.125
+
+    def __init__(self, model, max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = (),
+                 prefill_chunk: int | str | None = "auto"):
+        self.model, self.max_new_tokens, self.eos, self.prefill_chunk = model, max_new_tokens, eos_token_ids, \
+            prefill_chunk
+        self.cache, self.ids, self.shared_tokens = None, [], 0
+
+    def clear(self) -> None:
+        """Drop the kept cache (frees its memory)."""
+        self.cache, self.ids = None, []
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> list[list[int]]:
+        if input_ids.shape[0] != 1 or self.min_shared > 1:
+            self.clear()
+            return greedy_generate(self.model, input_ids, self.max_new_tokens, eos_token_ids=self.eos,
+                                   prefill_chunk=self.prefill_chunk)
+        try:
+            return self._alone(input_ids[0].tolist())
+        except BaseException:  # out of memory: run_niah retries; the cache may be part-updated
+            self.clear()
+            raise
+
+    def _alone(self, ids: list[int]) -> list[list[int]]:
+        shared = common_prefix(ids[:-1], self.ids)  # the last prompt token runs: its logits give the first answer
+        if shared < self.min_shared * len(ids):
+            self.clear()  # before the pass, so that the old cache does not sit beside the new one
+            shared = 0
+        elif shared < self.cache.get_seq_length():
+            self.cache.crop(shared - self.cache.get_seq_length())  # negative: tokens to drop (transformers 4 and 5)
+        chunk = auto_prefill_chunk(len(ids)) if self.prefill_chunk == "auto" else self.prefill_chunk
+        device = next(self.model.parameters()).device
+        logits = cache = None
+        for _, logits, cache in chunked_forward(self.model, torch.tensor([ids[shared:]], device=device), chunk,
+                                                logits_for_all=False, cache=self.cache):
+            pass
+        self.cache, self.ids = cache, []  # until decoding is through
+        kwargs = _forward_kwargs(self.model, cache, last_only=True)
+        out = _decode(logits, self.max_new_tokens, self.eos,
+                      lambda nxt: self.model(input_ids=nxt[:, None], **kwargs).logits)
+        self.ids = (ids + out[0])[:cache.get_seq_length()]  # the last new token never ran
+        self.shared_tokens += shared
+        return out
 
 
 GenerateFn = Callable[[torch.Tensor], list[list[int]]]

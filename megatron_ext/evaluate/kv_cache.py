@@ -25,13 +25,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.attention import zigzag_causal_attention
 from megatron_ext.context_parallel import cp_positions
+from megatron_ext.evaluate.generate import common_prefix
 
 # Keys attended per block in fp32 (bounds the temporary scores and the fp32 copy of a bf16 cache).
 KEY_BLOCK = 65536
@@ -171,11 +171,8 @@ class ContextParallelKVCache:
     def shared_prefix(self, ids: list[int], first: int) -> int:
         """How many of `ids`' first positions the cache holds from its prefill (extendable by `extending`): their
         common prefix with the cached ids, at most `first` (the pass must cover the positions to predict)."""
-        n = min(len(ids), len(self.ids), first, self.prefill_valid)
-        if n <= 0:
-            return 0
-        differ = np.flatnonzero(np.asarray(ids[:n]) != np.asarray(self.ids[:n]))  # numpy: millions of ids
-        return int(differ[0]) if differ.size else n
+        n = max(0, min(first, self.prefill_valid))
+        return common_prefix(ids[:n], self.ids[:n])
 
     def reusable_prefix(self, ids: list[int], first: int, max_new: int) -> int | None:
         """Cached positions a pass over `ids` that predicts from position `first` can reuse, or None (prefill):

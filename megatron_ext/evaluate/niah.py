@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from megatron_ext.evaluate.errors import EvalError
-from megatron_ext.evaluate.generate import GenerateFn, eos_ids, greedy_generate
+from megatron_ext.evaluate.generate import GenerateFn, SharedPrefixGreedy, eos_ids
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
 
 _MARK = "\u0000NIAH_HAYSTACK\u0000"  # where the haystack goes inside a chat template
@@ -219,8 +219,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
 
     if generate is None:
         eos = eos_ids(model, tokenizer)
-        generate = lambda ids: greedy_generate(model, ids, max_new_tokens, eos_token_ids=eos,  # noqa: E731
-                                               prefill_chunk=prefill_chunk)
+        generate = SharedPrefixGreedy(model, max_new_tokens, eos_token_ids=eos, prefill_chunk=prefill_chunk)
     settings = {"model": _model_name(model), "haystack": hay.source, "task": asdict(task), "samples": samples,
                 "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
                 "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
@@ -303,6 +302,9 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     if bar is not None:
         bar.close()
     settings["seconds"] = round(time.time() - start_all, 2)
+    if isinstance(generate, SharedPrefixGreedy):
+        settings["shared_tokens"] = generate.shared_tokens
+        generate.clear()
     return result()
 
 

@@ -287,10 +287,13 @@ def test_reader_stub_scores_100_and_constant_scores_0(tok):
         assert b.shape[0] <= max(1, 700 // n)
         rows[n] += b.shape[0]
     assert rows == {n: len(depths) * 2 for n in lengths}
-    # The reported needle position is where the needle is in the prompt the model saw.
+    # The reported needle position is where the needle is in the prompt the model saw (prompts run by depth,
+    # shallow to deep and back by turns from length to length, not in the order of the cells).
     prompts = [row for b in reader.batches for row in b.tolist()]
-    for c, p in zip(res.cells, prompts):
+    assert [len(p) for p in prompts] == [n for n in lengths for _ in range(len(depths) * 2)]
+    for c in res.cells:
         needle = tok(NeedleTask().needle.format(value=c["value"]), add_special_tokens=False)["input_ids"]
+        (p,) = [p for p in prompts if find_sub(p, needle)]
         assert find_sub(p, needle) == [c["needle_token"]]
         assert abs(c["actual_depth"] - c["depth"]) <= 100 * 12 / c["haystack_tokens"] + 1e-9  # within a sentence
     constant = run_niah(None, tok, lengths, depths, generate=Recorder(tok, lambda _: " 1234567."),
@@ -319,7 +322,7 @@ def test_out_of_memory_batches_are_halved_then_recorded_as_not_run(tok, tmp_path
         res = run_niah(None, tok, [100, 256], [0, 50, 100], samples=2, batch_tokens=10_000, generate=gen,
                        on_progress=partial.append, progress=False, log=None)
     assert sum("out of memory" in str(w.message) for w in rec) == 6  # one per prompt that never ran
-    assert str(rec[0].message).startswith("length 256, depth 0%: out of memory")
+    assert str(rec[0].message).startswith("length 256, depth 100%: out of memory")  # the 2nd length runs deep first
     assert [b.shape[0] for b in reader.batches] == [1, 2, 1, 2]  # 6 rows: 6 -> 3 + 3 -> (1 + 2) + (1 + 2)
     assert [row[0] for row in res.scores] == [1.0, 1.0, 1.0] and [row[1] for row in res.scores] == [None] * 3
     assert sum(c.get("error") == "out of memory" for c in res.cells) == 6 and res.accuracy == 1.0
@@ -372,6 +375,50 @@ def test_greedy_generate_matches_transformers_generate(tiny):
     first = ref[0][3]
     out = greedy_generate(model, ids[:1], 10, eos_token_ids=(first,))
     assert out == [ref[0][:ref[0].index(first) + 1]]
+
+
+def test_shared_prefix_greedy_matches_transformers_generate(tiny):
+    """Prompts starting like the one before run only their rest through the kept cache (cropped to the shared
+    prefix); each continuation equals transformers' `generate` on the whole prompt. Batches and short shared
+    prefixes run whole."""
+    from megatron_ext.evaluate.generate import SharedPrefixGreedy
+
+    model, _ = tiny
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(5, TINY["vocab_size"], (60,), generator=g).tolist()
+    prompts = [base, base[:30] + torch.randint(5, TINY["vocab_size"], (25,), generator=g).tolist(),
+               base[:30] + [7] * 30, base[:3] + [9] * 50, [9] + base[1:]]
+    shared = [0, 30, 30, 0, 0]  # the 4th shares 3 tokens (< 1/8): a full pass; the 5th none
+    gen = SharedPrefixGreedy(model, 8, prefill_chunk=16)
+    for ids, expected_shared in zip(prompts, shared):
+        before = gen.shared_tokens
+        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)[0, len(ids):]
+        assert gen(torch.tensor([ids])) == [ref.tolist()]
+        assert gen.shared_tokens - before == expected_shared
+        assert len(gen.ids) == len(ids) + 7 == gen.cache.get_seq_length()  # the last new token never ran
+    two = torch.tensor([base[:40], base[20:]])  # a batch: no cache kept
+    assert gen(two) == greedy_generate(model, two, 8, prefill_chunk=16) and gen.cache is None
+
+
+def test_run_niah_shares_the_haystack_between_depths(tiny):
+    """One prompt per batch: the grid's prompts share their haystack up to the shallower needle, the outputs are
+    those of runs without sharing (min_shared above 1)."""
+    from megatron_ext.evaluate.generate import SharedPrefixGreedy, eos_ids
+
+    model, tok = tiny
+    lengths, depths = [128, 200], [0, 25, 50, 75, 100]
+    shared = run_niah(model, tok, lengths, depths, batch_tokens=200, max_new_tokens=4, progress=False, log=None)
+    plain = SharedPrefixGreedy(model, 4, eos_token_ids=eos_ids(model, tok))
+    plain.min_shared = 2.0
+    whole = run_niah(None, tok, lengths, depths, generate=plain, batch_tokens=200, max_new_tokens=4,
+                     max_position_embeddings=256, progress=False, log=None)
+    assert [c["output"] for c in shared.cells] == [c["output"] for c in whole.cells]
+    # depths 25..100 share about a quarter more each at 128; at 200, deep to shallow, the first shares the 128-token
+    # prompt's whole haystack
+    assert sum(lengths) * 1.0 < shared.settings["shared_tokens"] < sum(lengths) * 2.5
+    assert plain.shared_tokens == 0
 
 
 def test_token_losses_match_transformers_loss(tiny):
