@@ -8,6 +8,8 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
 from megatron_ext.demo.pipeline import ABLATION
 
 
@@ -128,7 +130,8 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
     lines += ["", "## Time per step", "", "| step | seconds |", "|---|---:|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in steps.seconds.items()]
     lines += [f"| **total** | **{total_s:.1f}** |", "",
-              f"Machine: {platform.machine()}, {os.cpu_count()} CPU(s), load average at the end "
+              f"Machine: {platform.machine()}, {os.cpu_count()} CPU(s), torch CPU kernels "
+              f"{torch.backends.cpu.get_cpu_capability()}, load average at the end "
               f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.", "",
               "Settings: `" + json.dumps(settings.__dict__ if hasattr(settings, '__dict__') else {}, default=str) + "`", ""]
     report = out / "REPORT.md"
