@@ -64,9 +64,18 @@ class EvalPlan:
         return self.memory.total <= self.gpu.memory_gb * GB
 
     def grid_hours(self, prompts: int, new_tokens: int = 0) -> float:
-        """Hours for `prompts` prompts of this length over the DP replicas, `new_tokens` decode steps each."""
+        """Hours for `prompts` prompts of this length over the DP replicas, `new_tokens` decode steps each, every
+        prompt a full prefill (an upper bound where prompts share a prefix)."""
         rounds = -(-prompts // self.data)
         return rounds * (self.prefill_s + new_tokens * self.decode_step_s) / 3600
+
+    def niah_hours(self, s: Shape, depths: int, new_tokens: int = 0) -> float:
+        """Hours for a NIAH grid's `depths` prompts of this length (needle depths evenly spread over 0-100%) with the
+        engine's shared prefixes (`niah_pass_flops`), over the DP replicas, `new_tokens` decode steps each."""
+        per_flop = self.prefill_s / self.prefill_flops
+        replicas = [niah_pass_flops(s, self.length, depths, first=r, step=self.data) for r in range(self.data)]
+        rounds = -(-depths // self.data)
+        return (max(replicas) * per_flop + rounds * new_tokens * self.decode_step_s) / 3600
 
 
 def prefill_flops(s: Shape, length: int) -> float:
@@ -74,6 +83,26 @@ def prefill_flops(s: Shape, length: int) -> float:
     token plus causal attention, 2 x d_attn x (L + 1) per token and layer (a third of `train_flops_per_token`)."""
     attention = s.layers * 2.0 * s.heads * s.head_dim * (length + 1)
     return length * (2.0 * s.layers * layer_matmul_params(s) + attention)
+
+
+def niah_pass_flops(s: Shape, length: int, depths: int, *, first: int = 0, step: int = 1,
+                    min_shared: float = 0.125) -> float:
+    """Forward FLOPs of the passes over a NIAH grid's prompts of `length` tokens whose needles sit at `depths`
+    depths evenly spread over 0-100%, as the Megatron engine runs them (`parallel.MegatronGreedy`): by depth,
+    keeping the KV cache, so that a prompt runs only its positions after the haystack it shares with the one its
+    replica ran before (the earlier needle's depth; the instruction before the haystack is neglected), or all of
+    them where that is under `min_shared` of the prompt. A replica runs prompts `first`, `first + step`, ... (DP
+    replicas share them). Positions c .. L - 1 cost prefill_flops(L) - prefill_flops(c): exact for the causal count.
+    """
+    if depths < 1 or not 0 <= first < step:
+        raise ValueError(f"depths = {depths}, first = {first}, step = {step}: need depths >= 1, 0 <= first < step")
+    full = prefill_flops(s, length)
+    total, before = 0.0, None
+    for i in range(first, depths, step):
+        shared = 0 if before is None else round(before / max(depths - 1, 1) * length)
+        total += full - (prefill_flops(s, shared) if shared >= min_shared * length else 0.0)
+        before = i
+    return total
 
 
 def layer_working_set_bytes(s: Shape, length: int, tensor: int, context: int, dtype_bytes: float = 2.0,
@@ -140,22 +169,29 @@ def min_eval_context(s: Shape, gpu: GPU, length: int, *, gpus: int, tensor: int 
     return None
 
 
-def eval_report(plans: list[EvalPlan], prompts: int, new_tokens: int, mfu: float) -> str:
-    """A table of `plans` (one per length, same layout): memory per GPU, fit, prefill and decode time, grid hours."""
+def eval_report(plans: list[EvalPlan], prompts: int, new_tokens: int, mfu: float, shape: Shape | None = None) -> str:
+    """A table of `plans` (one per length, same layout): memory per GPU, fit, prefill and decode time, grid hours
+    (every prompt a full prefill; with `shape`, also as NIAH depths sharing their haystack)."""
     p0 = plans[0]
+    niah = f"{'as NIAH h':>10}" if shape is not None else ""
     gb = lambda x: f"{x / GB:7.1f}"  # noqa: E731
     lines = [f"eval plan: the Megatron engine (tools/niah.py --engine megatron) on {p0.gpus} x {p0.gpu.name}, "
              f"TP {p0.tensor} x PP {p0.pipeline} x CP {p0.context}, DP {p0.data} (prompts in parallel), bf16",
              f"  {'length':>9} {'weights':>7} {'KV':>7} {'layer':>7} {'other':>7} {'total':>7} GB  {'fits':<5}"
-             f"{'prefill s':>10} {'decode ms':>10} {f'{prompts} prompts h':>14}"]
+             f"{'prefill s':>10} {'decode ms':>10} {f'{prompts} prompts h':>14}{niah}"]
     for p in plans:
         m = p.memory
         lines.append(f"  {p.length:>9,} {gb(m.weights)} {gb(m.kv_cache)} {gb(m.activations)} "
                      f"{gb(m.rope + m.overhead)} {gb(m.total)}     {'yes' if p.fits else 'NO':<5}"
-                     f"{p.prefill_s:>10.1f} {p.decode_step_s * 1e3:>10.2f} {p.grid_hours(prompts, new_tokens):>14.2f}")
+                     f"{p.prefill_s:>10.1f} {p.decode_step_s * 1e3:>10.2f} {p.grid_hours(prompts, new_tokens):>14.2f}"
+                     + (f"{p.niah_hours(shape, prompts, new_tokens):>10.2f}" if shape is not None else ""))
     lines += [f"  prefill at {mfu:.0%} of {p0.gpu.bf16_tflops:g} TFLOP/s BF16 on TP x CP GPUs (causal count, no "
               "output layer); decode step: weights + KV cache read once at "
               f"{p0.gpu.hbm_bw / 1e12:g} TB/s (a lower bound); {new_tokens} decode steps per prompt",
               "  layer = one layer's forward working set on the rank's tokens; other = RoPE table + 8 GB "
               "CUDA/NCCL/allocator overhead"]
+    if shape is not None:
+        lines.append(f"  as NIAH: the {prompts} prompts as needle depths evenly spread over 0-100%, each run only after "
+                     "the haystack it shares with the one before (the engine's KV cache); the column before: every "
+                     "prompt a full prefill")
     return "\n".join(lines)

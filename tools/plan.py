@@ -161,7 +161,7 @@ def _plan_eval(args) -> int:
         plans = [eval_plan(shape, gpu, n, context=cp, **layout) for n in lengths]
     except RecipeError as e:
         sys.exit(f"error: {path}: {e}")
-    print(eval_report(plans, args.prompts, args.new_tokens, args.mfu))
+    print(eval_report(plans, args.prompts, args.new_tokens, args.mfu, shape))
     if not plans[-1].fits:
         fit = min_eval_context(shape, gpu, lengths[-1], **layout)
         need = (f"{lengths[-1]:,} tokens need {plans[-1].memory.total / GB:.1f} GB per GPU at CP {cp}, more "

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_ext.cost_model import GB, GPUS, Shape, kv_cache_bytes_per_token, shape_from_hf_config
-from megatron_ext.eval_plan import eval_plan, layer_working_set_bytes, min_eval_context, prefill_flops
+from megatron_ext.eval_plan import (eval_plan, layer_working_set_bytes, min_eval_context, niah_pass_flops,
+                                    prefill_flops)
 from megatron_ext.presets import LLAMA31_8B, TINY
 from megatron_ext.recipe import RecipeError
 from tests.conftest import ROOT
@@ -101,6 +102,48 @@ def test_cache_weights_and_decode_step_of_llama31_8b():
     assert pp.decode_step_s == pytest.approx(p.decode_step_s, rel=1e-3)  # the same step time
 
 
+def test_a_pass_after_a_prefix_costs_its_positions_exactly():
+    """prefill_flops(L) - prefill_flops(c): each position i of c .. L - 1 costs 2 N_matmul and 4 d_attn (i + 1)
+    per layer (causal attention to itself and every earlier position): the sum, position by position."""
+    from megatron_ext.cost_model import layer_matmul_params
+
+    s, length, c = L8B, 96, 40
+    per_position = [s.layers * (2 * layer_matmul_params(s) + 4 * s.heads * s.head_dim * (i + 1))
+                    for i in range(length)]
+    assert prefill_flops(s, length) - prefill_flops(s, c) == sum(per_position[c:])
+    assert prefill_flops(s, length) == sum(per_position)
+
+
+def test_niah_grid_passes_with_shared_prefixes():
+    """A NIAH grid by depth with the KV cache kept: each prompt after the first runs only after the haystack it
+    shares with its replica's previous prompt (depths evenly spread; under an eighth shared: a full pass)."""
+    n = 1 << 20
+    F = lambda c: prefill_flops(L8B, c)  # noqa: E731
+    assert niah_pass_flops(L8B, n, 1) == F(n)
+    assert niah_pass_flops(L8B, n, 2) == 2 * F(n)  # depth 100% after depth 0: nothing shared
+    # 11 depths: prompt j + 1 shares j/10 of the prompt; j = 1 (10%) is under an eighth
+    assert niah_pass_flops(L8B, n, 11) == pytest.approx(11 * F(n) - sum(F(round(j / 10 * n)) for j in range(2, 10)),
+                                                        rel=1e-12)
+    # two replicas: 0, 2, .., 10 and 1, 3, .., 9, each sharing with its own previous prompt
+    assert niah_pass_flops(L8B, n, 11, first=0, step=2) == pytest.approx(
+        6 * F(n) - sum(F(round(j / 10 * n)) for j in (2, 4, 6, 8)), rel=1e-12)
+    assert niah_pass_flops(L8B, n, 11, first=1, step=2) == pytest.approx(
+        5 * F(n) - sum(F(round(j / 10 * n)) for j in (3, 5, 7)), rel=1e-12)
+    # what is left of 11 full prefills: where the matmuls dominate (4K) the share of positions run,
+    # 1 - (0.2 + .. + 0.9) / 11 = 0.60; where attention does (4M) the share of causal pairs, 1 - (0.2^2 + ..) / 11
+    short, long_ = (niah_pass_flops(L8B, m, 11) / (11 * prefill_flops(L8B, m)) for m in (1 << 12, 1 << 22))
+    assert short == pytest.approx(1 - sum(j / 10 for j in range(2, 10)) / 11, abs=0.015)
+    assert long_ == pytest.approx(1 - sum((j / 10) ** 2 for j in range(2, 10)) / 11, abs=0.005)
+    p = eval_plan(L8B, H100, 1 << 22, gpus=64, tensor=8, context=8)  # DP 1
+    assert p.niah_hours(L8B, 11, 16) == pytest.approx(p.grid_hours(11, 16) * long_, rel=0.01)  # decode steps: small
+    two = eval_plan(L8B, H100, 1 << 22, gpus=64, tensor=8, context=2)  # DP 4: the slowest replica sets the time
+    assert two.niah_hours(L8B, 11) == pytest.approx(
+        max(niah_pass_flops(L8B, 1 << 22, 11, first=r, step=4) for r in range(4)) / two.prefill_flops
+        * two.prefill_s / 3600, rel=1e-12)
+    with pytest.raises(ValueError, match="depths"):
+        niah_pass_flops(L8B, n, 0)
+
+
 def test_smallest_cp_that_fits():
     cp = min_eval_context(L8B, H100, 1 << 22, gpus=64, tensor=8)
     assert cp == 4
@@ -128,6 +171,7 @@ def test_tool_eval_table_and_advice():
     ok = _tool("recipes/cpt_4m.yaml", "--eval", "128K,1M,4M", "--gpus", "64", "--cp", "8")
     assert ok.returncode == 0, ok.stderr
     assert "TP 8 x PP 1 x CP 8, DP 1" in ok.stdout and ok.stdout.count(" yes ") == 3 and "4,194,304" in ok.stdout
+    assert "11 prompts h as NIAH h" in ok.stdout  # every prompt a full prefill, and with shared prefixes
     short = _tool("recipes/cpt_4m.yaml", "--eval", "4M", "--gpus", "64", "--cp", "2")
     assert short.returncode == 1 and "NO" in short.stdout
     assert short.stderr.strip().endswith("use --cp 4 (tools/niah.py --cp 4)")
