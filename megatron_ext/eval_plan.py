@@ -191,7 +191,7 @@ def eval_report(plans: list[EvalPlan], prompts: int, new_tokens: int, mfu: float
               "  layer = one layer's forward working set on the rank's tokens; other = RoPE table + 8 GB "
               "CUDA/NCCL/allocator overhead"]
     if shape is not None:
-        lines.append(f"  as NIAH: the {prompts} prompts as needle depths evenly spread over 0-100%, each run only after "
-                     "the haystack it shares with the one before (the engine's KV cache); the column before: every "
-                     "prompt a full prefill")
+        lines.append(f"  as NIAH: the {prompts} prompts as needle depths evenly spread over 0-100%, each run only "
+                     "after the haystack it shares with the one before (the engine's KV cache); the column before: "
+                     "every prompt a full prefill")
     return "\n".join(lines)
