@@ -197,7 +197,10 @@ class SharedPrefixGreedy:
             shared = 0
         elif shared < self.cache.get_seq_length():
             self.cache.crop(shared - self.cache.get_seq_length())  # negative: tokens to drop (transformers 4 and 5)
-        chunk = auto_prefill_chunk(len(ids)) if self.prefill_chunk == "auto" else self.prefill_chunk
+        # after a cached prefix each chunk attends through a [chunk, length] mask that transformers materialises:
+        # "one pass" (None, 0) would be a [rest, length] mask, so such a pass takes auto's chunks
+        auto = self.prefill_chunk == "auto" or (shared and not self.prefill_chunk)
+        chunk = auto_prefill_chunk(len(ids)) if auto else self.prefill_chunk
         device = next(self.model.parameters()).device
         logits = cache = None
         for _, logits, cache in chunked_forward(self.model, torch.tensor([ids[shared:]], device=device), chunk,
