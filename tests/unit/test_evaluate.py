@@ -377,7 +377,8 @@ def test_greedy_generate_matches_transformers_generate(tiny):
     assert out == [ref[0][:ref[0].index(first) + 1]]
 
 
-def test_shared_prefix_greedy_matches_transformers_generate(tiny):
+@pytest.mark.parametrize("chunk", [16, None])
+def test_shared_prefix_greedy_matches_transformers_generate(tiny, chunk):
     """Prompts starting like the one before run only their rest through the kept cache (cropped to the shared
     prefix); each continuation equals transformers' `generate` on the whole prompt. Batches and short shared
     prefixes run whole."""
@@ -390,7 +391,7 @@ def test_shared_prefix_greedy_matches_transformers_generate(tiny):
     prompts = [base, base[:30] + torch.randint(5, TINY["vocab_size"], (25,), generator=g).tolist(),
                base[:30] + [7] * 30, base[:3] + [9] * 50, [9] + base[1:]]
     shared = [0, 30, 30, 0, 0]  # the 4th shares 3 tokens (< 1/8): a full pass; the 5th none
-    gen = SharedPrefixGreedy(model, 8, prefill_chunk=16)
+    gen = SharedPrefixGreedy(model, 8, prefill_chunk=chunk)
     for ids, expected_shared in zip(prompts, shared):
         before = gen.shared_tokens
         ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -399,7 +400,7 @@ def test_shared_prefix_greedy_matches_transformers_generate(tiny):
         assert gen.shared_tokens - before == expected_shared
         assert len(gen.ids) == len(ids) + 7 == gen.cache.get_seq_length()  # the last new token never ran
     two = torch.tensor([base[:40], base[20:]])  # a batch: no cache kept
-    assert gen(two) == greedy_generate(model, two, 8, prefill_chunk=16) and gen.cache is None
+    assert gen(two) == greedy_generate(model, two, 8, prefill_chunk=chunk) and gen.cache is None
 
 
 def test_run_niah_shares_the_haystack_between_depths(tiny):
