@@ -250,7 +250,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
         # By depth, deeper and shallower by turns from length to length: consecutive prompts then share the
         # haystack before the shallower needle, and a length's first prompt the previous one's (the same haystack
         # is cut at every length). An engine that keeps its KV cache from prompt to prompt runs only the rest
-        # (`parallel.MegatronGreedy`).
+        # (`parallel.MegatronGreedy`, `generate.SharedPrefixGreedy`).
         row = sorted((c for c in pending if c["length"] == n), key=lambda c: (c["depth"], c["sample"]),
                      reverse=k % 2 == 1)
         if not row:
