@@ -28,7 +28,7 @@ class DemoSettings:
 
     base_steps: int = 1500
     base_batch: int = 16
-    base_lr: float = 5e-3
+    base_lr: float = 3e-3
     base_recall_weight: float = 10.0
     base_kv_every: int = 0
     base_length_power: float = 2.0

@@ -44,6 +44,18 @@ def _megatron_engine_check(evals: Path, rows) -> dict | None:
             "decode_steps": settings.get("decode_steps")}
 
 
+def _ablation_sentence(final: float | None, ablation: float | None, length: int) -> str:
+    """What the ablation says of the YaRN extension at `length`, from the two accuracies there."""
+    if final is None or ablation is None:
+        return "one of the two was not scored."
+    diff = round(100 * (final - ablation))
+    if diff > 0:
+        return f"at {length:,} it scores {diff} points below the final model, what the YaRN extension adds here."
+    where = f"{-diff} points above" if diff else "level with"
+    return (f"at {length:,} it scores {where} the final model: at this scale the SFT, not the YaRN extension, brings "
+            "retrieval at 8x (the base's llama3 RoPE already stretches its wavelengths by 8; README, 'The demo').")
+
+
 def _param_count(hf_dir: Path) -> int:
     from safetensors import safe_open
 
@@ -104,8 +116,8 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
               "does not by itself rebuild retrieval beyond the base context (README, 'The demo', says what was "
               "tried); the SFT, whose loss is on the answer only, over needle questions up to 2048 tokens with the "
               "CPT's YaRN RoPE, does. "
-              "The ablation runs the same SFT from the base with the base's own RoPE (no YaRN, no CPT): what it "
-              "lacks at 2048 against the final model is what the YaRN extension adds.", "",
+              "The ablation runs the same SFT from the base with the base's own RoPE (no YaRN, no CPT): "
+              + _ablation_sentence(at8x.get("after CPT + SFT"), at8x.get(ABLATION), lengths[-1]), "",
               "## Heatmaps", ""]
     for label, _, _, png in rows:
         lines += [f"**{label}**", "", f"![{label}]({rel(png)})", ""]
