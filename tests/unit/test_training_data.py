@@ -102,19 +102,26 @@ def _prepare(prefix, tokenizer, documents, seed=0):
     prepare_cpt([str(corpus)], tokenizer, prefix, force=True, progress=False)
 
 
+def _checkpoint_of(prefix: str, tokenizer) -> tuple:
+    """(recipe, checkpoint metadata) of a run on 20 documents prepared at `prefix`, 8 samples in."""
+    from megatron_ext.resume import data_identities
+
+    _prepare(prefix, tokenizer, 20)
+    recipe = _recipe(prefix, "train.global_batch_size=2")
+    return recipe, {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict(),
+                    "data_identity": data_identities(recipe)}
+
+
 def test_data_prepared_again_under_the_same_prefix_is_named(tmp_path, toy_tokenizer):
     """The checkpoint records each prefix's contents (megatron_ext.data.loaders.data_identity): other documents
     under the same data.prefix are a data change; the same documents prepared again (new files) are none."""
     import os
 
     from megatron_ext.data.loaders import data_identity
-    from megatron_ext.resume import data_identities, plan_resume
+    from megatron_ext.resume import plan_resume
 
     prefix = str(tmp_path / "cpt")
-    _prepare(prefix, toy_tokenizer, 20)
-    recipe = _recipe(prefix, "train.global_batch_size=2")
-    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict(),
-             "data_identity": data_identities(recipe)}
+    recipe, saved = _checkpoint_of(prefix, toy_tokenizer)
     old = saved["data_identity"][prefix]
     assert old["documents"] == 20 and old == data_identity(prefix)
     inode = os.stat(prefix + ".idx").st_ino
@@ -167,13 +174,9 @@ def test_other_tokens_of_the_same_lengths_are_named(tmp_path, toy_tokenizer):
     import numpy as np
 
     from megatron_ext.data.loaders import data_identity, read_manifest
-    from megatron_ext.resume import data_identities
 
     prefix = str(tmp_path / "cpt")
-    _prepare(prefix, toy_tokenizer, 20)
-    recipe = _recipe(prefix, "train.global_batch_size=2")
-    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": recipe.to_dict(),
-             "data_identity": data_identities(recipe)}
+    recipe, saved = _checkpoint_of(prefix, toy_tokenizer)
     old = saved["data_identity"][prefix]
     before = {p: {k: v for k, v in identity.items() if k != "bin_sample_sha256"}
               for p, identity in saved["data_identity"].items()}
