@@ -170,8 +170,8 @@ class SharedPrefixGreedy:
 
     def __init__(self, model, max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = (),
                  prefill_chunk: int | str | None = "auto"):
-        self.model, self.max_new_tokens, self.eos, self.prefill_chunk = model, max_new_tokens, eos_token_ids, \
-            prefill_chunk
+        self.model, self.max_new_tokens, self.eos = model, max_new_tokens, eos_token_ids
+        self.prefill_chunk = prefill_chunk
         self.cache, self.ids, self.shared_tokens = None, [], 0
 
     def clear(self) -> None:
@@ -216,7 +216,7 @@ class SharedPrefixGreedy:
 
 
 GenerateFn = Callable[[torch.Tensor], list[list[int]]]
-"""A generator for NIAH: prompts [B, L] -> new token ids per row (the default is `greedy_generate`)."""
+"""A generator for NIAH: prompts [B, L] -> new token ids per row (the default is `SharedPrefixGreedy`)."""
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
