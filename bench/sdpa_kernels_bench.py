@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = kernel + ("+expand" if expand else "")
                 rate = per_flop_s.get(name, max(per_flop_s.values(), default=0.0))
                 need = (args.iters + 2) * flops * rate  # warm-up, timed steps, the memory step
-                if need > clock.remaining():
+                if per_flop_s and need > clock.remaining():  # nothing ran yet: nothing to predict from, it runs
                     r = {"status": "skipped", "error": f"time budget: needs ~{need:.0f} s, {clock.remaining():.0f} s left"}
                 else:
                     r = measure(kernel, expand, q, k, v, args.iters, args.device)
