@@ -189,6 +189,22 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """A trace of chosen training steps: where their time goes (attention, recompute, loss, communication)."""
+
+    steps: tuple[int, ...] | None = _f(
+        None, "[first, last] training steps to trace (inclusive; leave a step or two of warm-up before them), "
+        "e.g. [4, 5]. null: no trace.")
+    ranks: tuple[int, ...] = _f((0,), "Global ranks that trace.")
+    tool: Literal["torch", "nsys"] = _f(
+        "torch", "torch: torch.profiler, a Chrome/Perfetto trace (.pt.trace.json.gz) and a table of the costliest "
+        "operators per rank; nsys: the steps as Nsight Systems' capture range (run under `nsys profile "
+        "--capture-range=cudaProfilerApi`), one NVTX range per step (cuda only).")
+    memory: bool = _f(False, "torch: also record tensor allocations (profile_memory; larger traces).")
+    dir: str | None = _f(None, "Where traces go (null: <checkpoint.dir>/profile).")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     """A whole run. `name` defaults to the file's stem."""
 
@@ -201,6 +217,7 @@ class Recipe:
     data: DataConfig = _f(None, "Training data.")
     checkpoint: CheckpointConfig = _f(None, "Checkpoints and metrics.")
     runtime: RuntimeConfig = _f(None, "Device and kernels.")
+    profile: ProfileConfig = _f(None, "Tracing chosen training steps.")
 
     def to_dict(self) -> dict:
         """Plain nested dict (tuples as lists), loadable again as a recipe."""

@@ -130,6 +130,24 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                  f"parallel.context = {p.context} with train.stage = 'sft': packed sequences under context "
                  "parallelism need Transformer Engine; SFT samples are short, use parallel.context=1")
     _validate_rope_block(recipe)
+    _validate_profile(recipe, world if world_size is not None else None)
+
+
+def _validate_profile(recipe: Recipe, world_size: int | None) -> None:
+    """profile.steps is a range of the run's steps; nsys needs CUDA; the tracing ranks exist."""
+    pr, steps = recipe.profile, recipe.train.steps
+    if pr.steps is not None:
+        first, last = (pr.steps + (0, 0))[:2]
+        _require(len(pr.steps) == 2 and 1 <= first <= last <= steps,
+                 f"profile.steps = {list(pr.steps)}: expected [first, last] with 1 <= first <= last <= train.steps "
+                 f"= {steps}, e.g. profile.steps=[{min(3, steps)},{min(4, steps)}] (a warm-up step or two first)")
+    _require(pr.tool != "nsys" or recipe.runtime.device == "cuda",
+             "profile.tool = 'nsys': Nsight Systems traces CUDA; use profile.tool=torch for runtime.device=cpu")
+    _require(len(pr.ranks) >= 1 and all(r >= 0 for r in pr.ranks),
+             f"profile.ranks = {list(pr.ranks)}: expected a list of global ranks >= 0, e.g. [0]")
+    if world_size is not None:
+        _require(all(r < world_size for r in pr.ranks),
+                 f"profile.ranks = {list(pr.ranks)}: the run has ranks 0..{world_size - 1}")
 
 
 def _validate_data(recipe: Recipe) -> None:

@@ -190,6 +190,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
     from megatron_ext.resume import data_identities, plan_resume, rope_changes
+    from megatron_ext.train_profile import StepProfiler
     from megatron_ext.training_data import build_batches
 
     t, p = recipe.train, recipe.parallel
@@ -274,63 +275,69 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
 
+    profiler = StepProfiler(recipe.profile, torch.distributed.get_rank(),
+                            Path(recipe.profile.dir or root / "profile"), recipe.runtime.device)
     step, loop_start = start, time.time()
-    while step < t.steps:
-        step_start = time.time()
-        ddp_model.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = forward_backward(
-            forward_step_func=forward_step, data_iterator=data.iterator(step, num_microbatches),
-            model=[ddp_model], num_microbatches=num_microbatches, seq_length=t.seq_length // p.context,
-            micro_batch_size=t.micro_batch_size, forward_only=False,
-        )
-        ok, grad_norm, _ = optimizer.step()
-        saver.finalize()  # background saves done on every rank by now go in place
-        scheduler.step(increment=1)
-        step += 1
-        loss, n_tokens = reduce_loss(reports)
-        elapsed = time.time() - step_start
-        step_tokens = t.global_batch_size * t.seq_length
-        tokens_seen += step_tokens
-        record = {
-            "step": step, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "lr": scheduler.get_lr(optimizer.param_groups[0]), "tokens": tokens_seen,
-            "loss_tokens": n_tokens, "tokens_per_s": step_tokens / elapsed,
-            "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
-            "memory_gib": memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
-        }
-        if step % t.log_interval == 0 or step == t.steps:
-            log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
-                f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB eta "
-                f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
-        # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
-        # gradient norm also with train.clip_grad = 0, so a step that makes weights NaN shows here.)
-        if any_rank(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))):
+    try:
+        while step < t.steps:
+            step_start = time.time()
+            with profiler.step(step + 1):
+                ddp_model.zero_grad_buffer()
+                optimizer.zero_grad()
+                reports = forward_backward(
+                    forward_step_func=forward_step, data_iterator=data.iterator(step, num_microbatches),
+                    model=[ddp_model], num_microbatches=num_microbatches, seq_length=t.seq_length // p.context,
+                    micro_batch_size=t.micro_batch_size, forward_only=False,
+                )
+                ok, grad_norm, _ = optimizer.step()
+            saver.finalize()  # background saves done on every rank by now go in place
+            scheduler.step(increment=1)
+            step += 1
+            loss, n_tokens = reduce_loss(reports)
+            elapsed = time.time() - step_start
+            step_tokens = t.global_batch_size * t.seq_length
+            tokens_seen += step_tokens
+            record = {
+                "step": step, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "lr": scheduler.get_lr(optimizer.param_groups[0]), "tokens": tokens_seen,
+                "loss_tokens": n_tokens, "tokens_per_s": step_tokens / elapsed,
+                "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
+                "memory_gib": memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
+            }
+            if step % t.log_interval == 0 or step == t.steps:
+                log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
+                    f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
+                    f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB eta "
+                    f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
+            # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
+            # gradient norm also with train.clip_grad = 0, so a step that makes weights NaN shows here.)
+            if any_rank(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))):
+                metrics.write(record)
+                samples = range(data.samples_before(step - 1), data.samples_before(step))
+                saver.finalize(blocking=True)  # an earlier step's save is good: in place before the report names it
+                return report_divergence(step, f"loss {loss}, grad_norm {grad_norm}", root, samples)
+            stopping = stop.agreed()
+            # not on the way out after a signal: the checkpoint must land before the time limit (this step's
+            # validation is skipped; the requeued run starts after it)
+            if valid is not None and (step == t.steps or (step % t.eval_interval == 0 and not stopping)):
+                eval_start = time.time()
+                val_loss, val_tokens = validation_loss(forward_backward, ddp_model, valid, recipe, num_microbatches)
+                record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=val_tokens)
+                log(f"[train] step {step}/{t.steps} validation loss {val_loss:.4f} ppl {record['val_ppl']:.4g} "
+                    f"({t.eval_iters} batch(es), {val_tokens} tokens, {time.time() - eval_start:.1f} s)")
             metrics.write(record)
-            samples = range(data.samples_before(step - 1), data.samples_before(step))
-            saver.finalize(blocking=True)  # an earlier step's save is good: in place before the report names it
-            return report_divergence(step, f"loss {loss}, grad_norm {grad_norm}", root, samples)
-        stopping = stop.agreed()
-        # not on the way out after a signal: the checkpoint must land before the time limit (this step's
-        # validation is skipped; the requeued run starts after it)
-        if valid is not None and (step == t.steps or (step % t.eval_interval == 0 and not stopping)):
-            eval_start = time.time()
-            val_loss, val_tokens = validation_loss(forward_backward, ddp_model, valid, recipe, num_microbatches)
-            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=val_tokens)
-            log(f"[train] step {step}/{t.steps} validation loss {val_loss:.4f} ppl {record['val_ppl']:.4g} "
-                f"({t.eval_iters} batch(es), {val_tokens} tokens, {time.time() - eval_start:.1f} s)")
-        metrics.write(record)
-        interval = recipe.checkpoint.interval
-        if stopping or step == t.steps or (interval and step % interval == 0):
-            position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen,
-                        "data_samples": data.requested}
-            saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
-                       wait=stopping or step == t.steps)
-        if stopping and step < t.steps:
-            log(f"[train] received signal {stop.signal}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
-            return EXIT_REQUEUE
-    return 0
+            interval = recipe.checkpoint.interval
+            if stopping or step == t.steps or (interval and step % interval == 0):
+                position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen,
+                            "data_samples": data.requested}
+                saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
+                           wait=stopping or step == t.steps)
+            if stopping and step < t.steps:
+                log(f"[train] received signal {stop.signal}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
+                return EXIT_REQUEUE
+        return 0
+    finally:
+        profiler.close()  # a run that stops inside the traced steps writes what it traced
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.unit.test_train_profile import check_trace
 
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"
 STEPS = 3
@@ -28,7 +29,7 @@ def losses(metrics):
 
 
 @pytest.mark.parametrize("nproc, layout", [
-    (2, ["parallel.context=2"]),
+    (2, ["parallel.context=2", "profile.steps=[2,3]", "profile.ranks=[0,1]"]),  # traced: the same losses
     (4, ["parallel.context=4", "parallel.cp_comm_type=all_gather"]),
     (4, ["parallel.context=2", "parallel.tensor=2", "train.loss_chunk_tokens=48"]),
     (1, ["parallel.context=1", "train.loss_head=full"]),
@@ -39,6 +40,9 @@ def test_cp_losses_equal_cp1(tmp_path, torchrun, token_data, cp1, nproc, layout)
     assert losses(metrics)[0] > 5.0  # untrained tiny model on random tokens: about ln(512)
     np.testing.assert_allclose(losses(metrics), losses(cp1), atol=1e-5, rtol=0)
     np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in cp1], rtol=1e-4)
+    if "profile.steps=[2,3]" in layout:  # each CP rank's trace of steps 2 and 3 (tests/unit/test_train_profile.py)
+        for rank in (0, 1):
+            check_trace(tmp_path / "profile", rank, 2, 3, STEPS)
 
 
 def test_training_reduces_loss(cp1):
