@@ -137,16 +137,31 @@ def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
                               "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")
 
 
+def gradient_bucket_size(overlap_grad_reduce: bool, ddp_bucket_size: int | None, data_parallel: int) -> int | None:
+    """Parameters per gradient bucket as Megatron-Core's DDP sets them (None: all in one bucket).
+
+    Without overlap there is one bucket; with it, `train.ddp_bucket_size` or max(40M, 1M x DP) (DP without CP).
+    """
+    if not overlap_grad_reduce:
+        return None
+    return ddp_bucket_size if ddp_bucket_size is not None else max(40_000_000, 1_000_000 * data_parallel)
+
+
+def _buckets(size: int | None) -> str:
+    return "one bucket" if size is None else f"buckets of {size:,} parameters"
+
+
 def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_optimizer: bool,
-                             precision: str | None = None) -> str | None:
+                             precision: str | None = None, bucket_size: int | None = None) -> str | None:
     """Why a run with parallel `layout` cannot load the optimizer state of a checkpoint whose run metadata is
-    `saved` (`read_metadata`), or None when it can.
+    `saved` (`read_metadata`), or None when it can. `bucket_size`: the run's `gradient_bucket_size`.
 
     The distributed optimizer keeps flat fp32 buffers, one per bucket of a TP x PP rank's parameters, cut
     into DP x CP slices; saved `dp_reshardable` (megatron_ext.checkpoint), they load at any DP x CP but not
-    at another TP or PP, whose buckets hold other parameters. The plain optimizer's state follows each
-    parameter's own sharding, so any layout loads it. Its state is keyed by the parameters' dtype (bf16 runs
-    keep fp32 master weights, fp32 runs none), so another `train.precision` cannot load it either.
+    at another TP or PP, or with other buckets (train.overlap_grad_reduce, train.ddp_bucket_size), which hold
+    other parameters. The plain optimizer's state follows each parameter's own sharding, so any layout loads
+    it. Its state is keyed by the parameters' dtype (bf16 runs keep fp32 master weights, fp32 runs none), so
+    another `train.precision` cannot load it either.
     """
     if saved.get("has_optimizer") is False:
         return "the checkpoint holds no optimizer state"
@@ -165,4 +180,11 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
         if changed:
             return ("the distributed optimizer's state is cut along TP x PP buckets and cannot follow "
                     + ", ".join(changed) + " (DP and CP may change)")
+        saved_train = (saved.get("recipe") or {}).get("train") or {}
+        saved_buckets = gradient_bucket_size(bool(saved_train.get("overlap_grad_reduce")),
+                                             saved_train.get("ddp_bucket_size"), saved_layout.get("data", 1))
+        if saved_buckets != bucket_size:
+            return (f"the distributed optimizer's state is cut along its gradient buckets: {_buckets(saved_buckets)}"
+                    f" when saved, {_buckets(bucket_size)} now (train.overlap_grad_reduce, train.ddp_bucket_size; "
+                    "set them as saved to keep the state)")
     return None

@@ -198,8 +198,15 @@ def chunked_loss_gpt_model_class():
                              or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context") is not None)
             if megatron_path:
                 return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-            weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                      else self.output_layer.weight)
+            if self.share_embeddings_and_output_weights:
+                weight = self.shared_embedding_or_output_weight()
+            else:
+                # The head reads the layer's weight without calling the layer, so run the layer's forward
+                # pre-hooks here: under train.overlap_param_gather DDP's hook waits there for the weight's
+                # all-gather (otherwise a stale slice is read, and the pending gather trips the next step).
+                for hook in self.output_layer._forward_pre_hooks.values():
+                    hook(self.output_layer, (hidden_states,))
+                weight = self.output_layer.weight
             return vocab_parallel_linear_cross_entropy(
                 hidden_states, weight, labels, group=self.pg_collection.tp,
                 sequence_parallel=self.output_layer.sequence_parallel, chunk_tokens=self.loss_chunk_tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_ext.checkpoint_index import gradient_bucket_size
 from megatron_ext.cost_model import (
     GB,
     GPU,
@@ -191,14 +192,25 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
         bwd = max(0.0, 2 * kv / link - 2 * attn_layer / cp)
         passes = 1 + recomputed
         cp_comm = microbatches * s.layers / pp * (cp - 1) * (passes * fwd + bwd)
-    # DP x CP: distributed optimizer reduce-scatters grads and all-gathers params once per step (train.py
-    # sets overlap_grad_reduce=False, so not overlapped).
+    # DP x CP: the distributed optimizer reduce-scatters the fp32 gradients and all-gathers the parameters once
+    # per step. train.overlap_grad_reduce runs the reduce-scatter bucket by bucket under the last microbatch's
+    # backward (about 2/3 of its compute), train.overlap_param_gather the all-gather under the next forward's
+    # first microbatch (1/3); what exceeds that compute shows, and at least the bucket that is ready last.
     shards = dp * cp
     dp_comm = 0.0
     if shards > 1:
         params = params_per_gpu(s, tp, pp, padded_vocab(s.vocab, recipe.model.make_vocab_size_divisible_by, tp))
         link = _link(gpus // pp, recipe.cluster.gpus_per_node, gpu)
-        dp_comm = (shards - 1) / shards * params * (GRAD_BYTES + dtype) / link
+        reduce_s = (shards - 1) / shards * params * GRAD_BYTES / link
+        gather_s = (shards - 1) / shards * params * dtype / link
+        bucket = gradient_bucket_size(t.overlap_grad_reduce, t.ddp_bucket_size, dp)
+        last = 1.0 if bucket is None else min(1.0, bucket / params)
+        microbatch_s = compute / bubble / microbatches
+        if t.overlap_grad_reduce:
+            reduce_s = max(last * reduce_s, reduce_s - microbatch_s * 2 / 3)
+        if t.overlap_param_gather:
+            gather_s = max(last * gather_s, gather_s - microbatch_s / 3)
+        dp_comm = reduce_s + gather_s
     step = compute + tp_comm + cp_comm + dp_comm
     tok_s_gpu = tokens_step / step / gpus
     # Validation: the forward third of the model FLOPs (perf.md §1: 2N of 6N per token), no recompute and no

@@ -137,6 +137,16 @@ class TrainConfig:
         "full: Megatron's output layer and cross entropy (6 B x vocab/TP per token at the forward peak).")
     loss_chunk_tokens: int = _f(2048, "Tokens per logits chunk of the chunked loss head.")
     distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
+    overlap_grad_reduce: bool = _f(
+        False, "Reduce the gradients over data-parallel ranks bucket by bucket during the last microbatch's "
+        "backward, as each bucket's gradients are ready, instead of after it.")
+    overlap_param_gather: bool = _f(
+        False, "Distributed optimizer: gather the updated parameters bucket by bucket during the next forward "
+        "instead of after the optimizer step (needs overlap_grad_reduce).")
+    ddp_bucket_size: int | None = _f(
+        None, "Parameters per gradient bucket with overlap_grad_reduce (null: Megatron-Core's, max(40M, 1M x DP)). "
+        "The distributed optimizer's saved state follows the buckets: changing this or overlap_grad_reduce "
+        "resumes with a fresh optimizer state.")
     log_interval: int = _f(1, "Print a progress line every this many steps.")
     eval_interval: int = _f(0, "Validation loss on data.split's valid documents every this many steps and at the "
                                "last one (0: never).")

@@ -55,6 +55,13 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         _require(1 <= t.recompute_layers <= stage_layers,
                  f"train.recompute_layers = {t.recompute_layers}: must be between 1 and the layers of a pipeline "
                  f"stage ({stage_layers} = model.num_hidden_layers / parallel.pipeline)")
+    _require(not t.overlap_param_gather or (t.distributed_optimizer and t.overlap_grad_reduce),
+             "train.overlap_param_gather = true: needs train.distributed_optimizer=true and "
+             "train.overlap_grad_reduce=true (Megatron-Core gathers the parameters the distributed optimizer updated)")
+    _require(t.ddp_bucket_size is None or (t.overlap_grad_reduce and t.ddp_bucket_size >= 1),
+             f"train.ddp_bucket_size = {t.ddp_bucket_size}: " + (
+                 "must be >= 1 parameters" if t.overlap_grad_reduce else
+                 "has an effect only with train.overlap_grad_reduce=true (without it all gradients form one bucket)"))
     _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
     keep = recipe.checkpoint.keep_last
     # 0 would keep every checkpoint (`if keep_last:`) and -1 only the newest (`[:-(-1)]`): neither is what it says.

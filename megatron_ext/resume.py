@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_ext.checkpoint_index import optimizer_state_mismatch
+from megatron_ext.checkpoint_index import gradient_bucket_size, optimizer_state_mismatch
 from megatron_ext.recipe import Recipe
 
 _DATA_IDENTITY = (("data", "prefix"), ("data", "weights"), ("data", "split"), ("train", "stage"),
@@ -217,7 +217,8 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
 
     p, t = recipe.parallel, recipe.train
     layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}
-    why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer, t.precision)
+    why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer, t.precision,
+                                       gradient_bucket_size(t.overlap_grad_reduce, t.ddp_bucket_size, data_parallel))
     consumed, tokens, data_changed = resume_position(saved, step, recipe, data_now)
     arch = []
     if saved.get("hf_config"):

@@ -75,7 +75,7 @@ def build_optimizer(recipe: Recipe, model_chunks: list):
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
         clip_grad=t.clip_grad, bf16=t.precision == "bf16",
         params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
-        use_distributed_optimizer=t.distributed_optimizer,
+        use_distributed_optimizer=t.distributed_optimizer, overlap_param_gather=t.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
     decay_style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[t.lr_schedule]
@@ -96,9 +96,11 @@ def wrap_ddp(recipe: Recipe, model):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
+    t = recipe.train
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=recipe.train.distributed_optimizer, average_in_collective=False,
+        grad_reduce_in_fp32=True, use_distributed_optimizer=t.distributed_optimizer, average_in_collective=False,
+        overlap_grad_reduce=t.overlap_grad_reduce, overlap_param_gather=t.overlap_param_gather,
+        bucket_size=t.ddp_bucket_size,
     )
     if model.config.bf16:
         model = Float16Module(model.config, model)
@@ -330,6 +332,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             if stopping or step == t.steps or (interval and step % interval == 0):
                 position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen,
                             "data_samples": data.requested}
+                if t.overlap_param_gather:  # the update reaches other ranks' slices of the weights only in the
+                    ddp_model.start_param_sync(force_sync=True)  # next forward: gather them before saving
                 saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
                            wait=stopping or step == t.steps)
             if stopping and step < t.steps:

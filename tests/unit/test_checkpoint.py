@@ -219,9 +219,12 @@ def test_crafted_index_is_refused_before_torch_unpickles_it(tmp_path, cpu_parall
     assert not (tmp_path / "pwned").exists()
 
 
-def _saved(tensor=1, pipeline=1, context=1, data=2, distributed=True, has_optimizer=True):
-    return {"has_optimizer": has_optimizer, "recipe": {"train": {"distributed_optimizer": distributed}},
+def _saved(tensor=1, pipeline=1, context=1, data=2, distributed=True, has_optimizer=True, **train):
+    return {"has_optimizer": has_optimizer, "recipe": {"train": {"distributed_optimizer": distributed, **train}},
             "parallel": {"tensor": tensor, "pipeline": pipeline, "context": context, "data": data}}
+
+
+OVERLAP = dict(overlap_grad_reduce=True, ddp_bucket_size=20000)
 
 
 @pytest.mark.parametrize("saved, layout, distributed, why", [
@@ -242,6 +245,42 @@ def test_optimizer_state_mismatch(saved, layout, distributed, why):
 
     got = optimizer_state_mismatch(saved, layout, distributed)
     assert got is None if why is None else why in got
+
+
+@pytest.mark.parametrize("saved, data, bucket_size, why", [
+    # the distributed optimizer's state follows its gradient buckets (train.overlap_grad_reduce, ddp_bucket_size)
+    (_saved(**OVERLAP), 2, 20000, None),
+    (_saved(**OVERLAP), 4, 20000, None),
+    (_saved(), 2, 20000, "one bucket when saved, buckets of 20,000 parameters now (train.overlap_grad_reduce"),
+    (_saved(**OVERLAP), 2, None, "buckets of 20,000 parameters when saved, one bucket now"),
+    # Megatron-Core's default, max(40M, 1M x DP): the same up to DP 40, then growing with DP
+    (_saved(data=2, overlap_grad_reduce=True), 32, 40_000_000, None),
+    (_saved(data=64, overlap_grad_reduce=True), 32, 40_000_000, "buckets of 64,000,000 parameters when saved"),
+    (_saved(distributed=False), 2, 20000, None),  # the plain optimizer's state is per parameter
+])
+def test_changed_gradient_buckets(saved, data, bucket_size, why):
+    from megatron_ext.checkpoint_index import optimizer_state_mismatch
+
+    layout = dict(tensor=1, pipeline=1, context=1, data=data)
+    got = optimizer_state_mismatch(saved, layout, saved["recipe"]["train"]["distributed_optimizer"],
+                                   bucket_size=bucket_size)
+    assert got is None if why is None else why in got, got
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.overlap_grad_reduce=true"],
+                                       ["train.overlap_grad_reduce=true", "train.ddp_bucket_size=20000"]])
+def test_gradient_bucket_size_is_megatrons(cpu_parallel_state, overrides):
+    """gradient_bucket_size (which the resume decision uses) against the DDP the trainer builds."""
+    from megatron_ext.checkpoint_index import gradient_bucket_size
+    from megatron_ext.recipe import load_recipe
+    from megatron_ext.train import wrap_ddp
+
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes/tiny/cpt.yaml",
+                         ["parallel.context=1", "train.seq_length=32", *overrides], world_size=1)
+    ddp = wrap_ddp(recipe, build_model(TINY, BuildOptions(device="cpu", seq_length=32)))
+    t = recipe.train
+    assert ddp.ddp_config.bucket_size == gradient_bucket_size(t.overlap_grad_reduce, t.ddp_bucket_size, 1)
+    assert (len(ddp.bucket_groups) > 1) == (t.ddp_bucket_size is not None)  # the tiny model: 158K parameters
 
 
 @pytest.mark.parametrize("damage, message", [

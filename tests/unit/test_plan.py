@@ -219,6 +219,35 @@ def test_ring_communication_shows_below_16k_tokens_per_rank():
     assert t4k.cp_comm_s == pytest.approx(31 * 32 * 2 * (kv_s - attn_s) + 31 * 32 * 2 * (kv_s - attn_s), rel=1e-6)
 
 
+def test_overlapped_dp_communication():
+    """The distributed optimizer's gradient reduce-scatter (fp32) and parameter all-gather (bf16): all exposed
+    without overlap; with train.overlap_grad_reduce / overlap_param_gather what exceeds the last microbatch's
+    backward (2/3 of its compute) / the first one's forward (1/3) shows, and at least the last bucket."""
+    off = ["train.overlap_param_gather=false", "train.overlap_grad_reduce=false"]
+
+    def timing(stage, *overrides):
+        return P.plan(load_recipe(R / f"{stage}.yaml", list(overrides)), H100).timing
+
+    def link_s(stage, dtype_bytes):  # (shards - 1) / shards x parameters per GPU x bytes / 50 GB/s (IB)
+        r = load_recipe(R / f"{stage}.yaml")
+        p = P.plan(r, H100)
+        params = C.params_per_gpu(LLAMA31_8B, 8, 1, C.padded_vocab(128256, r.model.make_vocab_size_divisible_by, 8))
+        shards = p.data * p.context
+        return (shards - 1) / shards * params * dtype_bytes / 50e9, params
+
+    (reduce_s, params), (gather_s, _) = link_s("sft", 4), link_s("sft", 2)
+    assert timing("sft", *off).dp_comm_s == pytest.approx(reduce_s + gather_s, rel=1e-12)  # 0.12 s of 0.90 s
+    # the recipe's overlap; SFT's 4 microbatches of 0.155 s hide both but for the last 40M-parameter bucket
+    sft = timing("sft")
+    assert sft.dp_comm_s == pytest.approx(40e6 / params * (reduce_s + gather_s), rel=1e-12)
+    assert sft.step_s < 0.9 * timing("sft", *off).step_s
+    # one bucket as large as the parameters: nothing can start before the backward ends
+    whole = timing("sft", f"train.ddp_bucket_size={params}")
+    assert whole.dp_comm_s == pytest.approx(reduce_s + gather_s, rel=1e-12)
+    only_reduce = timing("sft", "train.overlap_param_gather=false")
+    assert only_reduce.dp_comm_s == pytest.approx(40e6 / params * reduce_s + gather_s, rel=1e-12)
+
+
 def test_recommendation_prefers_no_recompute_when_gpus_allow():
     best = P.recommend(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100)
     assert (best.context, best.recompute) == (16, "none")

@@ -136,6 +136,15 @@ def test_cross_field_rules(override, world, message):
     (["checkpoint.keep_last=-1"], r"checkpoint\.keep_last = -1: must be a positive number"),
     (["train.weight_decay=0", "train.adam_beta1=0", "train.adam_eps=0", "train.seed=0", "train.seed=4294967295",
       "train.clip_grad=0", "checkpoint.keep_last=1", "checkpoint.keep_last=null"], None),
+    # Megatron-Core asserts these deep in DDP / the optimizer, or ignores the bucket size without overlap
+    (["train.overlap_param_gather=true"], r"train\.overlap_param_gather = true: needs train\.distributed_optimizer"
+                                          r"=true and train\.overlap_grad_reduce=true"),
+    (["train.overlap_grad_reduce=true", "train.overlap_param_gather=true", "train.distributed_optimizer=false"],
+     r"train\.overlap_param_gather = true: needs"),
+    (["train.ddp_bucket_size=1000"], r"train\.ddp_bucket_size = 1000: has an effect only with "
+                                     r"train\.overlap_grad_reduce=true"),
+    (["train.overlap_grad_reduce=true", "train.ddp_bucket_size=0"], r"train\.ddp_bucket_size = 0: must be >= 1"),
+    (["train.overlap_grad_reduce=true", "train.overlap_param_gather=true", "train.ddp_bucket_size=1000"], None),
 ])
 def test_optimizer_and_checkpoint_values(override, message):
     if message is None:
