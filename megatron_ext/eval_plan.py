@@ -85,8 +85,14 @@ def prefill_flops(s: Shape, length: int) -> float:
     return length * (2.0 * s.layers * layer_matmul_params(s) + attention)
 
 
+# Both evaluation engines run a prompt after the cached one's shared prefix only when that prefix is at least this
+# share of the prompt: a shorter one (a chat template's head) saves too little to run a pass other than the prefill
+# (the Megatron engine's extensions attend with torch SDPA in the model's dtype, its prefill with TE, FP8).
+MIN_SHARED_PREFIX = 0.125
+
+
 def niah_pass_flops(s: Shape, length: int, depths: int, *, first: int = 0, step: int = 1,
-                    min_shared: float = 0.125) -> float:
+                    min_shared: float = MIN_SHARED_PREFIX) -> float:
     """Forward FLOPs of the passes over a NIAH grid's prompts of `length` tokens whose needles sit at `depths`
     depths evenly spread over 0-100%, as the Megatron engine runs them (`parallel.MegatronGreedy`): by depth,
     keeping the KV cache, so that a prompt runs only its positions after the haystack it shares with the one its

@@ -72,7 +72,7 @@ class StepProfiler:
         partial = self.out_dir / f".partial-{trace.name}"  # ends in .gz: torch compresses by the name
         prof.export_chrome_trace(str(partial))
         partial.replace(trace)
-        sort = "self_cuda_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        sort = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
         summary = self.out_dir / f"{stem}.txt"
         partial = summary.with_name(f".partial-{summary.name}")

@@ -20,6 +20,9 @@
 #   CONTAINER_MOUNTS  extra pyxis mounts, SRC:DST[,SRC:DST...]; the project folder is always mounted
 #   MAX_REQUEUES      stop requeueing after this many restarts (default 50)
 #   SRUN_WAIT         seconds the other tasks may run after one ended, then srun ends them (120)
+#   TASK_PREFIX       words run before python in each training task (split at spaces), e.g. with the recipe's
+#                     profile.tool=nsys: "nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop
+#                     -o prof/rank%q{SLURM_PROCID}"
 #   NCCL_*, CUDA_DEVICE_MAX_CONNECTIONS, TORCH_NCCL_*  see nccl_defaults below; any value set
 #                     in the submitting shell wins (sbatch exports the environment)
 
@@ -80,6 +83,7 @@ log_job() {
   fi
   log "nodes ${SLURM_JOB_NODELIST:-?} (${SLURM_JOB_NUM_NODES:-?}), tasks ${SLURM_NTASKS:-?}," \
     "gpus/node ${SLURM_GPUS_ON_NODE:-0}, python $PYTHON${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
+  [[ -z ${TASK_PREFIX:-} ]] || log "task prefix: $TASK_PREFIX"
 }
 
 # check_python: end the job with one line when PYTHON is not a python with megatron_ext's dependencies (the
@@ -201,7 +205,9 @@ stage_main() {
   check_rendezvous
   preflight "$@"
 
-  "${LAUNCH[@]}" "$PYTHON" -m megatron_ext.train --recipe "$RECIPE" "$@" &
+  local -a prefix=()
+  read -ra prefix <<<"${TASK_PREFIX:-}"
+  "${LAUNCH[@]}" "${prefix[@]}" "$PYTHON" -m megatron_ext.train --recipe "$RECIPE" "$@" &
   local pid=$! rc
   trap 'on_signal USR1' USR1
   trap 'on_signal TERM' TERM

@@ -15,6 +15,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from megatron_ext.eval_plan import MIN_SHARED_PREFIX
+
 
 def _cache(model):
     from transformers import DynamicCache
@@ -165,8 +167,7 @@ class SharedPrefixGreedy:
     run as `greedy_generate`, and so does every prompt with `min_shared` > 1. `shared_tokens` counts the prompt
     tokens not run again."""
 
-    # A shorter shared prefix (a chat template's head) saves too little to keep the cache for
-    min_shared = 0.125
+    min_shared = MIN_SHARED_PREFIX
 
     def __init__(self, model, max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = (),
                  prefill_chunk: int | str | None = "auto"):

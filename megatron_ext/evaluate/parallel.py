@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ext.eval_plan import MIN_SHARED_PREFIX
 from megatron_ext.evaluate.engine import megatron_engine
 from megatron_ext.evaluate.errors import RankError
 from megatron_ext.evaluate.speculative import speculative_greedy
@@ -66,9 +67,7 @@ class MegatronGreedy:
 
     takes_drafts = True
     max_decode_tokens = 64  # a step over more new tokens than this is a full pass (or an extension)
-    # A shorter shared prefix (a chat template's head) saves too little to run a pass other than the prefill's
-    # (extensions attend with torch SDPA in the model's dtype, the prefill with the training backend: TE, FP8)
-    min_shared = 0.125
+    min_shared = MIN_SHARED_PREFIX
 
     def __init__(self, model, vocab_size: int, max_new_tokens: int, eos_token_ids: Sequence[int] = (),
                  settled: Callable[[list[int]], bool] | None = None, device: torch.device | None = None,

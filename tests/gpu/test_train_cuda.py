@@ -8,6 +8,7 @@ GPU from the CPU run's checkpoint, and a diverging run stopping with EXIT_DIVERG
 NCCL all-reduce). Also the CPU path (conversion, runtime.device=cpu) on this machine with its GPU visible.
 """
 
+import gzip
 import json
 import os
 import subprocess
@@ -83,3 +84,19 @@ def test_cpu_path_on_a_gpu_machine(tmp_path, token_data):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = train("cpt", tmp_path / "run", token_data, "cpu", "train.steps=2", hide_gpus=False)
     assert [m["step"] for m in metrics] == [1, 2] and np.isfinite(metrics[-1]["loss"])
+
+
+def test_profiled_overlapped_steps_on_cuda(tmp_path, token_data):
+    """profile.steps on a GPU: the trace holds CUDA kernels inside the traced steps and the table sorts by device
+    time; with the DP overlap on (one GPU: buckets of one rank) the losses stay the plain run's."""
+    from tests.unit.test_train_profile import check_trace
+
+    plain = train("cpt", tmp_path / "plain", token_data, "cuda", "train.steps=3", "train.eval_interval=0")
+    run = train("cpt", tmp_path / "run", token_data, "cuda", "train.steps=3", "train.eval_interval=0",
+                "profile.steps=[2,3]", "train.overlap_grad_reduce=true", "train.overlap_param_gather=true",
+                "train.ddp_bucket_size=20000")
+    np.testing.assert_allclose(columns(run, "loss"), columns(plain, "loss"), rtol=1e-5)
+    check_trace(tmp_path / "run/profile", 0, 2, 3, 3)
+    with gzip.open(tmp_path / "run/profile/rank0.steps2-3.pt.trace.json.gz", "rt") as f:
+        assert [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    assert "self_device_time_total" in (tmp_path / "run/profile/rank0.steps2-3.txt").read_text()

@@ -18,7 +18,8 @@ from tests.conftest import ROOT
 
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
-    "srun": '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
+    "srun": '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n'
+            '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
               '*) echo RUNNING ;; esac',
@@ -204,3 +205,19 @@ def test_pipeline_with_a_python_without_the_dependencies(tmp_path):
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("error: PYTHON=") and "cannot import torch" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_task_prefix_runs_before_python_in_each_task(job, tmp_path):
+    """TASK_PREFIX (e.g. an Nsight Systems capture for profile.tool=nsys) goes between srun's options and python,
+    one argument per word; without it the task is python itself."""
+    argv = tmp_path / "argv"
+    prefix = "nsys profile --capture-range=cudaProfilerApi -o prof/rank%q{SLURM_PROCID}"
+    proc, _ = job(TASK_PREFIX=prefix, FAKE_ARGV=str(argv))
+    assert proc.returncode == 0 and f"task prefix: {prefix}" in proc.stdout, proc.stdout + proc.stderr
+    words = argv.read_text().splitlines()
+    python = words.index(str(tmp_path / "bin/python"))
+    assert words[python - len(prefix.split()):python] == prefix.split()
+    assert words[python + 1:python + 3] == ["-m", "megatron_ext.train"]
+    job(FAKE_ARGV=str(argv))
+    words = argv.read_text().splitlines()
+    assert words[words.index(str(tmp_path / "bin/python")) - 1].startswith("--")  # srun's last option
