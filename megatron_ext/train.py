@@ -30,7 +30,7 @@ import torch
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.train_metrics import MetricsLog, format_duration, log, memory_gib
-from megatron_ext.train_setup import check_setup
+from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice
 
 EXIT_REQUEUE = 3
 EXIT_DIVERGED = 4
@@ -373,6 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         return train(recipe, stop)
     except (RecipeError, CheckpointError, DataError) as e:  # user mistakes found at setup
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        what = out_of_memory(e)
+        if what is None:
+            raise
+        env = process_env()
+        advice = out_of_memory_advice(recipe, args.recipe, args.overrides, env.world_size)
+        print(f"error: rank {env.rank}: out of memory ({what}): {advice}", file=sys.stderr, flush=True)
         return 1
     finally:
         destroy_distributed()

@@ -74,3 +74,33 @@ def _check_folder_can_be_made(name: str, path: str) -> None:
     except OSError as e:
         raise RecipeError(f"{name} = {str(out)!r}: cannot make folders in {there} ({e.strerror}); give a "
                           "writable folder path") from None
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """torch's words for an allocation that failed, on a GPU (torch.OutOfMemoryError) or on the CPU (its
+    allocator's RuntimeError); None for any other error."""
+    import torch
+
+    text = str(error)
+    if isinstance(error, torch.OutOfMemoryError):  # "CUDA out of memory. Tried to allocate X. GPU 0 has ..."
+        return ". ".join(text.split(". ")[:3]).strip()
+    if isinstance(error, RuntimeError) and "DefaultCPUAllocator" in text:
+        return text[text.index("DefaultCPUAllocator"):].split(" Error code")[0].strip()
+    return None
+
+
+def out_of_memory_advice(recipe: Recipe, recipe_path: str, overrides: list[str], world_size: int) -> str:
+    """What to change when `recipe` ran out of device memory on `world_size` ranks, with the planner command that
+    itemises its memory."""
+    import shlex
+
+    p, t = recipe.parallel, recipe.train
+    plan = ""
+    if recipe.runtime.device == "cuda":  # the planner models GPUs
+        words = ["python", "tools/plan.py", recipe_path, "--gpus", str(world_size),
+                 *(a for o in overrides for a in ("--set", o))]
+        plan = f"`{shlex.join(words)}{'' if recipe.cluster.gpu else ' --gpu GPU'}` shows the memory by part: "
+    return (f"the model, its optimizer state and the activations of train.micro_batch_size = {t.micro_batch_size} x "
+            f"{t.seq_length} tokens do not fit at TP {p.tensor} x PP {p.pipeline} x CP {p.context} with "
+            f"train.recompute = {t.recompute}; {plan}raise parallel.context (or tensor / pipeline), set "
+            "train.recompute=full, or lower train.micro_batch_size")

@@ -82,3 +82,30 @@ def test_divergence_stops_without_saving(tmp_path, token_data, cpu_parallel_stat
     assert len(metrics) == 2
     diverged = json.loads(metrics[1], parse_constant=pytest.fail)  # strict JSON: no bare NaN / Infinity
     assert diverged["grad_norm"] is None and diverged["non_finite"]["grad_norm"] == "nan", diverged
+
+
+def test_out_of_memory_is_one_line(tmp_path, token_data):
+    """A real allocation failure (the CPU allocator refuses a 4.4 TB embedding table at once): one error line with
+    the layout and what to change, not every rank's traceback."""
+    proc = train(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1",
+                 "model.vocab_size=17179869184")
+    assert_one_line_error(proc, "error: rank 0: out of memory (DefaultCPUAllocator: can't allocate memory: you tried "
+                          "to allocate 4398046511104 bytes", "at TP 1 x PP 1 x CP 1 with train.recompute = none",
+                          "raise parallel.context")
+
+
+def test_out_of_memory_advice_names_the_planner_command():
+    import torch
+
+    from megatron_ext.recipe import load_recipe
+    from megatron_ext.train_setup import out_of_memory, out_of_memory_advice
+
+    cpt = load_recipe(ROOT / "recipes/cpt_4m.yaml", ["parallel.context=8"], world_size=128)
+    advice = out_of_memory_advice(cpt, "recipes/cpt_4m.yaml", ["parallel.context=8"], 128)
+    assert "`python tools/plan.py recipes/cpt_4m.yaml --gpus 128 --set parallel.context=8` shows" in advice
+    assert "train.micro_batch_size = 1 x 4194304 tokens do not fit at TP 8 x PP 1 x CP 8" in advice
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                  "79.11 GiB of which 30.19 MiB is free. Including non-PyTorch memory, ...")
+    assert out_of_memory(cuda) == ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                   "79.11 GiB of which 30.19 MiB is free")
+    assert out_of_memory(RuntimeError("Expected all tensors to be on the same device")) is None

@@ -100,3 +100,15 @@ def test_profiled_overlapped_steps_on_cuda(tmp_path, token_data):
     with gzip.open(tmp_path / "run/profile/rank0.steps2-3.pt.trace.json.gz", "rt") as f:
         assert [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
     assert "self_device_time_total" in (tmp_path / "run/profile/rank0.steps2-3.txt").read_text()
+
+
+def test_out_of_memory_on_cuda_is_one_line(tmp_path, token_data):
+    """A 4.4 TB embedding table on the GPU (or on the host first, whichever refuses): one error line, exit 1."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(ROOT / "recipes/tiny/cpt.yaml"),
+                           f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "runtime.device=cuda",
+                           *COMMON, "train.steps=1", "model.vocab_size=17179869184"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "out of memory (" in errors[0] and "tools/plan.py" in errors[0], errors
