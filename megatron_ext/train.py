@@ -279,6 +279,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
 
     profiler = StepProfiler(recipe.profile, torch.distributed.get_rank(),
                             Path(recipe.profile.dir or root / "profile"), recipe.runtime.device)
+    if recipe.profile.steps is not None and start >= recipe.profile.steps[1]:
+        log(f"[train] profile.steps = {list(recipe.profile.steps)} ran before step {start + 1}: nothing traced "
+            "(give steps after it)")
     step, loop_start = start, time.time()
     try:
         while step < t.steps:
