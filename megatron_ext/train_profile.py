@@ -58,8 +58,9 @@ class StepProfiler:
             return
         first, last = self._traced[0], self._traced[-1]
         self._traced = []
-        if self.config.tool == "nsys":
+        if self.device == "cuda":  # the traced steps' kernels end inside the trace
             torch.cuda.synchronize()
+        if self.config.tool == "nsys":
             torch.cuda.cudart().cudaProfilerStop()
             self.log(f"[train] profile: steps {first}..{last} were the CUDA profiler's capture range on rank "
                      f"{self.rank}")
@@ -82,8 +83,9 @@ class StepProfiler:
                  "costliest operators)")
 
     def _start(self) -> None:
-        if self.config.tool == "nsys":
+        if self.device == "cuda":  # earlier steps' kernels end outside the trace
             torch.cuda.synchronize()
+        if self.config.tool == "nsys":
             torch.cuda.cudart().cudaProfilerStart()
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
