@@ -37,6 +37,8 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
     r, m, t = p.recipe, p.memory, p.timing
     tokens = r.train.steps * r.train.global_batch_size * r.train.seq_length
     gb = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
+    overlapped = [what for what, on in (("grad reduce", r.train.overlap_grad_reduce),
+                                         ("param gather", r.train.overlap_param_gather)) if on]
     lines = [
         f"plan: {r.name}  on {p.gpus} x {p.gpu.name}  (TP {p.tensor} x PP {p.pipeline} x CP {p.context} x DP {p.data}),"
         f" seq {r.train.seq_length:,}, global batch {r.train.global_batch_size}, recompute {p.recompute_label},"
@@ -55,7 +57,8 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
         "  time",
         f"  {'model FLOPs per token (causal)':<34}{t.flops_per_token / 1e9:8.1f} GFLOP",
         f"  {'step: compute':<34}{t.compute_s:8.2f} s   (at {mfu:.0%} of {p.gpu.bf16_tflops:g} TFLOP/s BF16)",
-        f"  {'step: TP / CP(exposed) / DP comm':<34}{t.tp_comm_s:8.2f} / {t.cp_comm_s:.2f} / {t.dp_comm_s:.2f} s",
+        f"  {'step: TP / CP(exposed) / DP comm':<34}{t.tp_comm_s:8.2f} / {t.cp_comm_s:.2f} / {t.dp_comm_s:.2f} s"
+        + (f"   (DP overlapped: {' and '.join(overlapped)})" if overlapped else ""),
         f"  {'step time':<34}{t.step_s:8.2f} s",
         f"  {'tokens/s/GPU':<34}{t.tokens_per_s_per_gpu:8.1f}     (achieved MFU {t.mfu:.1%})",
         *([f"  {'validation (forward only)':<34}{t.validation_s:8.2f} s   x {t.validations} "

@@ -287,7 +287,8 @@ def test_tool_prints_table_and_paper_ratio(stage, ratio):
     proc = _tool(str(R / f"{stage}.yaml"), "--gpu", "h100")
     assert proc.returncode == 0, proc.stderr
     for text in ("weights", "optimizer", "activations", "loss head (chunked, 2048 tok)", "FITS", "tokens/s/GPU", "smallest CP that fits",
-                 f"predicted / paper = {ratio}", "recommendation: parallel.context="):
+                 f"predicted / paper = {ratio}", "recommendation: parallel.context=",
+                 "(DP overlapped: grad reduce and param gather)"):
         assert text in proc.stdout, text
 
 
