@@ -9,6 +9,7 @@ previous checkpoint stays the latest, so a crash during the write loses nothing 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -26,16 +27,18 @@ class CheckpointSaver:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self.queue = AsyncCallsQueue()
-        self.writing: deque[int] = deque()  # iterations scheduled and not yet finalised, oldest first
+        # iterations scheduled and not yet finalised, oldest first: (step, when it began, seconds the loop waited)
+        self.writing: deque[tuple[int, float, float]] = deque()
 
     def save(self, step: int, model_chunks: list, *, optimizer, scheduler, metadata: dict, wait: bool) -> None:
         """Save iteration `step`; `wait=True` returns only once it (and any earlier one) is in place."""
+        began = time.time()
         save_checkpoint(self.root, step, model_chunks, optimizer=optimizer, scheduler=scheduler,
                         metadata=metadata, keep_last=self.keep_last, async_queue=self.queue)
         if self.queue is None:
-            self.log(f"[train] saved {self.root / iter_dir_name(step)}")
+            self.log(f"[train] saved {self.root / iter_dir_name(step)} ({time.time() - began:.1f} s)")
             return
-        self.writing.append(step)
+        self.writing.append((step, began, time.time() - began))
         if wait:
             self.finalize(blocking=True)
 
@@ -44,4 +47,6 @@ class CheckpointSaver:
         if self.queue is None:
             return
         for _ in self.queue.maybe_finalize_async_calls(blocking=blocking):
-            self.log(f"[train] saved {self.root / iter_dir_name(self.writing.popleft())}")
+            step, began, staged = self.writing.popleft()
+            self.log(f"[train] saved {self.root / iter_dir_name(step)} (in the background: in place "
+                     f"{time.time() - began:.1f} s after it began; the loop waited {staged:.1f} s)")

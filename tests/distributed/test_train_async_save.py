@@ -3,6 +3,7 @@ and signal tests are in test_train_resume.py (beside the same tests of saves in 
 test_train_errors.py."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,12 +45,16 @@ def saved_state(folder):
 def test_background_saves_equal_saves_in_place(tmp_path, torchrun, token_data, cpu_parallel_state):
     """CP 2, the distributed optimizer: model, optimizer and scheduler state of each kept iteration bit for bit,
     keep_last applied when a background save is finalised, nothing left of the temporary folders."""
-    run_cp2(torchrun, tmp_path / "sync", token_data)
+    sync_log = run_cp2(torchrun, tmp_path / "sync", token_data)
     log = run_cp2(torchrun, tmp_path / "async", token_data, ASYNC)
     sync, background = tmp_path / "sync", tmp_path / "async"
     assert sorted(p.name for p in background.iterdir()) == sorted(p.name for p in sync.iterdir()) == [
         "iter_0000003", "iter_0000004", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
     assert latest(background) == 4 and log.count("[train] saved ") == 4
+    # the save lines say what they cost: in place, the save; in the background, also what the loop waited
+    assert len(re.findall(r"\[train\] saved \S+iter_000000\d \(\d+\.\d s\)", sync_log)) == 4, sync_log
+    assert len(re.findall(r"\(in the background: in place \d+\.\d s after it began; the loop waited \d+\.\d s\)",
+                          log)) == 4, log
     assert [m["loss"] for m in metrics(background)] == [m["loss"] for m in metrics(sync)]
     for it in ("iter_0000003", "iter_0000004"):
         check_complete(background / it)
