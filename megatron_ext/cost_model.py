@@ -302,3 +302,15 @@ def resolve_gpu(name: str | None) -> GPU:
     if key not in GPUS:
         raise RecipeError(f"--gpu {name!r}: unknown GPU; known: {known}")
     return GPUS[key]
+
+
+def gpu_from_device_name(name: str) -> GPU | None:
+    """The GPUS entry of a CUDA device's name (`torch.cuda.get_device_name`, as nvidia-smi prints it: 'NVIDIA H100
+    80GB HBM3', 'NVIDIA H200', 'NVIDIA B200'), or None where GPUS lacks its peak (PCIe and NVL parts, GH200, ...)."""
+    words = name.upper().replace("-", " ").split()
+    if "PCIE" in words or "NVL" in words:
+        return None
+    for chip, key in (("H100", "h100-80gb"), ("H200", "h200-141gb"), ("B200", "b200-180gb")):
+        if chip in words:
+            return GPUS[key]
+    return None

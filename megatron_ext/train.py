@@ -190,7 +190,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     )
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
-    from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
+    from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops_per_token
     from megatron_ext.resume import data_identities, plan_resume, rope_changes
     from megatron_ext.train_profile import StepProfiler
     from megatron_ext.training_data import build_batches
@@ -273,6 +273,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                             log=log)
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
+    # MFU against the GPU's dense bf16 peak, where it is known (cost_model.GPUS) and the run is bf16
+    peak = (gpu_from_device_name(torch.cuda.get_device_name()) if recipe.runtime.device == "cuda"
+            and t.precision == "bf16" else None)
     forward_backward = get_forward_backward_func()
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
@@ -309,10 +312,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
                 "memory_gib": memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
             }
+            if peak is not None:
+                record["mfu"] = record["tflops_per_device"] / peak.bf16_tflops
             if step % t.log_interval == 0 or step == t.steps:
+                mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
                 log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
                     f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
-                    f"TFLOP/s/dev {record['tflops_per_device']:.2f} mem {record['memory_gib']:.2f} GiB eta "
+                    f"TFLOP/s/dev {record['tflops_per_device']:.2f}{mfu} mem {record['memory_gib']:.2f} GiB eta "
                     f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
             # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
             # gradient norm also with train.clip_grad = 0, so a step that makes weights NaN shows here.)

@@ -380,3 +380,16 @@ def test_readme_plan_examples_run():
     for line in lines:
         proc = _tool(*shlex.split(line)[2:])
         assert proc.returncode == 0, f"{line}\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100", "h100-80gb"), ("NVIDIA H200", "h200-141gb"),
+    ("NVIDIA B200", "b200-180gb"),
+    # other peaks than the SXM parts' in GPUS, or chips GPUS lacks: no MFU rather than a wrong one
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA GH200 480GB", None),
+    ("NVIDIA A100-SXM4-80GB", None), ("Tesla T4", None),
+])
+def test_gpu_from_device_name(name, key):
+    """The trainer's MFU (metrics `mfu`) divides by the peak of the GPU that torch names."""
+    got = C.gpu_from_device_name(name)
+    assert (got.name if got else None) == key
