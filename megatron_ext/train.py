@@ -314,6 +314,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             }
             if peak is not None:
                 record["mfu"] = record["tflops_per_device"] / peak.bf16_tflops
+            profiler.done(step)
             if step % t.log_interval == 0 or step == t.steps:
                 mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
                 log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "

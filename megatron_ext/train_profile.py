@@ -26,7 +26,8 @@ from megatron_ext.recipe import ProfileConfig
 
 
 class StepProfiler:
-    """Starts the tool before step `first`, marks each traced step, and writes the trace after step `last`."""
+    """Starts the tool before step `first`, marks each traced step, and writes the trace after step `last`
+    (`done`), or what it traced when the run ends first (`close`)."""
 
     def __init__(self, config: ProfileConfig, rank: int, out_dir: Path, device: str,
                  log: Callable[[str], None] = lambda msg: print(msg, flush=True)):
@@ -45,12 +46,14 @@ class StepProfiler:
         if not self._traced:
             self._start()
         self._traced.append(step)
-        try:
-            with self._range(f"step {step}"):
-                yield
-        finally:
-            if step == self.last:
-                self.close()
+        with self._range(f"step {step}"):
+            yield
+
+    def done(self, step: int) -> None:
+        """Step `step` and its bookkeeping are over: after the last traced step, write the trace (outside the
+        step's time in the metrics)."""
+        if step == self.last:
+            self.close()
 
     def close(self) -> None:
         """Stop tracing and write what was traced (also for a run that ends inside the range)."""

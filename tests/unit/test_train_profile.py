@@ -29,6 +29,7 @@ def train_steps(profiler, steps, stop_after=None):
             with torch.no_grad():
                 w -= 0.1 * w.grad
                 w.grad = None
+        profiler.done(step)
         if step == stop_after:
             profiler.close()  # what train() does when a run stops early
             return
@@ -74,6 +75,7 @@ def test_resumed_inside_the_range_traces_the_rest(tmp_path):
     for step in (4, 5):  # a run resumed at step 3
         with profiler.step(step):
             w = w @ w
+        profiler.done(step)
     names = trace_events(tmp_path / "rank0.steps4-4.pt.trace.json.gz")
     assert "step 4" in names and "step 5" not in names
 
