@@ -9,9 +9,10 @@ exchange, the gradient reduce); a trace of a step or two after warm-up shows whi
 - `nsys`: the steps are the CUDA profiler's capture range, with one NVTX range per step, for
   `nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop python -m megatron_ext.train ...`.
 
-Only the training step is traced (forward, backward, optimizer), not validation or checkpoint saves. A run
-resumed inside the range traces the steps it still runs; one that stops inside it (a signal, divergence)
-writes what it traced.
+The trace runs from the start of step `first` to the end of step `last`: each step (forward, backward,
+optimizer) is a `step N` range, and what runs between two traced steps (a validation, a checkpoint save) is in
+the trace and the table too; the last step's validation and save come after it. A run resumed inside the range
+traces the steps it still runs; one that stops inside it (a signal, divergence) writes what it traced.
 """
 
 from __future__ import annotations
