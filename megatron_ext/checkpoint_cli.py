@@ -11,7 +11,7 @@ from megatron_ext.checkpoint import (
     CheckpointError, available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
     unfinished_saves,
 )
-from megatron_ext.checkpoint_index import check_complete
+from megatron_ext.checkpoint_index import check_complete, gradient_bucket_size
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.resume import Resume, plan_resume
 
@@ -20,6 +20,17 @@ def _layout(d: dict | None) -> str:
     if not d:
         return "not recorded"
     return " x ".join(f"{k[0].upper()}P {d.get(k)}" for k in ("tensor", "pipeline", "context", "data"))
+
+
+def _buckets_of(meta: dict) -> str:
+    """' (one gradient bucket)' or ' (gradient buckets of N parameters)' for a distributed-optimizer checkpoint,
+    whose saved state follows them; '' otherwise."""
+    train, layout = (meta.get("recipe") or {}).get("train") or {}, meta.get("parallel") or {}
+    if not train.get("distributed_optimizer"):
+        return ""
+    size = gradient_bucket_size(bool(train.get("overlap_grad_reduce")), train.get("ddp_bucket_size"),
+                                layout.get("data", 1))
+    return " (one gradient bucket)" if size is None else f" (gradient buckets of {size:,} parameters)"
 
 
 def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, dict]:
@@ -42,7 +53,8 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
         f"  saved {meta.get('created', '?')}, git {meta.get('git_sha') or '?'}, megatron-core "
         f"{versions.get('megatron-core', '?')}, torch {versions.get('torch', '?')}",
         f"  layout {_layout(meta.get('parallel'))}, distributed optimizer "
-        f"{train.get('distributed_optimizer', '?')}, optimizer state {meta.get('has_optimizer', '?')}",
+        f"{train.get('distributed_optimizer', '?')}{_buckets_of(meta)}, optimizer state "
+        f"{meta.get('has_optimizer', '?')}",
         f"  position: step {iteration}, {meta['consumed_samples']:,} samples, {meta['tokens']:,} tokens"
         if "consumed_samples" in meta else f"  position: step {iteration} (samples and tokens not recorded)",
         f"  model: {hf.get('num_hidden_layers', '?')} layers, hidden {hf.get('hidden_size', '?')}, heads "

@@ -36,7 +36,8 @@ def test_describes_a_checkpoint(ckpt, capsys):
     code, out, _ = _info(capsys, ckpt)
     assert code == 0
     assert f"checkpoint {ckpt}: iterations [2], latest 2" in out and "iter_0000002: complete" in out
-    assert "layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True, optimizer state True" in out
+    assert ("layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True (one gradient bucket), optimizer state "
+            "True") in out
     assert "position: step 2, 8 samples, 2,048 tokens" in out and "model: 2 layers, hidden 64" in out
     assert "unfinished" not in out
     (ckpt / ".iter_0000004.partial").mkdir()  # a save being written in the background, or a killed one
@@ -58,6 +59,9 @@ def test_describes_a_checkpoint(ckpt, capsys):
                                     "not trained with)"),
     (["rope.beta_fast=32"], 1, "'beta_fast': 4.0, "),
     (["train.precision=bf16"], 1, "the weights, with a fresh optimizer state (train.precision was fp32, now bf16)"),
+    (["train.overlap_grad_reduce=true", "train.ddp_bucket_size=20000"], 1, "the weights, with a fresh optimizer "
+     "state (the distributed optimizer's state is cut along its gradient buckets: one bucket when saved, buckets "
+     "of 20,000 parameters now"),
 ])
 def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
     sets = [a for o in RUN + overrides for a in ("--set", o)]
