@@ -11,7 +11,7 @@ from megatron_ext.checkpoint import (
     CheckpointError, available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
     unfinished_saves,
 )
-from megatron_ext.checkpoint_index import check_complete, gradient_bucket_size
+from megatron_ext.checkpoint_index import check_complete, saved_bucket_size
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.resume import Resume, plan_resume
 
@@ -25,11 +25,9 @@ def _layout(d: dict | None) -> str:
 def _buckets_of(meta: dict) -> str:
     """' (one gradient bucket)' or ' (gradient buckets of N parameters)' for a distributed-optimizer checkpoint,
     whose saved state follows them; '' otherwise."""
-    train, layout = (meta.get("recipe") or {}).get("train") or {}, meta.get("parallel") or {}
-    if not train.get("distributed_optimizer"):
+    if not ((meta.get("recipe") or {}).get("train") or {}).get("distributed_optimizer"):
         return ""
-    size = gradient_bucket_size(bool(train.get("overlap_grad_reduce")), train.get("ddp_bucket_size"),
-                                layout.get("data", 1))
+    size = saved_bucket_size(meta)
     return " (one gradient bucket)" if size is None else f" (gradient buckets of {size:,} parameters)"
 
 

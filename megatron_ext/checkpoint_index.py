@@ -147,6 +147,14 @@ def gradient_bucket_size(overlap_grad_reduce: bool, ddp_bucket_size: int | None,
     return ddp_bucket_size if ddp_bucket_size is not None else max(40_000_000, 1_000_000 * data_parallel)
 
 
+def saved_bucket_size(saved: dict) -> int | None:
+    """`gradient_bucket_size` of the run that wrote a checkpoint, from its run metadata (`read_metadata`; runs from
+    before these recipe fields had one bucket)."""
+    train = (saved.get("recipe") or {}).get("train") or {}
+    return gradient_bucket_size(bool(train.get("overlap_grad_reduce")), train.get("ddp_bucket_size"),
+                                (saved.get("parallel") or {}).get("data", 1))
+
+
 def _buckets(size: int | None) -> str:
     return "one bucket" if size is None else f"buckets of {size:,} parameters"
 
@@ -180,9 +188,7 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
         if changed:
             return ("the distributed optimizer's state is cut along TP x PP buckets and cannot follow "
                     + ", ".join(changed) + " (DP and CP may change)")
-        saved_train = (saved.get("recipe") or {}).get("train") or {}
-        saved_buckets = gradient_bucket_size(bool(saved_train.get("overlap_grad_reduce")),
-                                             saved_train.get("ddp_bucket_size"), saved_layout.get("data", 1))
+        saved_buckets = saved_bucket_size(saved)
         if saved_buckets != bucket_size:
             return (f"the distributed optimizer's state is cut along its gradient buckets: {_buckets(saved_buckets)}"
                     f" when saved, {_buckets(bucket_size)} now (train.overlap_grad_reduce, train.ddp_bucket_size; "
