@@ -99,14 +99,15 @@ def _uses_distributed_optimizer(optimizer) -> bool:
     return any(isinstance(p, DistributedOptimizer) for p in parts)
 
 
-def _sharding_metadata(optimizer, saved: dict | None = None) -> dict:
+def _sharding_metadata(optimizer, saved: dict | None = None, optimizer_sharding: str = "dp_reshardable") -> dict:
     """The `metadata` argument of `sharded_state_dict` (megatron_core.md 4.1)."""
     from megatron.core import parallel_state as ps
 
     md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if optimizer is not None and _uses_distributed_optimizer(optimizer):
-        # 0.16.1 rejects the default 'fully_sharded_model_space'; dp_reshardable reshards across DP only.
-        md["distrib_optim_sharding_type"] = "dp_reshardable"
+        # 0.16.1 rejects its default 'fully_sharded_model_space'. dp_reshardable reshards across DP x CP only;
+        # fully_reshardable across any layout, at the cost of gathering the state over DP x CP at each save.
+        md["distrib_optim_sharding_type"] = optimizer_sharding
     if saved:  # loading: rebuild the state dict the way it was saved
         md.update({k: v for k, v in saved.items() if k in ("singleton_local_shards", "chained_optim_avoid_prefix",
                                                            "distrib_optim_sharding_type")})
@@ -125,7 +126,7 @@ def _model_state(model_chunks: list, md: dict) -> dict:
 
 def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, optimizer=None, scheduler=None,
                     metadata: dict, extra: dict | None = None, keep_last: int | None = None,
-                    async_queue=None) -> Path:
+                    async_queue=None, optimizer_sharding: str = "dp_reshardable") -> Path:
     """Save model (+ optimizer, scheduler, extra) as `root/iter_{iteration:07d}` and point `latest` at it.
 
     Collective: every rank calls it. `model_chunks` are unwrapped GPTModels (one per virtual stage).
@@ -135,10 +136,12 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
     with `torch.load(weights_only=True)`. `keep_last=N` then deletes all but the newest N `iter_*` folders.
     With `async_queue` (Megatron-Core's `AsyncCallsQueue`) the shards are written by a background process:
     the folder appears, and `latest` moves, when the queue finalises the save (see `save_sharded_state`).
+    `optimizer_sharding` (`checkpoint.optimizer_sharding`) is how a distributed optimizer's state is saved; the
+    metadata records it.
     """
     if "hf_config" not in metadata:
         raise CheckpointError("save_checkpoint: metadata must contain 'hf_config' (the model's HF config dict)")
-    md = _sharding_metadata(optimizer)
+    md = _sharding_metadata(optimizer, optimizer_sharding=optimizer_sharding)
     state: dict[str, Any] = _model_state(model_chunks, md)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=md)
@@ -147,6 +150,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
     if extra is not None:
         state["extra"] = extra
     info = {"model_chunks": len(model_chunks), "has_optimizer": optimizer is not None, **metadata}
+    if "distrib_optim_sharding_type" in md:
+        info["optimizer_sharding"] = md["distrib_optim_sharding_type"]
     return save_sharded_state(root, iteration, state, metadata=info, sharding_metadata=md, keep_last=keep_last,
                               async_queue=async_queue)
 
@@ -375,6 +380,10 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict({**loaded[key], **dict.fromkeys(skipped.get(key, ()))})
     if load_optim:
+        if md.get("distrib_optim_sharding_type") == "fully_reshardable":
+            from megatron_ext.runtime.cpu_backend import keep_torch_adam_step_on_reshardable_load
+
+            keep_torch_adam_step_on_reshardable_load()
         with torch.no_grad():  # fp32 main params are views of the (leaf) model params
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_torch_adam_steps(optimizer)
@@ -419,8 +428,8 @@ def _restore_torch_adam_steps(optimizer) -> None:
     """Per-parameter Adam `step` of a DistributedOptimizer on the torch fallback (no TE/Apex) after a load.
 
     Megatron 0.16.1 restores `step` into the param groups, then copies the stale pre-load per-parameter
-    `step` back over it (dp_reshardable path) and shares one tensor among all parameters, which torch
-    Adam increments once per parameter. Give each parameter its own tensor holding the saved step.
+    `step` back over it (dp_reshardable path), or shares one tensor among all parameters (both paths), which
+    torch Adam increments once per parameter. Give each parameter its own tensor holding the saved step.
     """
     from megatron.core.optimizer import distrib_optimizer
 

@@ -23,10 +23,13 @@ def _layout(d: dict | None) -> str:
 
 
 def _buckets_of(meta: dict) -> str:
-    """' (one gradient bucket)' or ' (gradient buckets of N parameters)' for a distributed-optimizer checkpoint,
-    whose saved state follows them; '' otherwise."""
+    """' (one gradient bucket)' or ' (gradient buckets of N parameters)' for a distributed-optimizer checkpoint
+    saved dp_reshardable, whose state follows them; ' (saved fully_reshardable)' for one saved for any layout;
+    '' otherwise."""
     if not ((meta.get("recipe") or {}).get("train") or {}).get("distributed_optimizer"):
         return ""
+    if meta.get("optimizer_sharding") == "fully_reshardable":
+        return " (saved fully_reshardable)"
     size = saved_bucket_size(meta)
     return " (one gradient bucket)" if size is None else f" (gradient buckets of {size:,} parameters)"
 

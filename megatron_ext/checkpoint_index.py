@@ -167,9 +167,10 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
     The distributed optimizer keeps flat fp32 buffers, one per bucket of a TP x PP rank's parameters, cut
     into DP x CP slices; saved `dp_reshardable` (megatron_ext.checkpoint), they load at any DP x CP but not
     at another TP or PP, or with other buckets (train.overlap_grad_reduce, train.ddp_bucket_size), which hold
-    other parameters. The plain optimizer's state follows each parameter's own sharding, so any layout loads
-    it. Its state is keyed by the parameters' dtype (bf16 runs keep fp32 master weights, fp32 runs none), so
-    another `train.precision` cannot load it either.
+    other parameters. Saved `fully_reshardable` (checkpoint.optimizer_sharding), they are gathered into the
+    parameters' shapes, and the plain optimizer's state follows each parameter's own sharding: any layout
+    loads those. The state is keyed by the parameters' dtype (bf16 runs keep fp32 master weights, fp32 runs
+    none), so another `train.precision` cannot load it either.
     """
     if saved.get("has_optimizer") is False:
         return "the checkpoint holds no optimizer state"
@@ -182,15 +183,17 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
     saved_precision = ((saved.get("recipe") or {}).get("train") or {}).get("precision")
     if precision is not None and saved_precision is not None and saved_precision != precision:
         return f"train.precision was {saved_precision}, now {precision}"
-    if distributed_optimizer:
+    if distributed_optimizer and saved.get("optimizer_sharding", "dp_reshardable") == "dp_reshardable":
         changed = [f"parallel.{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tensor", "pipeline")
                    if saved_layout.get(k) != layout[k]]
         if changed:
             return ("the distributed optimizer's state is cut along TP x PP buckets and cannot follow "
-                    + ", ".join(changed) + " (DP and CP may change)")
+                    + ", ".join(changed) + " (DP and CP may change; checkpoint.optimizer_sharding="
+                    "fully_reshardable saves it for any layout)")
         saved_buckets = saved_bucket_size(saved)
         if saved_buckets != bucket_size:
             return (f"the distributed optimizer's state is cut along its gradient buckets: {_buckets(saved_buckets)}"
                     f" when saved, {_buckets(bucket_size)} now (train.overlap_grad_reduce, train.ddp_bucket_size; "
-                    "set them as saved to keep the state)")
+                    "set them as saved to keep the state, and save with checkpoint.optimizer_sharding="
+                    "fully_reshardable to be free of them)")
     return None

@@ -20,8 +20,10 @@ from megatron_ext.checkpoint import iter_dir_name, save_checkpoint
 class CheckpointSaver:
     """Saves the training state into `root`; every method is collective (all ranks call it in step)."""
 
-    def __init__(self, root: Path, *, keep_last: int | None, background: bool, log: Callable[[str], None]):
+    def __init__(self, root: Path, *, keep_last: int | None, background: bool, log: Callable[[str], None],
+                 optimizer_sharding: str = "dp_reshardable"):
         self.root, self.keep_last, self.log = Path(root), keep_last, log
+        self.optimizer_sharding = optimizer_sharding
         self.queue = None
         if background:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -34,7 +36,8 @@ class CheckpointSaver:
         """Save iteration `step`; `wait=True` returns only once it (and any earlier one) is in place."""
         began = time.time()
         save_checkpoint(self.root, step, model_chunks, optimizer=optimizer, scheduler=scheduler,
-                        metadata=metadata, keep_last=self.keep_last, async_queue=self.queue)
+                        metadata=metadata, keep_last=self.keep_last, async_queue=self.queue,
+                        optimizer_sharding=self.optimizer_sharding)
         if self.queue is None:
             self.log(f"[train] saved {self.root / iter_dir_name(step)} ({time.time() - began:.1f} s)")
             return

@@ -182,6 +182,12 @@ class CheckpointConfig:
                                  "async save; the state is staged in host memory). The last one is waited for.")
     tensorboard_dir: str | None = _f(None, "Also write the metrics as TensorBoard event files here (rank 0; needs "
                                            "the tensorboard package; W&B can sync them). null: metrics.jsonl only.")
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = _f(
+        "dp_reshardable", "How the distributed optimizer's state is saved. dp_reshardable: each rank writes its flat "
+        "buffer slices at once; a resume keeps the state at any DP and CP but not at another TP, PP or gradient "
+        "bucket size. fully_reshardable (Megatron-LM's --dist-ckpt-optim-fully-reshardable): the state gathered "
+        "over DP x CP into the parameters' own shapes, so any layout resumes it; each save and load then holds "
+        "12 bytes per parameter of the rank's TP x PP part in host memory.")
 
 
 @dataclass(frozen=True, kw_only=True)

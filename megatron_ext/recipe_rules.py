@@ -62,6 +62,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              f"train.ddp_bucket_size = {t.ddp_bucket_size}: " + (
                  "must be >= 1 parameters" if t.overlap_grad_reduce else
                  "has an effect only with train.overlap_grad_reduce=true (without it all gradients form one bucket)"))
+    _require(recipe.checkpoint.optimizer_sharding == "dp_reshardable" or t.distributed_optimizer,
+             "checkpoint.optimizer_sharding = 'fully_reshardable': only the distributed optimizer's state has a "
+             "choice (train.distributed_optimizer = false: its state already loads at any layout); remove the field")
     _require(recipe.checkpoint.interval >= 0, f"checkpoint.interval = {recipe.checkpoint.interval}: must be >= 0 (0 = at end)")
     keep = recipe.checkpoint.keep_last
     # 0 would keep every checkpoint (`if keep_last:`) and -1 only the newest (`[:-(-1)]`): neither is what it says.

@@ -270,7 +270,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                          tensorboard_dir=recipe.checkpoint.tensorboard_dir)
     stop = stop or StopFlag()
     saver = CheckpointSaver(root, keep_last=recipe.checkpoint.keep_last, background=recipe.checkpoint.async_save,
-                            log=log)
+                            log=log, optimizer_sharding=recipe.checkpoint.optimizer_sharding)
     flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
     world = torch.distributed.get_world_size()
     # MFU against the GPU's dense bf16 peak, where it is known (cost_model.GPUS) and the run is bf16

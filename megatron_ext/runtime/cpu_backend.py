@@ -1,9 +1,9 @@
 """CPU backend: lets the real Megatron-Core 0.16.1 (GPTModel, schedules, DDP, optimizer,
 dist_checkpointing, recompute) run on CPU with gloo.
 
-This is the ONE module of the project that patches anything. It is applied only for
+This is the ONE module of the project that patches anything. P1-P4 are applied only for
 `runtime.device: cpu`, once per process, before any model is built. Megatron-Core assumes CUDA in
-places that have nothing to do with the math; each patch below exists for one such assumption:
+places that have nothing to do with the math; each of them exists for one such assumption:
 
 P1  `torch.cuda.current_device()` is used as a device in ~175 places (tensor creation, model init);
     it returns "cpu" here. Models are built with `use_cpu_initialization=True`.
@@ -17,6 +17,12 @@ P3  Schedules, the optimizer, `clip_grads` and CP RoPE slicing create tensors wi
     CUDA stream/event/synchronize/memory calls become no-ops.
 P4  Activation recompute saves and restores the CUDA RNG state (`_get_cuda_rng_state`,
     `_set_cuda_rng_state`); on CPU the CPU generator state stands in.
+
+P5 (any device; applied by `megatron_ext.checkpoint` before it loads a `fully_reshardable` optimizer state)
+    Without TE or Apex, Megatron-Core's distributed optimizer steps a torch Adam, which keeps a `step`
+    tensor per parameter. Loading a fully_reshardable state sets that step from the param groups, then
+    copies every per-parameter state tensor from the checkpoint's, which hold no `step` (KeyError: 'step').
+    The patched copy keeps the step it was just given. With TE or Apex it is not applied.
 
 Nothing here changes numerics: the same kernels run as without the patches.
 """
@@ -171,6 +177,27 @@ def apply_cpu_backend() -> None:
     _patch_rng()
     _CudaToCpu().__enter__()  # global for the process: never exited
     _APPLIED = True
+
+
+def keep_torch_adam_step_on_reshardable_load() -> None:
+    """Apply P5 (idempotent; nothing to do when TE or Apex provides the optimizer)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(cls, "_megatron_ext_p5", False):
+        return
+    set_states = cls._set_main_param_and_optimizer_states
+
+    def set_states_keeping_step(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        set_states(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = set_states_keeping_step
+    cls._megatron_ext_p5 = True
 
 
 def cpu_backend_applied() -> bool:

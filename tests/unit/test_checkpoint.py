@@ -233,6 +233,13 @@ OVERLAP = dict(overlap_grad_reduce=True, ddp_bucket_size=20000)
     (_saved(), dict(tensor=1, pipeline=1, context=2, data=4), True, None),
     (_saved(), dict(tensor=2, pipeline=1, context=1, data=1), True, "parallel.tensor 1 -> 2"),
     (_saved(pipeline=2), dict(tensor=1, pipeline=1, context=1, data=2), True, "parallel.pipeline 2 -> 1"),
+    # saved fully_reshardable (checkpoint.optimizer_sharding), in the parameters' shapes: any layout
+    ({**_saved(), "optimizer_sharding": "fully_reshardable"}, dict(tensor=2, pipeline=2, context=1, data=1), True,
+     None),
+    ({**_saved(), "optimizer_sharding": "dp_reshardable"}, dict(tensor=2, pipeline=1, context=1, data=1), True,
+     "checkpoint.optimizer_sharding=fully_reshardable saves it for any layout"),
+    ({**_saved(), "optimizer_sharding": "fully_reshardable"}, dict(tensor=1, pipeline=1, context=1, data=2), False,
+     "train.distributed_optimizer was True, now False"),
     # the plain optimizer follows each parameter's sharding: any layout
     (_saved(distributed=False), dict(tensor=2, pipeline=2, context=1, data=1), False, None),
     (_saved(distributed=False), dict(tensor=1, pipeline=1, context=1, data=2), True,
@@ -257,6 +264,7 @@ def test_optimizer_state_mismatch(saved, layout, distributed, why):
     (_saved(data=2, overlap_grad_reduce=True), 32, 40_000_000, None),
     (_saved(data=64, overlap_grad_reduce=True), 32, 40_000_000, "buckets of 64,000,000 parameters when saved"),
     (_saved(distributed=False), 2, 20000, None),  # the plain optimizer's state is per parameter
+    ({**_saved(), "optimizer_sharding": "fully_reshardable"}, 2, 20000, None),  # and so is a fully_reshardable one
 ])
 def test_changed_gradient_buckets(saved, data, bucket_size, why):
     from megatron_ext.checkpoint_index import optimizer_state_mismatch

@@ -71,6 +71,24 @@ def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
     assert ("warning: RoPE" in out) == any(o.startswith("rope.") for o in overrides), out
 
 
+def test_fully_reshardable_checkpoint(tmp_path, cpu_parallel_state, capsys):
+    """Saved with checkpoint.optimizer_sharding=fully_reshardable: named in the layout line, and a run at another
+    TP or with other gradient buckets would resume the optimizer state too."""
+    model, ddp, opt, sched = setup(0, True)
+    step(ddp, opt, sched, 0)
+    recipe = load_recipe(RECIPE, RUN + ["checkpoint.optimizer_sharding=fully_reshardable"])
+    save_checkpoint(tmp_path / "run", 2, [model], optimizer=opt, scheduler=sched, optimizer_sharding="fully_reshardable",
+                    metadata={"hf_config": hf_config_from_recipe(recipe), "recipe": recipe.to_dict(),
+                              "consumed_samples": 8, "tokens": 2048})
+    code, out, _ = _info(capsys, tmp_path / "run")
+    assert code == 0 and "distributed optimizer True (saved fully_reshardable), optimizer state True" in out
+    for overrides, world in [(["parallel.tensor=2"], 2), (["train.overlap_grad_reduce=true",
+                                                            "train.ddp_bucket_size=20000"], 1)]:
+        sets = [a for o in RUN + overrides for a in ("--set", o)]
+        code, out, err = _info(capsys, tmp_path / "run", "--recipe", RECIPE, *sets, "--world-size", world)
+        assert code == 0 and "model, optimizer and scheduler" in out and "fresh" not in out, out + err
+
+
 def test_incomplete_and_missing(ckpt, capsys, tmp_path):
     shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[0]
     shard.write_bytes(b"x")

@@ -145,6 +145,11 @@ def test_cross_field_rules(override, world, message):
                                      r"train\.overlap_grad_reduce=true"),
     (["train.overlap_grad_reduce=true", "train.ddp_bucket_size=0"], r"train\.ddp_bucket_size = 0: must be >= 1"),
     (["train.overlap_grad_reduce=true", "train.overlap_param_gather=true", "train.ddp_bucket_size=1000"], None),
+    # the plain optimizer's state has one format, which any layout loads
+    (["checkpoint.optimizer_sharding=fully_reshardable", "train.distributed_optimizer=false"],
+     r"checkpoint\.optimizer_sharding = 'fully_reshardable': only the distributed optimizer's state has a choice"),
+    (["checkpoint.optimizer_sharding=fully_reshardable"], None),
+    (["checkpoint.optimizer_sharding=model_space"], r"checkpoint\.optimizer_sharding"),
 ])
 def test_optimizer_and_checkpoint_values(override, message):
     if message is None:
