@@ -1,5 +1,6 @@
 """`tools/checkpoint.py info DIR`: what a checkpoint holds, whether it is complete, and what a run would do
-with it (`--recipe`): resume model, optimizer and data position, the weights only, or nothing."""
+with it (`--recipe`): resume model, optimizer and data position, the weights only, or nothing. `tools/checkpoint.py
+reshard DIR --out NEW`: its distributed-optimizer state saved again for any layout (megatron_ext.checkpoint_reshard)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="dotted recipe override (repeatable)")
     info.add_argument("--world-size", type=int, default=None, help="processes of that run (default: cluster size)")
+    reshard = sub.add_parser("reshard", help="save a checkpoint's distributed-optimizer state again, fully_reshardable "
+                                             "(any TP, PP and gradient buckets resume it); on TP x PP processes")
+    reshard.add_argument("dir", help="checkpoint.dir of a run, or one of its iter_* folders")
+    reshard.add_argument("--out", required=True, help="a new folder: the checkpoint.dir to resume from afterwards")
+    reshard.add_argument("--iteration", type=int, default=None, help="an iteration other than the latest")
     args = parser.parse_args(argv)
+    if args.command == "reshard":
+        return _reshard(args)
     try:
         lines, iteration, meta = describe(Path(args.dir), args.iteration)
         if args.recipe:
@@ -117,4 +125,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("\n".join(lines))
+    return 0
+
+
+def _reshard(args) -> int:
+    from megatron_ext.checkpoint_reshard import reshard
+    from megatron_ext.runtime import DeviceError, process_env
+
+    try:
+        final = reshard(args.dir, args.out, args.iteration)
+    except (CheckpointError, RecipeError, DeviceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if process_env().rank == 0:
+        print(f"saved {final} with the optimizer state fully_reshardable: resume from checkpoint.dir={args.out} at "
+              "any TP, PP, CP, DP and gradient buckets")
     return 0

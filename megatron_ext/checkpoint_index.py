@@ -188,12 +188,11 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
                    if saved_layout.get(k) != layout[k]]
         if changed:
             return ("the distributed optimizer's state is cut along TP x PP buckets and cannot follow "
-                    + ", ".join(changed) + " (DP and CP may change; checkpoint.optimizer_sharding="
-                    "fully_reshardable saves it for any layout)")
+                    + ", ".join(changed) + " (DP and CP may change; to keep it, re-save it once with "
+                    "`tools/checkpoint.py reshard`, and save with checkpoint.optimizer_sharding=fully_reshardable)")
         saved_buckets = saved_bucket_size(saved)
         if saved_buckets != bucket_size:
             return (f"the distributed optimizer's state is cut along its gradient buckets: {_buckets(saved_buckets)}"
                     f" when saved, {_buckets(bucket_size)} now (train.overlap_grad_reduce, train.ddp_bucket_size; "
-                    "set them as saved to keep the state, and save with checkpoint.optimizer_sharding="
-                    "fully_reshardable to be free of them)")
+                    "set them as saved to keep the state, or re-save it once with `tools/checkpoint.py reshard`)")
     return None

@@ -115,3 +115,23 @@ def test_fully_reshardable_state_resumes_on_any_layout(torchrun, token_data, run
     stdout, losses, straight = resume(torchrun, token_data, runs, tmp_path, fully_reshardable, 2, *overrides)
     assert "resumed from" in stdout and "parallel layout" in stdout and "fresh optimizer" not in stdout
     np.testing.assert_allclose(losses, straight, atol=1e-5, rtol=0)
+
+
+def test_resharded_checkpoint_resumes_at_another_tp(torchrun, token_data, runs, tmp_path):
+    """`tools/checkpoint.py reshard` loads a dp_reshardable checkpoint at its own TP x PP (one process here) and
+    saves it fully_reshardable into a new folder: a run at TP 2 resumes its optimizer state and gives the
+    uninterrupted run's losses (from the source itself it starts a fresh state:
+    test_tp_change_with_distributed_optimizer_starts_a_fresh_state)."""
+    from megatron_ext.checkpoint import read_metadata
+
+    base, straight = runs
+    out = tmp_path / "any"
+    stdout = torchrun(ROOT / "tools/checkpoint.py", 1, "reshard", str(base / "dist3"), "--out", str(out))
+    assert f"saved {out}/iter_0000003 with the optimizer state fully_reshardable" in stdout
+    meta, source = read_metadata(out), read_metadata(base / "dist3")
+    assert meta["optimizer_sharding"] == "fully_reshardable" and meta["resharded_from"]["parallel"]["data"] == 2
+    assert all(meta[k] == source[k] for k in ("recipe", "hf_config", "consumed_samples", "tokens", "data_identity"))
+    stdout, metrics = train(torchrun, out, 2, token_data, 6, "parallel.tensor=2")
+    assert "resumed from" in stdout and "fresh optimizer" not in stdout
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in straight], atol=1e-5, rtol=0)

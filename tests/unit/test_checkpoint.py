@@ -237,7 +237,8 @@ OVERLAP = dict(overlap_grad_reduce=True, ddp_bucket_size=20000)
     ({**_saved(), "optimizer_sharding": "fully_reshardable"}, dict(tensor=2, pipeline=2, context=1, data=1), True,
      None),
     ({**_saved(), "optimizer_sharding": "dp_reshardable"}, dict(tensor=2, pipeline=1, context=1, data=1), True,
-     "checkpoint.optimizer_sharding=fully_reshardable saves it for any layout"),
+     "re-save it once with `tools/checkpoint.py reshard`, and save with checkpoint.optimizer_sharding="
+     "fully_reshardable"),
     ({**_saved(), "optimizer_sharding": "fully_reshardable"}, dict(tensor=1, pipeline=1, context=1, data=2), False,
      "train.distributed_optimizer was True, now False"),
     # the plain optimizer follows each parameter's sharding: any layout

@@ -89,6 +89,34 @@ def test_fully_reshardable_checkpoint(tmp_path, cpu_parallel_state, capsys):
         assert code == 0 and "model, optimizer and scheduler" in out and "fresh" not in out, out + err
 
 
+@pytest.mark.parametrize("edit, out, message", [
+    (lambda m: m["parallel"].update(tensor=2, pipeline=2), "new",
+     "was saved at TP 2 x PP 2: reshard it on TP x PP = 4 processes (got 1), e.g. `torchrun --nproc_per_node=4 "
+     "tools/checkpoint.py reshard"),
+    (lambda m: m.update(optimizer_sharding="fully_reshardable"), "new", "already saved fully_reshardable"),
+    (lambda m: m["recipe"]["train"].update(distributed_optimizer=False), "new",
+     "train.distributed_optimizer was false: the plain optimizer's state already loads at any layout"),
+    (lambda m: m.pop("recipe"), "new", "records no training recipe and layout"),
+    (lambda m: m.update(has_optimizer=False), "new", "holds no optimizer state"),
+    (lambda m: None, "run/any", "is, or lies inside, the checkpoint folder"),
+    (lambda m: None, "full", "exists and is not empty"),
+])
+def test_reshard_refuses(ckpt, capsys, tmp_path, edit, out, message):
+    """What stops `tools/checkpoint.py reshard` is one line naming it, before any process group or model."""
+    import json
+
+    meta_file = ckpt / "iter_0000002/megatron_ext.json"
+    meta = json.loads(meta_file.read_text())
+    edit(meta)
+    meta_file.write_text(json.dumps(meta))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full/x").write_text("")
+    code = main(["reshard", str(ckpt), "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "new").exists()
+
+
 def test_incomplete_and_missing(ckpt, capsys, tmp_path):
     shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[0]
     shard.write_bytes(b"x")

@@ -1,0 +1,94 @@
+"""Re-save a training checkpoint's distributed-optimizer state `fully_reshardable` (`tools/checkpoint.py reshard`).
+
+A `dp_reshardable` state (the default of `checkpoint.optimizer_sharding`, as of Megatron-LM) holds each TP x PP
+rank's flat gradient buckets: a run at another TP, PP or bucket size cannot read it and starts a fresh optimizer
+state. This loads the checkpoint at the TP x PP it was saved at (DP = CP = 1, which a dp_reshardable state allows),
+with the model and optimizer the saved recipe builds, and saves the same iteration into another folder with the
+state gathered into the parameters' shapes, which any layout resumes. The weights, the scheduler and the run's
+metadata (recipe, position in the data, data identity) go along; the run resumes from the new folder as from the old.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from megatron_ext.checkpoint import read_metadata, resolve_iteration_dir
+from megatron_ext.checkpoint_index import CheckpointError, saved_bucket_size
+
+# written by every save itself (megatron_ext.checkpoint): not carried over from the source
+_OWN_KEYS = ("format", "iteration", "created", "parallel", "versions", "git_sha", "model_chunks", "has_optimizer",
+             "optimizer_sharding")
+
+
+def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_size: int) -> tuple[Path, dict, list]:
+    """(the source `iter_*` folder, its metadata, the recipe overrides of the conversion run), or a CheckpointError
+    naming what stops it. Needs no process group."""
+    _, path = resolve_iteration_dir(src, iteration)
+    saved = read_metadata(path)
+    out = Path(out)
+    train = (saved.get("recipe") or {}).get("train")
+    if not train or not saved.get("parallel"):
+        raise CheckpointError(f"{path} records no training recipe and layout: only checkpoints that "
+                              "megatron_ext.train saved hold an optimizer state to reshard")
+    if saved.get("has_optimizer") is False:
+        raise CheckpointError(f"{path} holds no optimizer state (converted or weights-only): nothing to reshard")
+    if not train.get("distributed_optimizer"):
+        raise CheckpointError(f"{path}: train.distributed_optimizer was false: the plain optimizer's state already "
+                              "loads at any layout; nothing to reshard")
+    if saved.get("optimizer_sharding") == "fully_reshardable":
+        raise CheckpointError(f"{path} is already saved fully_reshardable: any layout resumes it; nothing to do")
+    tp, pp = saved["parallel"]["tensor"], saved["parallel"]["pipeline"]
+    if world_size != tp * pp:
+        raise CheckpointError(
+            f"{path} was saved at TP {tp} x PP {pp}: reshard it on TP x PP = {tp * pp} processes (got {world_size}),"
+            f" e.g. `torchrun --nproc_per_node={tp * pp} tools/checkpoint.py reshard {src} --out {out}` on a node of"
+            f" the kind it was trained on ({((saved.get('recipe') or {}).get('runtime') or {}).get('device', '?')})")
+    root = path.parent
+    if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
+        raise CheckpointError(f"--out {out} is, or lies inside, the checkpoint folder {root}: pick a new folder")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"--out {out} exists and is not empty: pick a new folder (a resharded checkpoint is "
+                              "a new checkpoint.dir to resume from)")
+    overrides = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.context=1",
+                 "parallel.cp_comm_type=p2p", "parallel.hierarchical_context_sizes=null",
+                 "train.global_batch_size=1", "train.micro_batch_size=1", f"checkpoint.dir={out}",
+                 "checkpoint.optimizer_sharding=fully_reshardable", "checkpoint.async_save=false"]
+    if train.get("overlap_grad_reduce"):
+        # the saved buckets, whose default size depends on the DP of the run that saved them
+        overrides.append(f"train.ddp_bucket_size={saved_bucket_size(saved)}")
+    return path, saved, overrides
+
+
+def reshard(src: str | Path, out: str | Path, iteration: int | None = None) -> Path:
+    """Load `src` (a checkpoint.dir, its latest iteration, or one `iter_*` folder) at its own TP x PP and save it
+    into `out` with the optimizer state `fully_reshardable`; returns the new `iter_*` folder. Collective: run on
+    TP x PP processes (torchrun), on the device the run trained on."""
+    from megatron_ext.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_ext.model import build_model_from_recipe
+    from megatron_ext.recipe import load_recipe
+    from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
+    from megatron_ext.train import build_optimizer, wrap_ddp
+
+    world = process_env().world_size
+    path, saved, overrides = reshard_plan(src, out, iteration, world)
+    recipe = load_recipe(raw=saved["recipe"], overrides=overrides, world_size=world)
+    p = recipe.parallel
+    init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, seed=recipe.train.seed)
+    try:
+        model = build_model_from_recipe(recipe)
+        ddp_model = wrap_ddp(recipe, model)
+        optimizer, scheduler = build_optimizer(recipe, [ddp_model])
+        step, extra = load_checkpoint(path, [model], optimizer=optimizer, scheduler=scheduler)
+        metadata = {k: v for k, v in saved.items() if k not in _OWN_KEYS}
+        metadata["resharded_from"] = {"path": str(path), "parallel": saved["parallel"]}
+        final = save_checkpoint(out, step, [model], optimizer=optimizer, scheduler=scheduler, metadata=metadata,
+                                extra=extra, optimizer_sharding="fully_reshardable")
+        metrics = path.parent / "metrics.jsonl"
+        if process_env().rank == 0 and metrics.is_file():  # the run's curve goes on in the new folder
+            tmp = Path(out) / ".metrics.jsonl.partial"
+            shutil.copyfile(metrics, tmp)
+            tmp.replace(Path(out) / "metrics.jsonl")
+        return final
+    finally:
+        destroy_distributed()
