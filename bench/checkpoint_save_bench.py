@@ -103,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             saver.finalize(blocking=True)
             totals.append(time.perf_counter() - start)
         stalls, totals = stalls[1:], totals[1:]
-        size = folder_bytes(root / mode.replace(" ", "_") / f"iter_{args.saves + 1:07d}")
+        last = root / mode.replace(" ", "_") / f"iter_{args.saves + 1:07d}"
+        size = folder_bytes(last)
         rows[mode] = {"stall_s": statistics.median(stalls), "in_place_s": statistics.median(totals),
-                      "stall_s_all": stalls, "in_place_s_all": totals}
+                      "stall_s_all": stalls, "in_place_s_all": totals,
+                      # shard bytes each rank wrote (__RANK_*.distcp): replicated tensors spread over the ranks
+                      "bytes_by_rank": [sum(f.stat().st_size for f in last.glob(f"__{r}_*.distcp"))
+                                        for r in range(world)]}
     torch.distributed.barrier()
     if not args.dir and rank0:
         shutil.rmtree(root, ignore_errors=True)
@@ -121,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
               "saves": args.saves, "rows": rows}
     print(f"checkpoint save, {params / 1e6:.0f}M parameters, {size / 2**30:.2f} GiB per checkpoint, {args.device}, "
           f"DP {world}, median of {args.saves}")
-    print(f"{'mode':<30}{'stall_s':>9}{'stall/in_place':>16}{'in_place_s':>12}")
+    print(f"{'mode':<30}{'stall_s':>9}{'stall/in_place':>16}{'in_place_s':>12}  GB written by rank")
     for mode, row in rows.items():
         row["stall_ratio"] = row["stall_s"] / base
-        print(f"{mode:<30}{row['stall_s']:9.3f}{row['stall_ratio']:15.3f}x{row['in_place_s']:12.3f}")
+        by_rank = " ".join(f"{b / 1e9:.2f}" for b in row["bytes_by_rank"])
+        print(f"{mode:<30}{row['stall_s']:9.3f}{row['stall_ratio']:15.3f}x{row['in_place_s']:12.3f}  {by_rank}")
     path = Path(args.out) / f"checkpoint_save-{args.device}-{result['date']}.json"
     write_json_atomic(path, result)
     print(f"JSON: {path}")

@@ -181,18 +181,35 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     _barrier()
     _start_write_results_queue()
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
+    strategy = _save_strategy(md.get("dp_cp_group"))
     finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
     if async_queue is None:
         # The writers it forks get Ctrl-C and scancel too and leave them to us: stop them if one ends the save.
         with children_killed_on_interrupt():
-            dist_checkpointing.save(state, str(tmp), content_metadata=content)
+            dist_checkpointing.save(state, str(tmp), strategy, content_metadata=content)
         _barrier()
         finish()
     else:
-        request = dist_checkpointing.save(state, str(tmp), content_metadata=content, async_sharded_save=True)
+        request = dist_checkpointing.save(state, str(tmp), strategy, content_metadata=content,
+                                          async_sharded_save=True)
         request.add_finalize_fn(finish)
         async_queue.schedule_async_request(request)
     return final
+
+
+def _save_strategy(replica_group):
+    """Megatron-Core's torch_dist save strategy, spreading the writing of replicated tensors over `replica_group`
+    (DP x CP) when it has several ranks (Megatron-LM's default `--ckpt-fully-parallel-save`).
+
+    Without it the first replica writes every replicated tensor: at DP x CP = 32 one rank per TP x PP part
+    wrote all model weights (and, saved fully_reshardable, the whole optimizer state) while 31 waited.
+    """
+    if replica_group is None or replica_group.size() == 1:
+        return None
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), replica_group)
 
 
 def _start_write_results_queue() -> None:

@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="dotted recipe override (repeatable)")
     info.add_argument("--world-size", type=int, default=None, help="processes of that run (default: cluster size)")
-    reshard = sub.add_parser("reshard", help="save a checkpoint's distributed-optimizer state again, fully_reshardable "
-                                             "(any TP, PP and gradient buckets resume it); on TP x PP processes")
+    reshard = sub.add_parser("reshard", help="save a checkpoint's distributed-optimizer state again, "
+                             "fully_reshardable (any TP, PP and gradient buckets resume it); on a multiple of TP x PP "
+                             "processes")
     reshard.add_argument("dir", help="checkpoint.dir of a run, or one of its iter_* folders")
     reshard.add_argument("--out", required=True, help="a new folder: the checkpoint.dir to resume from afterwards")
     reshard.add_argument("--iteration", type=int, default=None, help="an iteration other than the latest")

@@ -2,15 +2,17 @@
 
 A `dp_reshardable` state (the default of `checkpoint.optimizer_sharding`, as of Megatron-LM) holds each TP x PP
 rank's flat gradient buckets: a run at another TP, PP or bucket size cannot read it and starts a fresh optimizer
-state. This loads the checkpoint at the TP x PP it was saved at (DP = CP = 1, which a dp_reshardable state allows),
-with the model and optimizer the saved recipe builds, and saves the same iteration into another folder with the
-state gathered into the parameters' shapes, which any layout resumes. The weights, the scheduler and the run's
-metadata (recipe, position in the data, data identity) go along; the run resumes from the new folder as from the old.
+state. This loads the checkpoint at the TP x PP it was saved at, CP 1 and DP = the processes / (TP x PP) (a
+dp_reshardable state loads at any DP x CP; more processes hold less of it each), with the model and optimizer the
+saved recipe builds, and saves the same iteration into another folder with the state gathered into the parameters'
+shapes, which any layout resumes. The weights, the scheduler, the run's metadata (recipe, position in the data,
+data identity) and its metrics.jsonl go along; the run resumes from the new folder as from the old.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from megatron_ext.checkpoint import read_metadata, resolve_iteration_dir
@@ -39,11 +41,12 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
     if saved.get("optimizer_sharding") == "fully_reshardable":
         raise CheckpointError(f"{path} is already saved fully_reshardable: any layout resumes it; nothing to do")
     tp, pp = saved["parallel"]["tensor"], saved["parallel"]["pipeline"]
-    if world_size != tp * pp:
+    if world_size % (tp * pp):
         raise CheckpointError(
-            f"{path} was saved at TP {tp} x PP {pp}: reshard it on TP x PP = {tp * pp} processes (got {world_size}),"
-            f" e.g. `torchrun --nproc_per_node={tp * pp} tools/checkpoint.py reshard {src} --out {out}` on a node of"
-            f" the kind it was trained on ({((saved.get('recipe') or {}).get('runtime') or {}).get('device', '?')})")
+            f"{path} was saved at TP {tp} x PP {pp}: reshard it on a multiple of TP x PP = {tp * pp} processes (got "
+            f"{world_size}), e.g. `torchrun --nproc_per_node={tp * pp} tools/checkpoint.py reshard {src} --out {out}` "
+            f"on a node of the kind it was trained on "
+            f"({((saved.get('recipe') or {}).get('runtime') or {}).get('device', '?')})")
     root = path.parent
     if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
         raise CheckpointError(f"--out {out} is, or lies inside, the checkpoint folder {root}: pick a new folder")
@@ -52,8 +55,9 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
                               "a new checkpoint.dir to resume from)")
     overrides = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.context=1",
                  "parallel.cp_comm_type=p2p", "parallel.hierarchical_context_sizes=null",
-                 "train.global_batch_size=1", "train.micro_batch_size=1", f"checkpoint.dir={out}",
-                 "checkpoint.optimizer_sharding=fully_reshardable", "checkpoint.async_save=false"]
+                 f"train.global_batch_size={world_size // (tp * pp)}", "train.micro_batch_size=1",
+                 f"checkpoint.dir={out}", "checkpoint.optimizer_sharding=fully_reshardable",
+                 "checkpoint.async_save=false"]
     if train.get("overlap_grad_reduce"):
         # the saved buckets, whose default size depends on the DP of the run that saved them
         overrides.append(f"train.ddp_bucket_size={saved_bucket_size(saved)}")
@@ -63,12 +67,13 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
 def reshard(src: str | Path, out: str | Path, iteration: int | None = None) -> Path:
     """Load `src` (a checkpoint.dir, its latest iteration, or one `iter_*` folder) at its own TP x PP and save it
     into `out` with the optimizer state `fully_reshardable`; returns the new `iter_*` folder. Collective: run on
-    TP x PP processes (torchrun), on the device the run trained on."""
+    a multiple of TP x PP processes (torchrun), on the device the run trained on."""
     from megatron_ext.checkpoint import load_checkpoint, save_checkpoint
     from megatron_ext.model import build_model_from_recipe
     from megatron_ext.recipe import load_recipe
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
     from megatron_ext.train import build_optimizer, wrap_ddp
+    from megatron_ext.train_metrics import log
 
     world = process_env().world_size
     path, saved, overrides = reshard_plan(src, out, iteration, world)
@@ -79,7 +84,10 @@ def reshard(src: str | Path, out: str | Path, iteration: int | None = None) -> P
         model = build_model_from_recipe(recipe)
         ddp_model = wrap_ddp(recipe, model)
         optimizer, scheduler = build_optimizer(recipe, [ddp_model])
+        log(f"[reshard] loading {path} at TP {p.tensor} x PP {p.pipeline} x DP {world // (p.tensor * p.pipeline)}")
+        began = time.time()
         step, extra = load_checkpoint(path, [model], optimizer=optimizer, scheduler=scheduler)
+        log(f"[reshard] loaded ({time.time() - began:.1f} s); saving it fully_reshardable into {out}")
         metadata = {k: v for k, v in saved.items() if k not in _OWN_KEYS}
         metadata["resharded_from"] = {"path": str(path), "parallel": saved["parallel"]}
         final = save_checkpoint(out, step, [model], optimizer=optimizer, scheduler=scheduler, metadata=metadata,

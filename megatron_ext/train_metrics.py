@@ -73,12 +73,22 @@ def strict_json_record(record: dict) -> dict:
 
 
 def memory_gib() -> float:
-    """Peak GPU memory allocated by this process, or its resident memory on the CPU (GiB)."""
+    """Peak GPU memory allocated by a process, or its resident memory on the CPU (GiB): the largest over the ranks
+    (a collective when a process group exists), since the rank holding the most runs out first: under PP the
+    first stage keeps more activations in flight, the last one the loss head."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
+        gib = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import psutil
 
-    return psutil.Process().memory_info().rss / 2**30
+        gib = psutil.Process().memory_info().rss / 2**30
+    if not torch.distributed.is_initialized():
+        return gib
+    from megatron_ext.runtime.distributed import rank_device
+
+    largest = torch.tensor([gib], dtype=torch.float64, device=rank_device())
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    return largest.item()
 
 
 def log(msg: str) -> None:

@@ -86,6 +86,7 @@ def test_checkpoint_save_bench_runs_at_toy_size(tmp_path, torchrun):
     assert result["checkpoint_bytes"] > 12 * result["params"]  # fp32 weights, master copy and two Adam moments
     for mode in modes:
         assert latest(tmp_path / "ckpt" / mode.replace(" ", "_")) == 2
+        assert len(result["rows"][mode]["bytes_by_rank"]) == 2 and min(result["rows"][mode]["bytes_by_rank"]) > 0
         meta = json.loads((tmp_path / "ckpt" / mode.replace(" ", "_") / "iter_0000002/megatron_ext.json").read_text())
         assert meta["optimizer_sharding"] == ("fully_reshardable" if "fully" in mode else "dp_reshardable")
     bad = subprocess.run([sys.executable, str(ROOT / "bench/checkpoint_save_bench.py"), "--hidden", "100"],

@@ -103,22 +103,19 @@ def fully_reshardable(runs, torchrun, token_data):
     return "full3"
 
 
-@pytest.mark.parametrize("overrides", [
-    ["parallel.tensor=2"],               # TP 2 x DP 1
-    ["parallel.pipeline=2", *OVERLAP],   # PP 2 x DP 1, and 20,000-parameter buckets where one was saved
-])
-def test_fully_reshardable_state_resumes_on_any_layout(torchrun, token_data, runs, fully_reshardable, tmp_path,
-                                                       overrides):
+def test_fully_reshardable_state_resumes_on_any_layout(torchrun, token_data, runs, fully_reshardable, tmp_path):
     """Saved fully_reshardable (the state gathered into the parameters' shapes), the distributed optimizer's state
-    follows a TP or PP change and other gradient buckets: the uninterrupted run's losses (a fresh state is off by
-    more than 1e-3 at step 5: test_tp_change_with_distributed_optimizer_starts_a_fresh_state)."""
+    follows a PP change and other gradient buckets (a TP change: test_resharded_checkpoint_resumes_at_another_tp):
+    the uninterrupted run's losses (a fresh state is off by more than 1e-3 at step 5:
+    test_tp_change_with_distributed_optimizer_starts_a_fresh_state)."""
+    overrides = ["parallel.pipeline=2", *OVERLAP]  # PP 2 x DP 1, and 20,000-parameter buckets where one was saved
     stdout, losses, straight = resume(torchrun, token_data, runs, tmp_path, fully_reshardable, 2, *overrides)
     assert "resumed from" in stdout and "parallel layout" in stdout and "fresh optimizer" not in stdout
     np.testing.assert_allclose(losses, straight, atol=1e-5, rtol=0)
 
 
 def test_resharded_checkpoint_resumes_at_another_tp(torchrun, token_data, runs, tmp_path):
-    """`tools/checkpoint.py reshard` loads a dp_reshardable checkpoint at its own TP x PP (one process here) and
+    """`tools/checkpoint.py reshard` loads a dp_reshardable checkpoint at its own TP x PP (TP 1 x DP 2 here) and
     saves it fully_reshardable into a new folder: a run at TP 2 resumes its optimizer state and gives the
     uninterrupted run's losses (from the source itself it starts a fresh state:
     test_tp_change_with_distributed_optimizer_starts_a_fresh_state)."""
@@ -126,7 +123,7 @@ def test_resharded_checkpoint_resumes_at_another_tp(torchrun, token_data, runs, 
 
     base, straight = runs
     out = tmp_path / "any"
-    stdout = torchrun(ROOT / "tools/checkpoint.py", 1, "reshard", str(base / "dist3"), "--out", str(out))
+    stdout = torchrun(ROOT / "tools/checkpoint.py", 2, "reshard", str(base / "dist3"), "--out", str(out))
     assert f"saved {out}/iter_0000003 with the optimizer state fully_reshardable" in stdout
     meta, source = read_metadata(out), read_metadata(base / "dist3")
     assert meta["optimizer_sharding"] == "fully_reshardable" and meta["resharded_from"]["parallel"]["data"] == 2
@@ -135,3 +132,14 @@ def test_resharded_checkpoint_resumes_at_another_tp(torchrun, token_data, runs, 
     assert "resumed from" in stdout and "fresh optimizer" not in stdout
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in straight], atol=1e-5, rtol=0)
+
+
+def test_both_ranks_write_their_share(runs, fully_reshardable):
+    """At DP 2 the replicated tensors (the weights; saved fully_reshardable, the optimizer state too) are written
+    half by each rank (Megatron-Core's fully parallel save): without it rank 0 wrote 1.7x rank 1's bytes, and
+    saved fully_reshardable all of them."""
+    base, _ = runs
+    for saved in ("dist3", fully_reshardable):
+        written = [sum(f.stat().st_size for f in (base / saved / "iter_0000003").glob(f"__{rank}_*.distcp"))
+                   for rank in (0, 1)]
+        assert max(written) < 1.25 * min(written), (saved, written)

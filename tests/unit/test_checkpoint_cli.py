@@ -91,8 +91,8 @@ def test_fully_reshardable_checkpoint(tmp_path, cpu_parallel_state, capsys):
 
 @pytest.mark.parametrize("edit, out, message", [
     (lambda m: m["parallel"].update(tensor=2, pipeline=2), "new",
-     "was saved at TP 2 x PP 2: reshard it on TP x PP = 4 processes (got 1), e.g. `torchrun --nproc_per_node=4 "
-     "tools/checkpoint.py reshard"),
+     "was saved at TP 2 x PP 2: reshard it on a multiple of TP x PP = 4 processes (got 1), e.g. `torchrun "
+     "--nproc_per_node=4 tools/checkpoint.py reshard"),
     (lambda m: m.update(optimizer_sharding="fully_reshardable"), "new", "already saved fully_reshardable"),
     (lambda m: m["recipe"]["train"].update(distributed_optimizer=False), "new",
      "train.distributed_optimizer was false: the plain optimizer's state already loads at any layout"),
