@@ -186,11 +186,11 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     if async_queue is None:
         # The writers it forks get Ctrl-C and scancel too and leave them to us: stop them if one ends the save.
         with children_killed_on_interrupt():
-            dist_checkpointing.save(state, str(tmp), strategy, content_metadata=content)
+            dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content)
         _barrier()
         finish()
     else:
-        request = dist_checkpointing.save(state, str(tmp), strategy, content_metadata=content,
+        request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content,
                                           async_sharded_save=True)
         request.add_finalize_fn(finish)
         async_queue.schedule_async_request(request)
