@@ -32,10 +32,14 @@ def _free_port() -> int:
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600, module: bool = False) -> str:
     """Run `script` (a path, or a module with module=True) on `nproc` local processes; return stdout.
 
+    Two or more start under torchrun; one runs as a plain `python` process, the way a laptop user starts
+    it (the launcher's own start-up, importing torch, is a third of a small one-process run here).
     Fails the test with the combined output when the job exits non-zero.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", "--master_addr=127.0.0.1"]
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+                "--master_addr=127.0.0.1"]
     cmd += ["-m", str(script)] if module else [str(script)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
