@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -29,24 +31,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600, module: bool = False) -> str:
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600, module: bool = False,
+                 launcher: str = "direct") -> str:
     """Run `script` (a path, or a module with module=True) on `nproc` local processes; return stdout.
 
-    Two or more start under torchrun; one runs as a plain `python` process, the way a laptop user starts
-    it (the launcher's own start-up, importing torch, is a third of a small one-process run here).
-    Fails the test with the combined output when the job exits non-zero.
+    By default the processes start the way torchrun starts its workers, from here: each with torchrun's
+    environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), all writing to one
+    stdout and one stderr, and when one fails the others are killed. torchrun's own agent process imports torch
+    before it starts anyone, 3.4 s of every run on this machine (a third of a small two-rank run). One process
+    runs as plain `python`, the way a laptop user starts it. `launcher="torchrun"` uses the real torchrun (the
+    Slurm tests compare sbatch with it; the demo and the Slurm jobs use torchrun and srun themselves).
+    Fails the test with the combined output when any process exits non-zero.
     """
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-                "--master_addr=127.0.0.1"]
-    cmd += ["-m", str(script)] if module else [str(script)]
+    program = ["-m", str(script)] if module else [str(script)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun {script} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc.stdout
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={_free_port()}", "--master_addr=127.0.0.1", *program, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        codes, stdout, stderr = [proc.returncode], proc.stdout, proc.stderr
+    else:
+        codes, stdout, stderr = _run_ranks([sys.executable, "-u", *program, *args], nproc, env, timeout)
+    if any(codes):
+        pytest.fail(f"{script} on {nproc} process(es) exited {codes}\n--- stdout\n{stdout[-4000:]}\n"
+                    f"--- stderr\n{stderr[-6000:]}")
+    return stdout
+
+
+def _run_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> tuple[list[int], str, str]:
+    """`cmd` as ranks 0..nproc-1 of one job (nproc 1: no rendezvous variables); (exit codes, stdout, stderr)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
+                      "LOCAL_WORLD_SIZE": str(nproc)}
+        procs = [subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT,
+                                  env=env if nproc == 1 else {**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)})
+                 for r in range(nproc)]
+        deadline = time.time() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = any(p.returncode for p in procs)
+            if failed or time.time() > deadline:  # the others would wait in a collective for its timeout
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                if not failed:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        return [p.wait() for p in procs], out.read(), err.read()
 
 
 def read_json(path: Path) -> dict:

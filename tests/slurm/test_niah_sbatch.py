@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory, cpu_parallel_state):
 def test_sbatch_niah_matches_torchrun(slurm_cluster, checkpoint, torchrun, tmp_path):
     assert NODES * TASKS_PER_NODE == 2
     torchrun(ROOT / "tools/niah.py", 2, "--megatron", str(checkpoint / "mc"), "--engine", "megatron",
-             "--out", str(tmp_path / "torchrun"), *ARGS)
+             "--out", str(tmp_path / "torchrun"), *ARGS, launcher="torchrun")
     proc = sbatch("niah.sh", "--megatron", str(checkpoint / "mc"), "--out", str(tmp_path / "sbatch"), *ARGS,
                   out=tmp_path / "job.log")
     log = (tmp_path / "job.log").read_text()

@@ -34,7 +34,7 @@ def torchrun_run(tmp_path_factory, torchrun, token_data):
     """The reference: the same recipe and overrides under torchrun on this machine."""
     out = tmp_path_factory.mktemp("torchrun")
     torchrun("megatron_ext.train", NODES * TASKS_PER_NODE, "--recipe", str(TINY), *overrides(out, token_data),
-             module=True)
+             module=True, launcher="torchrun")
     return metrics(out)
 
 
