@@ -12,7 +12,7 @@ from megatron_ext.checkpoint import (
     CheckpointError, available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
     unfinished_saves,
 )
-from megatron_ext.checkpoint_index import check_complete, saved_bucket_size
+from megatron_ext.checkpoint_index import check_complete, saved_bucket_size, saved_fully_reshardable
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.resume import Resume, plan_resume
 
@@ -29,7 +29,7 @@ def _buckets_of(meta: dict) -> str:
     '' otherwise."""
     if not ((meta.get("recipe") or {}).get("train") or {}).get("distributed_optimizer"):
         return ""
-    if meta.get("optimizer_sharding") == "fully_reshardable":
+    if saved_fully_reshardable(meta):
         return " (saved fully_reshardable)"
     size = saved_bucket_size(meta)
     return " (one gradient bucket)" if size is None else f" (gradient buckets of {size:,} parameters)"

@@ -155,6 +155,12 @@ def saved_bucket_size(saved: dict) -> int | None:
                                 (saved.get("parallel") or {}).get("data", 1))
 
 
+def saved_fully_reshardable(saved: dict) -> bool:
+    """Whether a checkpoint's distributed optimizer state was saved `fully_reshardable` (keyed by parameter, loads
+    at any layout), from its run metadata; checkpoints from before `checkpoint.optimizer_sharding` are not."""
+    return saved.get("optimizer_sharding", "dp_reshardable") == "fully_reshardable"
+
+
 def _buckets(size: int | None) -> str:
     return "one bucket" if size is None else f"buckets of {size:,} parameters"
 
@@ -183,7 +189,7 @@ def optimizer_state_mismatch(saved: dict, layout: dict[str, int], distributed_op
     saved_precision = ((saved.get("recipe") or {}).get("train") or {}).get("precision")
     if precision is not None and saved_precision is not None and saved_precision != precision:
         return f"train.precision was {saved_precision}, now {precision}"
-    if distributed_optimizer and saved.get("optimizer_sharding", "dp_reshardable") == "dp_reshardable":
+    if distributed_optimizer and not saved_fully_reshardable(saved):
         changed = [f"parallel.{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tensor", "pipeline")
                    if saved_layout.get(k) != layout[k]]
         if changed:

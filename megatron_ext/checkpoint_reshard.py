@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from megatron_ext.checkpoint import read_metadata, resolve_iteration_dir
-from megatron_ext.checkpoint_index import CheckpointError, saved_bucket_size
+from megatron_ext.checkpoint_index import CheckpointError, saved_bucket_size, saved_fully_reshardable
 
 # written by every save itself (megatron_ext.checkpoint): not carried over from the source
 _OWN_KEYS = ("format", "iteration", "created", "parallel", "versions", "git_sha", "model_chunks", "has_optimizer",
@@ -38,7 +38,7 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
     if not train.get("distributed_optimizer"):
         raise CheckpointError(f"{path}: train.distributed_optimizer was false: the plain optimizer's state already "
                               "loads at any layout; nothing to reshard")
-    if saved.get("optimizer_sharding") == "fully_reshardable":
+    if saved_fully_reshardable(saved):
         raise CheckpointError(f"{path} is already saved fully_reshardable: any layout resumes it; nothing to do")
     tp, pp = saved["parallel"]["tensor"], saved["parallel"]["pipeline"]
     if world_size % (tp * pp):
