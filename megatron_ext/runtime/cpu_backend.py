@@ -28,7 +28,9 @@ P6  Checkpoint writers report their results through a multiprocessing manager qu
     with "spawn": a fresh interpreter that imports torch to unpickle the first result, 3-4 s of CPU in every
     process that saves (most of a small run's save; a two-rank test run's save took 4.4 s). On CPU no CUDA state
     can be inherited, so the manager is forked from the saving process instead (0.03 s); Megatron-Core forks its
-    writer processes from it in any case. The queue, the writers and the files are the same.
+    writer processes from it in any case. The forked server inherits the signal mask under which
+    `megatron_ext.checkpoint` starts it (SIGTERM and SIGUSR1 blocked), as the spawned one does. The queue, the
+    writers and the files are the same.
 
 Nothing here changes numerics: the same kernels run as without the patches.
 """
