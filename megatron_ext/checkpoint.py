@@ -212,6 +212,21 @@ def _save_strategy(replica_group):
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), replica_group)
 
 
+def _load_strategy(path: Path, replica_group):
+    """Megatron-Core's load strategy for `path`, each replica of `replica_group` (DP x CP) reading a share of the
+    replicated tensors and broadcasting it to the others (Megatron-LM's `--ckpt-fully-parallel-load`).
+
+    Without it a resume at DP x CP = 32 reads every TP x PP part's weights (and a fully_reshardable optimizer
+    state) 32 times from the file system. None (each reads all) when the group is one rank.
+    """
+    if replica_group is None or replica_group.size() == 1:
+        return None
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), replica_group)
+
+
 def _start_write_results_queue() -> None:
     """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 blocked in its server.
 
@@ -367,10 +382,13 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, scheduler=None,
-                    iteration: int | None = None, weights_only: bool = False) -> tuple[int, dict | None]:
+                    iteration: int | None = None, weights_only: bool = False,
+                    fully_parallel: bool = False) -> tuple[int, dict | None]:
     """Load `root`'s checkpoint (latest, or `iteration`) into unwrapped model chunks (+ optimizer, scheduler).
 
     Works at any TP/PP. `weights_only=True` loads the model only (starting a new run from it).
+    `fully_parallel=True` (`checkpoint.fully_parallel_load`) spreads the reading of replicated tensors over the
+    DP x CP replicas, which then exchange them; otherwise each replica reads them all.
     Returns (iteration, extra) where `extra` is what `save_checkpoint` was given (None if nothing).
     """
     from megatron.core import dist_checkpointing
@@ -393,7 +411,8 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
         _materialise_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
     skipped = _drop_extra_state(state, _model_keys(model_chunks)) if weights_only else {}
-    loaded = dist_checkpointing.load(state, str(path))
+    strategy = _load_strategy(path, md.get("dp_cp_group")) if fully_parallel else None
+    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict({**loaded[key], **dict.fromkeys(skipped.get(key, ()))})
     if load_optim:

@@ -182,6 +182,11 @@ class CheckpointConfig:
                                  "async save; the state is staged in host memory). The last one is waited for.")
     tensorboard_dir: str | None = _f(None, "Also write the metrics as TensorBoard event files here (rank 0; needs "
                                            "the tensorboard package; W&B can sync them). null: metrics.jsonl only.")
+    fully_parallel_load: bool = _f(
+        False, "Spread the reading of a checkpoint (a resume, init_from) over the DP x CP replicas, which then "
+        "exchange what they read (Megatron-LM's --ckpt-fully-parallel-load): the file system serves each TP x PP "
+        "part once instead of once per replica. Off by default, as in Megatron-LM (not yet measured on a "
+        "cluster file system here).")
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = _f(
         "dp_reshardable", "How the distributed optimizer's state is saved. dp_reshardable: each rank writes its flat "
         "buffer slices at once; a resume keeps the state at any DP and CP but not at another TP, PP or gradient "

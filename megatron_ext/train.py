@@ -222,16 +222,19 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
                 "(raise train.steps to go on)")
             return 0
+        began = time.time()
         if resume.full_state:
-            start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler)
-            log(f"[train] resumed from {root} at step {start}" + (
+            start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler,
+                                       fully_parallel=recipe.checkpoint.fully_parallel_load)
+            log(f"[train] resumed from {root} at step {start} ({time.time() - began:.1f} s)" + (
                 f" (parallel layout {resume.saved_layout} -> {resume.layout})"
                 if resume.saved_layout != resume.layout else ""))
         else:
-            start, _ = load_checkpoint(root, [model], weights_only=True)
+            start, _ = load_checkpoint(root, [model], weights_only=True,
+                                       fully_parallel=recipe.checkpoint.fully_parallel_load)
             scheduler.step(increment=start)
-            log(f"[train] resumed weights from {root} at step {start} with a fresh optimizer state: "
-                f"{resume.why_not_full}")
+            log(f"[train] resumed weights from {root} at step {start} ({time.time() - began:.1f} s) with a fresh "
+                f"optimizer state: {resume.why_not_full}")
         # The recipe's schedule wins over the one saved in the optimizer's param groups.
         for group in optimizer.param_groups:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr
@@ -249,14 +252,17 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             log(f"[train] warning: the recipe's RoPE differs from the checkpoint's ({'; '.join(resume.rope_changed)}):"
                 " the run goes on with positions its weights were not trained with so far")
     elif recipe.checkpoint.init_from:
-        load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True)
+        began = time.time()
+        load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True,
+                        fully_parallel=recipe.checkpoint.fully_parallel_load)
         try:
             source = read_metadata(recipe.checkpoint.init_from)
         except CheckpointError:
             source = {}
         # carry the tokenizer location along (converted checkpoints record it)
         metadata["tokenizer"] = metadata["tokenizer"] or source.get("tokenizer")
-        log(f"[train] initialised weights from {recipe.checkpoint.init_from} (fresh optimizer)")
+        log(f"[train] initialised weights from {recipe.checkpoint.init_from} ({time.time() - began:.1f} s; fresh "
+            "optimizer)")
         changed = rope_changes(source.get("hf_config"), recipe)
         if t.stage == "sft" and changed:  # CPT changes the RoPE on purpose; SFT keeps its checkpoint's
             log(f"[train] warning: SFT with another RoPE than checkpoint.init_from's ({'; '.join(changed)}); "

@@ -40,7 +40,9 @@ def resume(torchrun, token_data, runs, tmp_path, saved, nproc, *overrides):
 
 
 @pytest.mark.parametrize("saved, overrides", [
-    ("dist3", ["parallel.context=2"]),  # DP 2 -> CP 2 x DP 1: the distributed optimizer's slices reshard
+    # DP 2 -> CP 2 x DP 1: the distributed optimizer's slices reshard; the two CP ranks share the reading of the
+    # weights (the default, each reading all, in every other resume here and in test_train_resume.py)
+    ("dist3", ["parallel.context=2", "checkpoint.fully_parallel_load=true"]),
     ("plain3", ["parallel.tensor=2", "train.distributed_optimizer=false"]),  # plain optimizer: any layout
 ])
 def test_resume_on_another_layout_continues_the_run(torchrun, token_data, runs, tmp_path, saved, overrides):
