@@ -66,9 +66,7 @@ def check_lengths(option: str, spec: str, last: Recipe | None = None) -> None:
         raise RecipeError(f"{option} {spec!r}: {str(e).removeprefix('--lengths: ')}") from None
     if last is None:
         return
-    from megatron_ext.model import hf_config_from_recipe
-
-    limit = int(hf_config_from_recipe(last)["max_position_embeddings"])
+    limit = last.max_position_embeddings
     beyond = [n for n in lengths if n > limit]
     if beyond:
         raise RecipeError(f"{option} {spec!r}: {', '.join(f'{n:,}' for n in beyond)} tokens is beyond the last "

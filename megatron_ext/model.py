@@ -73,7 +73,7 @@ def hf_config_from_recipe(recipe: Recipe) -> dict:
         "vocab_size": m.vocab_size,
         "rms_norm_eps": m.rms_norm_eps,
         "tie_word_embeddings": m.tie_word_embeddings,
-        "max_position_embeddings": m.max_position_embeddings or recipe.train.seq_length,
+        "max_position_embeddings": recipe.max_position_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

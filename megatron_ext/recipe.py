@@ -248,6 +248,11 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @property
+    def max_position_embeddings(self) -> int:
+        """The model's positions: `model.max_position_embeddings`, or `train.seq_length` when that is null."""
+        return self.model.max_position_embeddings or self.train.seq_length
+
+    @property
     def data_parallel_size(self) -> int:
         """DP for the recipe's own cluster size."""
         p = self.parallel

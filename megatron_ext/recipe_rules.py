@@ -202,5 +202,5 @@ def _validate_rope_block(recipe: Recipe) -> None:
             block[key] = list(value) if isinstance(value, tuple) else value
     rope_spec({"rope_parameters": block, "head_dim": m.head_dim, "hidden_size": m.hidden_size,
                "num_attention_heads": m.num_attention_heads,
-               "max_position_embeddings": m.max_position_embeddings or recipe.train.seq_length},
+               "max_position_embeddings": recipe.max_position_embeddings},
               where="rope", top="model")

@@ -9,18 +9,27 @@ and are plain functions so the demo can call them on its tiny base and final mod
     plot_perplexity({"final": ppl}, "ppl.png")
 """
 
-from megatron_ext.evaluate.errors import EvalError
-from megatron_ext.evaluate.generate import greedy_generate
-from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
-from megatron_ext.evaluate.io import save_figure_atomic, write_json_atomic
-from megatron_ext.evaluate.loading import kv_cache_bytes_per_token, load_hf, memory_note
-from megatron_ext.evaluate.niah import NeedleTask, NiahResult, build_prompt, extract_value, run_niah, score_output
-from megatron_ext.evaluate.perplexity import PerplexityResult, indexed_documents, log_buckets, perplexity_by_position
-from megatron_ext.evaluate.plots import plot_niah_heatmap, plot_perplexity
+from importlib import import_module
 
-__all__ = [
-    "EvalError", "Haystack", "NeedleTask", "NiahResult", "PerplexityResult", "build_prompt", "builtin_haystack",
-    "extract_value", "file_haystack", "greedy_generate", "indexed_documents", "kv_cache_bytes_per_token", "load_hf", "log_buckets",
-    "memory_note", "perplexity_by_position", "plot_niah_heatmap", "plot_perplexity", "run_niah",
-    "save_figure_atomic", "score_output", "write_json_atomic",
-]
+from megatron_ext.evaluate.errors import EvalError
+
+# The module each public name lives in, imported at the first use of the name: the tools that run on a login node
+# (the launcher, slurm/pipeline.sh) need only EvalError, and the rest imports torch and transformers (seconds).
+_HOMES = {
+    "greedy_generate": "generate", "Haystack": "haystack", "builtin_haystack": "haystack",
+    "file_haystack": "haystack", "save_figure_atomic": "io", "write_json_atomic": "io",
+    "kv_cache_bytes_per_token": "loading", "load_hf": "loading", "memory_note": "loading", "NeedleTask": "niah",
+    "NiahResult": "niah", "build_prompt": "niah", "extract_value": "niah", "run_niah": "niah",
+    "score_output": "niah", "PerplexityResult": "perplexity", "indexed_documents": "perplexity",
+    "log_buckets": "perplexity", "perplexity_by_position": "perplexity", "plot_niah_heatmap": "plots",
+    "plot_perplexity": "plots",
+}
+__all__ = ["EvalError", *sorted(_HOMES)]
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"megatron_ext.evaluate.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.evaluate.errors import EvalError
-from megatron_ext.evaluate.ruler_tasks import TASKS
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _LENGTH_HELP = "use e.g. 4096, 32K, 1M (K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11"
@@ -100,6 +99,8 @@ def _no_kv_cache(p: argparse.ArgumentParser) -> None:
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """The parser of each command: niah (the default), ppl, generate, ruler."""
+    from megatron_ext.evaluate.ruler_tasks import TASKS  # imports torch: not for the launcher's length checks
+
     niah = argparse.ArgumentParser(prog="niah.py", description="Needle-in-a-haystack grid (lengths x depths) -> "
                                    "results.json and heatmap.png. `niah.py ppl --help`: perplexity by position; "
                                    "`niah.py generate --help`: ask the model about a document; `niah.py ruler "
