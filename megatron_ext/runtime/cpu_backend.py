@@ -26,7 +26,7 @@ P5 (any device; applied by `megatron_ext.checkpoint` before it loads a `fully_re
 
 P6  Checkpoint writers report their results through a multiprocessing manager queue, which Megatron-Core starts
     with "spawn": a fresh interpreter that imports torch to unpickle the first result, 3-4 s of CPU in every
-    process that saves (most of a small run's save; a two-rank test run's save took 4.4 s). On CPU no CUDA state
+    process that saves (a two-rank test run's save took 4.4 s, 0.4 s with this). On CPU no CUDA state
     can be inherited, so the manager is forked from the saving process instead (0.03 s); Megatron-Core forks its
     writer processes from it in any case. The forked server inherits the signal mask under which
     `megatron_ext.checkpoint` starts it (SIGTERM and SIGUSR1 blocked), as the spawned one does. The queue, the
