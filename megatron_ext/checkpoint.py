@@ -179,7 +179,7 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
         tmp.mkdir()
     _barrier()
-    _start_write_results_queue()
+    start_write_results_queue()
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
     strategy = _save_strategy(md.get("dp_cp_group"))
     finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
@@ -227,7 +227,7 @@ def _load_strategy(path: Path, replica_group):
     return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), replica_group)
 
 
-def _start_write_results_queue() -> None:
+def start_write_results_queue() -> None:
     """Start Megatron-Core's checkpoint-writer result queue with SIGTERM and SIGUSR1 blocked in its server.
 
     The queue lives in a `multiprocessing.Manager` server process that dist_checkpointing spawns at the first

@@ -27,10 +27,12 @@ P5 (any device; applied by `megatron_ext.checkpoint` before it loads a `fully_re
 P6  Checkpoint writers report their results through a multiprocessing manager queue, which Megatron-Core starts
     with "spawn": a fresh interpreter that imports torch to unpickle the first result, 3-4 s of CPU in every
     process that saves (a two-rank test run's save took 4.4 s, 0.4 s with this). On CPU no CUDA state
-    can be inherited, so the manager is forked from the saving process instead (0.03 s); Megatron-Core forks its
-    writer processes from it in any case. The forked server inherits the signal mask under which
-    `megatron_ext.checkpoint` starts it (SIGTERM and SIGUSR1 blocked), as the spawned one does. The queue, the
-    writers and the files are the same.
+    can be inherited, so the manager is forked instead (0.03 s), when the backend is applied: before any model,
+    optimizer or process group exists, since a long-lived fork made later would hold a copy-on-write snapshot of
+    every page training goes on to change (up to a second copy of the model and optimizer state) and the gloo
+    sockets. It is started as `megatron_ext.checkpoint.start_write_results_queue` starts it, SIGTERM and SIGUSR1
+    blocked. Megatron-Core forks its writer processes in any case; the queue, the writers and the files are the
+    same.
 
 Nothing here changes numerics: the same kernels run as without the patches.
 """
@@ -164,10 +166,12 @@ def _patch_rng() -> None:
 
 
 def _fork_checkpoint_results_queue() -> None:
-    """P6: the checkpoint writers' results queue lives in a forked manager, made at the first save."""
+    """P6: the checkpoint writers' results queue lives in a manager forked now, while the process is small."""
     import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_ext.checkpoint import start_write_results_queue
 
     def results_queue():
         if filesystem_async._results_queue is None:
@@ -175,6 +179,7 @@ def _fork_checkpoint_results_queue() -> None:
         return filesystem_async._results_queue
 
     filesystem_async._get_write_results_queue = results_queue
+    start_write_results_queue()
 
 
 def apply_cpu_backend() -> None:

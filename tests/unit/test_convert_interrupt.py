@@ -136,7 +136,7 @@ def test_a_sigterm_while_the_writer_result_server_starts_is_not_lost(monkeypatch
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_ext.checkpoint import _start_write_results_queue
+    from megatron_ext.checkpoint import start_write_results_queue
 
     received = []
     start = filesystem_async._get_write_results_queue
@@ -152,7 +152,7 @@ def test_a_sigterm_while_the_writer_result_server_starts_is_not_lost(monkeypatch
     other.start()
     try:
         signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-        _start_write_results_queue()
+        start_write_results_queue()
         queue = filesystem_async._results_queue
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             os.kill(queue._manager._process.pid, sig)
