@@ -1,10 +1,9 @@
-"""Shared test helpers: run a worker script under torchrun with N gloo processes."""
+"""Shared test helpers: run a worker script as N gloo processes (as torchrun starts them)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from megatron_ext.runtime.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,12 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # suite turns TorchDynamo off; its subprocesses inherit the setting. Where CUDA is, tests/gpu keep it on.
 if not torch.cuda.is_available():
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600, module: bool = False,
@@ -47,7 +42,7 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "--master_addr=127.0.0.1", *program, *args]
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", *program, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         codes, stdout, stderr = [proc.returncode], proc.stdout, proc.stderr
     else:
@@ -61,7 +56,7 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
 def _run_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> tuple[list[int], str, str]:
     """`cmd` as ranks 0..nproc-1 of one job (nproc 1: no rendezvous variables); (exit codes, stdout, stderr)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                       "LOCAL_WORLD_SIZE": str(nproc)}
         procs = [subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT,
                                   env=env if nproc == 1 else {**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)})
@@ -94,7 +89,7 @@ def torchrun():
 def cpu_parallel_state():
     """A single-process gloo group with Megatron parallel state (TP=PP=CP=1), CPU backend applied."""
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     from megatron_ext.runtime import destroy_distributed, init_distributed
 
     init_distributed("cpu", seed=1234)

@@ -11,12 +11,13 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_ext.runtime.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ABLATION = "ablation: SFT only, base RoPE (no YaRN)"
@@ -72,12 +73,6 @@ class StepLog:
         return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_tool(cmd: list[str], log_file: Path | None = None) -> None:
     """Run a CLI with PYTHONPATH at the checkout, streaming its output (and copying it to `log_file`)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
@@ -99,7 +94,7 @@ def run_tool(cmd: list[str], log_file: Path | None = None) -> None:
 
 def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={_free_port()}", "--master_addr=127.0.0.1"]
+            f"--master_port={free_port()}", "--master_addr=127.0.0.1"]
 
 
 def yarn_untrained(base_hf: Path, out: Path, recipe_path: Path) -> Path:

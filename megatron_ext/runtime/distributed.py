@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 from dataclasses import dataclass
@@ -47,10 +48,19 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A free local TCP port for a rendezvous that another process binds later, below Linux's ephemeral range
+    (32768-60999): a port the kernel handed out (bind to 0) could be handed to any other process's connection or
+    listener again before ours binds it, seconds later (EADDRINUSE, seen with gloo's many sockets beside)."""
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port between {low} and {high}")
 
 
 def process_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
@@ -81,7 +91,7 @@ def process_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
             master_port=int(env.get("MASTER_PORT") or 15000 + job_id % 20000),
             launcher="slurm",
         )
-    return ProcessEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+    return ProcessEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
 
 
 def init_distributed(
