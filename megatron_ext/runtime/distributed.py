@@ -52,8 +52,9 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
     """A free local TCP port for a rendezvous that another process binds later, below Linux's ephemeral range
     (32768-60999): a port the kernel handed out (bind to 0) could be handed to any other process's connection or
     listener again before ours binds it, seconds later (EADDRINUSE, seen with gloo's many sockets beside)."""
+    pick = random.SystemRandom()  # not the global generator: processes that seeded it alike would pick alike
     for _ in range(200):
-        port = random.randint(low, high)
+        port = pick.randint(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
