@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from megatron_ext.runtime.distributed import free_port
+from tests import prefork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +37,10 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
     environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), all writing to one
     stdout and one stderr, and when one fails the others are killed. torchrun's own agent process imports torch
     before it starts anyone, 3.4 s of every run on this machine (a third of a small two-rank run). One process
-    runs as plain `python`, the way a laptop user starts it. `launcher="torchrun"` uses the real torchrun (the
-    Slurm tests compare sbatch with it; the demo and the Slurm jobs use torchrun and srun themselves).
+    runs as plain `python`, the way a laptop user starts it. Each process is a fork of a server that has
+    already imported torch and Megatron-Core (tests/prefork.py: 3-4 s of CPU less per rank; MEGATRON_EXT_PREFORK=0
+    starts plain subprocesses). `launcher="torchrun"` uses the real torchrun (the Slurm tests compare sbatch with
+    it; the demo and the Slurm jobs use torchrun and srun themselves).
     Fails the test with the combined output when any process exits non-zero.
     """
     program = ["-m", str(script)] if module else [str(script)]
@@ -55,15 +60,23 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
 
 def _run_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> tuple[list[int], str, str]:
     """`cmd` as ranks 0..nproc-1 of one job (nproc 1: no rendezvous variables); (exit codes, stdout, stderr)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        out.touch()
+        err.touch()
         rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                       "LOCAL_WORLD_SIZE": str(nproc)}
-        procs = [subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT,
-                                  env=env if nproc == 1 else {**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)})
-                 for r in range(nproc)]
+        envs = [env if nproc == 1 else {**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)}
+                for r in range(nproc)]
+        if prefork.enabled() and cmd[:2] == [sys.executable, "-u"]:
+            server = _prefork_server(env)
+            procs = [_ForkedRank(server, server.start(cmd[2:], e, str(out), str(err))) for e in envs]
+        else:
+            with open(out, "a") as stdout, open(err, "a") as stderr:
+                procs = [subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=ROOT, env=e) for e in envs]
         deadline = time.time() + timeout
         while any(p.poll() is None for p in procs):
-            failed = any(p.returncode for p in procs)
+            failed = any(p.poll() for p in procs)
             if failed or time.time() > deadline:  # the others would wait in a collective for its timeout
                 for p in procs:
                     if p.poll() is None:
@@ -71,9 +84,41 @@ def _run_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> tuple[l
                 if not failed:
                     raise subprocess.TimeoutExpired(cmd, timeout)
             time.sleep(0.05)
-        out.seek(0)
-        err.seek(0)
-        return [p.wait() for p in procs], out.read(), err.read()
+        return [p.wait() for p in procs], out.read_text(), err.read_text()
+
+
+_PREFORK: list[prefork.Prefork] = []  # the server of the last environment
+
+
+def _prefork_server(env: dict) -> prefork.Prefork:
+    """The prefork server started with `env` (a new one when the environment changed)."""
+    if _PREFORK and _PREFORK[0].env != env:
+        _PREFORK.pop().close()
+    if not _PREFORK:
+        _PREFORK.append(prefork.Prefork(env, ROOT))
+        atexit.register(lambda: _PREFORK and _PREFORK.pop().close())
+    return _PREFORK[0]
+
+
+class _ForkedRank:
+    """A rank forked by the prefork server, with the part of Popen's interface _run_ranks uses."""
+
+    def __init__(self, server: prefork.Prefork, pid: int):
+        self.server, self.pid = server, pid
+
+    def poll(self) -> int | None:
+        return self.server.returncode(self.pid)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+
+    def wait(self) -> int:
+        while (code := self.poll()) is None:
+            time.sleep(0.02)
+        return code
 
 
 def read_json(path: Path) -> dict:
