@@ -37,7 +37,7 @@ from pathlib import Path
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
-from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_refusal
+from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The trainer's SIGUSR1 handler saves and exits with EXIT_REQUEUE; submitit reads this variable
@@ -188,7 +188,8 @@ class TrainStage:
                                          write=os.environ.get("SLURM_PROCID", "0") == "0")
             except RecipeError as e:
                 raise SystemExit(f"error: {e}") from None
-        code = main(["--recipe", self.recipe, *self.overrides])
+        with requeue_ends_the_task():  # a USR1 before the trainer's own handler is installed: submitit's
+            code = main(["--recipe", self.recipe, *self.overrides])
         if code == EXIT_REQUEUE:
             refusal = requeue_refusal()
             if refusal:  # without the bound a stage that never gets further requeues forever

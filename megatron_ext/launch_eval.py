@@ -40,8 +40,10 @@ class EvalStage:
 
     def __call__(self) -> dict:
         from megatron_ext.evaluate.cli import main
+        from megatron_ext.slurm_jobs import requeue_ends_the_task
 
-        main(self.argv)  # a mistake ends in SystemExit("error: ..."), which submitit reports
+        with requeue_ends_the_task():
+            main(self.argv)  # a mistake ends in SystemExit("error: ..."), which submitit reports
         out = Path(self.argv[self.argv.index("--out") + 1])
         path = out / self.results
         result = json.loads(path.read_text()) if path.is_file() else {}

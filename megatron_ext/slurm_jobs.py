@@ -1,12 +1,16 @@
 """What a Slurm job checks about other jobs and about itself before it trains or requeues: whether another job
 is writing the same `checkpoint.dir`, and whether it may requeue itself once more (`MAX_REQUEUES`). Used by
-`python -m megatron_ext.launch --check` (the sbatch scripts' preflight) and by the submitit stages."""
+`python -m megatron_ext.launch --check` (the sbatch scripts' preflight) and by the submitit stages, which also end
+as a requeue once submitit has requeued them (`requeue_ends_the_task`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from megatron_ext.recipe import RecipeError
@@ -96,3 +100,43 @@ def check_warning_fits(time_text: str, minutes: int, delay_s: int) -> None:
         raise RecipeError(f"--time {time_text}: not longer than the USR1 warning --signal-delay-s {delay_s} s before "
                           "it, so each job would be told to stop as it starts and requeue in a loop; give a longer "
                           "--time or a smaller --signal-delay-s")
+
+
+@contextlib.contextmanager
+def requeue_ends_the_task(signum: int = signal.SIGUSR1) -> Iterator[None]:
+    """Within the block, once the handler of `signum` (submitit's) has requeued the job, the task leaves as that
+    requeue, `SystemExit(-1)`, whatever the signal interrupted turned it into.
+
+    submitit's handler checkpoints the callable on rank 0, runs `scontrol requeue` and raises SystemExit(-1) from the
+    signal handler, in whatever the main thread was doing. When that is the initialisation of a C extension (a module
+    imported on first use: matplotlib's Agg renderer when a NIAH heatmap is first drawn) CPython turns it into
+    `ImportError: initialization failed`; submitit, which catches exceptions, writes that as the job's result, and
+    `launch --wait` reported the requeued job failed and cancelled the stages after it (seen in tests/slurm). A
+    handler that returns (other ranks) or raises anything else (submitit's "not requeued") changes nothing. Off the
+    main thread, or with no Python handler installed, the block does nothing.
+    """
+    handler = signal.getsignal(signum)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    requeued = []
+
+    def noted(number: int, frame) -> None:
+        try:
+            handler(number, frame)
+        except SystemExit:
+            requeued.append(number)
+            raise
+
+    signal.signal(signum, noted)
+    try:
+        yield
+    except BaseException:
+        if requeued:
+            raise SystemExit(-1) from None
+        raise
+    finally:
+        if signal.getsignal(signum) is noted:
+            signal.signal(signum, handler)
+    if requeued:  # the program swallowed the exit: Slurm has requeued the job all the same
+        raise SystemExit(-1)

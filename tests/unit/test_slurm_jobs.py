@@ -1,13 +1,18 @@
 """megatron_ext.slurm_jobs and its use by the launcher: one live job per checkpoint.dir, the MAX_REQUEUES bound of
-the submitit stages, a time limit that leaves room for the USR1 warning. No Slurm needed: squeue is a stub."""
+the submitit stages, a time limit that leaves room for the USR1 warning, a requeue by submitit's handler that ends
+the task as a requeue. No Slurm needed: squeue is a stub."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 
 from megatron_ext import launch
 from megatron_ext.recipe import RecipeError
-from megatron_ext.slurm_jobs import OWNER_FILE, check_warning_fits, claim_checkpoint_dir, requeue_refusal
+from megatron_ext.slurm_jobs import (OWNER_FILE, check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task,
+                                     requeue_refusal)
 
 
 def test_claim_refuses_a_folder_another_live_job_writes(tmp_path):
@@ -107,3 +112,70 @@ def test_check_claims_only_when_asked(monkeypatch, tmp_path, capsys):
     assert launch.main(args) == 0 and not (tmp_path / "r").exists()
     assert launch.main([*args, "--claim"]) == 0
     assert (tmp_path / "r" / OWNER_FILE).read_text() == "9\n"
+
+
+class _Submitit:
+    """Stands in for submitit's USR1 handler (`checkpoint_and_try_requeue`): on rank 0 it requeues the job and raises
+    SystemExit(-1); on other ranks it returns; when it may not requeue it raises (UncompletedJobError)."""
+
+    def __init__(self, rank: int = 0, refuse: bool = False):
+        self.rank, self.refuse, self.calls = rank, refuse, 0
+
+    def __call__(self, signum, frame):
+        self.calls += 1
+        if self.refuse:
+            raise RuntimeError("Job not requeued because: timed-out too many times.")
+        if self.rank == 0:
+            raise SystemExit(-1)
+
+
+@pytest.fixture
+def submitit_handler():
+    previous = signal.getsignal(signal.SIGUSR1)
+    yield lambda handler: signal.signal(signal.SIGUSR1, handler)
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def _signalled_inside_an_extension_init():
+    """USR1 arrives while a C extension initialises; what the extension's init makes of the handler's SystemExit
+    (matplotlib's Agg renderer in a submitit NIAH job: `ImportError: initialization failed`)."""
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs here, in this thread
+    except SystemExit as e:
+        raise ImportError("initialization failed") from e
+    raise AssertionError("the handler did not raise")
+
+
+def test_requeue_ends_the_task_whatever_the_signal_interrupted(submitit_handler):
+    handler = _Submitit()
+    submitit_handler(handler)
+    with pytest.raises(SystemExit) as exit_info:
+        with requeue_ends_the_task():
+            _signalled_inside_an_extension_init()
+    assert exit_info.value.code == -1 and handler.calls == 1
+    assert signal.getsignal(signal.SIGUSR1) is handler  # put back
+    # negative control: without the block the requeued task ends in the ImportError, which submitit records as the
+    # job's failed result
+    with pytest.raises(ImportError, match="initialization failed"):
+        _signalled_inside_an_extension_init()
+    # a program that swallowed the exit and returned: the job is requeued all the same
+    with pytest.raises(SystemExit) as exit_info:
+        with requeue_ends_the_task():
+            try:
+                _signalled_inside_an_extension_init()
+            except ImportError:
+                pass
+    assert exit_info.value.code == -1
+
+
+@pytest.mark.parametrize("handler", [_Submitit(rank=1), _Submitit(refuse=True)], ids=["other rank", "not requeued"])
+def test_without_a_requeue_exceptions_pass_unchanged(submitit_handler, handler):
+    submitit_handler(handler)
+    expected = RuntimeError if handler.refuse else ValueError
+    with pytest.raises(expected):
+        with requeue_ends_the_task():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            raise ValueError("the program's own error")
+    with requeue_ends_the_task():  # no signal, no error: nothing happens
+        pass
+    assert handler.calls == 1
