@@ -1,0 +1,28 @@
+"""Run by tests/unit/test_prefork.py, as a script and as a module, forked by tests/prefork.py and as a plain
+`python -u`: prints what the program sees, then ends the way its first argument says."""
+
+import atexit
+import json
+import os
+import signal
+import sys
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    seen = {"argv": sys.argv, "path0": sys.path[0], "main_file": sys.modules["__main__"].__file__,
+            "cwd": os.getcwd(), "ranks": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")],
+            "unbuffered": sys.stdout.write_through}
+    print(json.dumps(seen))
+    print(f"stderr of rank {os.environ.get('RANK')}", file=sys.stderr)
+    atexit.register(print, f"atexit of rank {os.environ.get('RANK')}")
+    if mode == "exit":
+        sys.exit(int(sys.argv[2]))
+    if mode == "raise":
+        raise ValueError("the probe's error")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

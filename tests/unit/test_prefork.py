@@ -1,0 +1,46 @@
+"""tests/prefork.py, the tests' launcher of ranks: a forked rank sees and does what `python -u` would (the oracle: the
+same command as a plain subprocess), and its exit code reaches the test, so a failing rank fails it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, _run_ranks
+
+PROBE = ROOT / "tests/unit/prefork_probe.py"
+
+
+def _both(monkeypatch, cmd: list[str], nproc: int) -> tuple[tuple, tuple]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    forked = _run_ranks(cmd, nproc, env, timeout=120)
+    monkeypatch.setenv("MEGATRON_EXT_PREFORK", "0")
+    plain = _run_ranks(cmd, nproc, dict(env, MEGATRON_EXT_PREFORK="0"), timeout=120)
+    return forked, plain
+
+
+@pytest.mark.parametrize("program", [[str(PROBE)], ["-m", "tests.unit.prefork_probe"]], ids=["script", "module"])
+def test_forked_ranks_see_what_python_would_show_them(monkeypatch, program):
+    cmd = [sys.executable, "-u", *program, "ok"]
+    (codes, out, err), (plain_codes, plain_out, plain_err) = _both(monkeypatch, cmd, 2)
+    assert codes == plain_codes == [0, 0]
+    seen, plain_seen = ([json.loads(line) for line in sorted(text.splitlines()) if line.startswith("{")]
+                        for text in (out, plain_out))
+    assert seen == plain_seen and [s["ranks"] for s in seen] == [["0", "0", "2"], ["1", "1", "2"]]
+    assert seen[0]["argv"][0] == str(PROBE) and seen[0]["unbuffered"] and seen[0]["main_file"] == str(PROBE)
+    assert sorted(out.splitlines()) == sorted(plain_out.splitlines())  # the atexit handlers ran
+    assert sorted(err.splitlines()) == sorted(plain_err.splitlines()) == ["stderr of rank 0", "stderr of rank 1"]
+
+
+@pytest.mark.parametrize("mode, code", [("exit", 3), ("raise", 1), ("kill", -9)])
+def test_a_rank_that_fails_reports_its_exit_code(monkeypatch, mode, code):
+    cmd = [sys.executable, "-u", str(PROBE), mode, "3"]
+    (codes, out, err), (plain_codes, _, plain_err) = _both(monkeypatch, cmd, 1)
+    assert codes == plain_codes == [code]
+    if mode == "raise":  # the traceback, as the interpreter prints it
+        assert err.splitlines()[-1] == plain_err.splitlines()[-1] == "ValueError: the probe's error"
+        assert "Traceback (most recent call last)" in err
+    assert ("atexit of rank None" in out) == (mode != "kill")
