@@ -34,7 +34,6 @@ import time
 import traceback
 from pathlib import Path
 
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # What the trainer, the converters and the workers import; all of it is import-time code that reads no rank.
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
@@ -42,6 +41,7 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.
 
 
 def enabled() -> bool:
+    """False when MEGATRON_EXT_PREFORK=0 asks for plain subprocesses."""
     return os.environ.get("MEGATRON_EXT_PREFORK", "1") != "0"
 
 
