@@ -8,11 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_ext.checkpoint import (
-    CheckpointError, available_iterations, latest_iteration, read_metadata, resolve_iteration_dir,
-    unfinished_saves,
-)
-from megatron_ext.checkpoint_index import check_complete, saved_bucket_size, saved_fully_reshardable
+from megatron_ext.checkpoint_index import CheckpointError, check_complete, saved_bucket_size, saved_fully_reshardable
+from megatron_ext.checkpoint_layout import (available_iterations, latest_iteration, read_metadata,
+                                            resolve_iteration_dir, unfinished_saves)
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.resume import Resume, plan_resume
 

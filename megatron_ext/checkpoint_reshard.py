@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from megatron_ext.checkpoint import read_metadata, resolve_iteration_dir
+from megatron_ext.checkpoint_layout import read_metadata, resolve_iteration_dir
 from megatron_ext.checkpoint_index import CheckpointError, saved_bucket_size, saved_fully_reshardable
 
 # written by every save itself (megatron_ext.checkpoint): not carried over from the source

@@ -14,7 +14,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from megatron_ext.checkpoint import iter_dir_name, save_checkpoint
+from megatron_ext.checkpoint import save_checkpoint
+from megatron_ext.checkpoint_layout import iter_dir_name
 
 
 class CheckpointSaver:

@@ -1,5 +1,5 @@
 """Where a run that finds a checkpoint in its `checkpoint.dir` goes on: one decision from the checkpoint's run
-metadata (`megatron_ext.checkpoint.read_metadata`) and the recipe, used by the trainer and by
+metadata (`megatron_ext.checkpoint_layout.read_metadata`) and the recipe, used by the trainer and by
 `tools/checkpoint.py info --recipe`, so what the tool says is what training does.
 """
 

@@ -164,7 +164,7 @@ def validation_loss(forward_backward, model, batches, recipe: Recipe, num_microb
 def report_divergence(step: int, what: str, root: Path, samples: range) -> int:
     """Say on stderr (rank 0) that step `step` diverged (`what`: the numbers that show it, the same on every
     rank) and where to go on from; returns `EXIT_DIVERGED`."""
-    from megatron_ext.checkpoint import latest_iteration
+    from megatron_ext.checkpoint_layout import latest_iteration
 
     last = latest_iteration(root)
     go_on = (f"the newest checkpoint, {root}/iter_{last:07d}, is from before: resume from it" if last is not None
@@ -185,9 +185,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.checkpoint import (
-        CheckpointError, latest_iteration, load_checkpoint, read_metadata,
-    )
+    from megatron_ext.checkpoint import CheckpointError, load_checkpoint
+    from megatron_ext.checkpoint_layout import latest_iteration, read_metadata
     from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops_per_token

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (torchrun ranks, Slurm jobs, the demo), 15% of a two-rank training run's CPU time. No CPU path of ours calls
 # those kernels (a 3-step CP 2 run gives bit-identical losses and grad norms either way), so without CUDA the
 # suite turns TorchDynamo off; its subprocesses inherit the setting. Where CUDA is, tests/gpu keep it on.
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+if not CUDA:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
@@ -37,10 +38,10 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
     environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), all writing to one
     stdout and one stderr, and when one fails the others are killed. torchrun's own agent process imports torch
     before it starts anyone, 3.4 s of every run on this machine (a third of a small two-rank run). One process
-    runs as plain `python`, the way a laptop user starts it. Each process is a fork of a server that has
-    already imported torch and Megatron-Core (tests/prefork.py: 3-4 s of CPU less per rank; MEGATRON_EXT_PREFORK=0
-    starts plain subprocesses). `launcher="torchrun"` uses the real torchrun (the Slurm tests compare sbatch with
-    it; the demo and the Slurm jobs use torchrun and srun themselves).
+    runs as plain `python`, the way a laptop user starts it. Without CUDA each process is a fork of a server
+    that has already imported torch and Megatron-Core (tests/prefork.py: 3-4 s of CPU less per rank;
+    MEGATRON_EXT_PREFORK=0 starts plain subprocesses). `launcher="torchrun"` uses the real torchrun (the Slurm
+    tests compare sbatch with it; the demo and the Slurm jobs use torchrun and srun themselves).
     Fails the test with the combined output when any process exits non-zero.
     """
     program = ["-m", str(script)] if module else [str(script)]
@@ -68,7 +69,9 @@ def _run_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> tuple[l
                       "LOCAL_WORLD_SIZE": str(nproc)}
         envs = [env if nproc == 1 else {**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)}
                 for r in range(nproc)]
-        if prefork.enabled() and cmd[:2] == [sys.executable, "-u"]:
+        # Where CUDA is, plain processes: the server's imports may initialise the CUDA driver (is_available), and
+        # a process forked after that cannot use CUDA.
+        if prefork.enabled() and not CUDA and cmd[:2] == [sys.executable, "-u"]:
             server = _prefork_server(env)
             procs = [_ForkedRank(server, server.start(cmd[2:], e, str(out), str(err))) for e in envs]
         else:
@@ -91,7 +94,9 @@ _PREFORK: list[prefork.Prefork] = []  # the server of the last environment
 
 
 def _prefork_server(env: dict) -> prefork.Prefork:
-    """The prefork server started with `env` (a new one when the environment changed)."""
+    """The prefork server started with `env` (a new one when the environment changed; pytest's name of the test
+    in PYTEST_CURRENT_TEST does not count)."""
+    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
     if _PREFORK and _PREFORK[0].env != env:
         _PREFORK.pop().close()
     if not _PREFORK:

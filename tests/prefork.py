@@ -7,7 +7,9 @@ a fork of it that runs the same program as `python -u script.py args` or `python
 (the same `sys.argv`, `sys.path[0]`, environment, working directory and `__main__`), with its output going
 to the files given. A rank ends as Python's own exit does (threads joined, `atexit` handlers run, its exit
 code or 1 with the traceback) but without the interpreter's teardown, as multiprocessing's forked children
-end. Only the tests use it; MEGATRON_EXT_PREFORK=0 turns it off (plain subprocesses).
+end. Only the tests use it; MEGATRON_EXT_PREFORK=0 turns it off (plain subprocesses). What only a fresh
+interpreter shows (a module used but never imported, which the server happened to import) stays covered by the
+tests that start real processes: the Slurm jobs, the demo's torchrun runs, the one-process CLI runs.
 
 The server is single-threaded (no thread holds a lock across the fork) and imports nothing that reads the
 rank's variables; it is started with the rank's environment less the rendezvous variables, and the client

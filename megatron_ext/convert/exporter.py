@@ -79,7 +79,8 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     """Export a Megatron checkpoint root to an HF Llama folder `out`. Returns a report dict."""
     from tqdm import tqdm
 
-    from megatron_ext.checkpoint import CheckpointError, read_metadata, resolve_iteration_dir
+    from megatron_ext.checkpoint_index import CheckpointError
+    from megatron_ext.checkpoint_layout import read_metadata, resolve_iteration_dir
 
     start = time.time()
     out = Path(out)

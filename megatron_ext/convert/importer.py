@@ -149,7 +149,7 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
         del state
         report = {"direction": "to-megatron", "out": str(out), "dtype": dtype_name(target)}
         if verify:
-            from megatron_ext.checkpoint import iter_dir_name
+            from megatron_ext.checkpoint_layout import iter_dir_name
             from megatron_ext.convert.verify import compare_logits, stored_hf_dtypes
 
             # the oracle is the source rounded to what was stored (bf16 of an fp32 model is not a mapping error)

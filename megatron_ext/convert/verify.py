@@ -53,7 +53,8 @@ def megatron_logits(root: str | Path, tokens: torch.Tensor, iteration: int | Non
     With `round_to`, every weight is first rounded to that dtype (what an export in that dtype stores).
     Needs a TP=1, PP=1 parallel state.
     """
-    from megatron_ext.checkpoint import load_checkpoint, read_metadata, resolve_iteration_dir
+    from megatron_ext.checkpoint import load_checkpoint
+    from megatron_ext.checkpoint_layout import read_metadata, resolve_iteration_dir
     from megatron_ext.model import BuildOptions, build_model, normalize_hf_config
 
     _, path = resolve_iteration_dir(root, iteration)

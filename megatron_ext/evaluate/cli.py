@@ -55,7 +55,8 @@ def _model(args):
 def _megatron_tokenizer(args):
     """--tokenizer's or the tokenizer --megatron's checkpoint records (which tools/convert.py to-hf would copy);
     None when the checkpoint's metadata cannot be read: the converter then says what is wrong with it."""
-    from megatron_ext.checkpoint import CheckpointError, read_metadata
+    from megatron_ext.checkpoint_index import CheckpointError
+    from megatron_ext.checkpoint_layout import read_metadata
     from megatron_ext.evaluate.loading import megatron_tokenizer
 
     try:

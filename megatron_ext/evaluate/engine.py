@@ -30,7 +30,8 @@ def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, co
 
     The process group and Megatron's parallel state must already be set up with this layout.
     """
-    from megatron_ext.checkpoint import CheckpointError, load_checkpoint, read_metadata
+    from megatron_ext.checkpoint import CheckpointError, load_checkpoint
+    from megatron_ext.checkpoint_layout import read_metadata
     from megatron_ext.model import BuildOptions, build_model
 
     try:

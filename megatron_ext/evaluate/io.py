@@ -57,7 +57,8 @@ def model_version(path: str | Path) -> str | None:
     it was written, or an HF directory's weight files with their sizes and modification times. None if unknown."""
     path = Path(path)
     try:
-        from megatron_ext.checkpoint import CheckpointError, read_metadata
+        from megatron_ext.checkpoint_index import CheckpointError
+        from megatron_ext.checkpoint_layout import read_metadata
 
         try:
             meta = read_metadata(path)

@@ -121,7 +121,7 @@ def test_resharded_checkpoint_resumes_at_another_tp(torchrun, token_data, runs, 
     saves it fully_reshardable into a new folder: a run at TP 2 resumes its optimizer state and gives the
     uninterrupted run's losses (from the source itself it starts a fresh state:
     test_tp_change_with_distributed_optimizer_starts_a_fresh_state)."""
-    from megatron_ext.checkpoint import read_metadata
+    from megatron_ext.checkpoint_layout import read_metadata
 
     base, straight = runs
     out = tmp_path / "any"

@@ -13,9 +13,10 @@ def main() -> None:
     seen = {"argv": sys.argv, "path0": sys.path[0], "main_file": sys.modules["__main__"].__file__,
             "cwd": os.getcwd(), "ranks": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")],
             "unbuffered": sys.stdout.write_through}
-    print(json.dumps(seen))
-    print(f"stderr of rank {os.environ.get('RANK')}", file=sys.stderr)
-    atexit.register(print, f"atexit of rank {os.environ.get('RANK')}")
+    # one write per line (print writes the newline apart): the ranks share one output file
+    sys.stdout.write(json.dumps(seen) + "\n")
+    sys.stderr.write(f"stderr of rank {os.environ.get('RANK')}\n")
+    atexit.register(sys.stdout.write, f"atexit of rank {os.environ.get('RANK')}\n")
     if mode == "exit":
         sys.exit(int(sys.argv[2]))
     if mode == "raise":

@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.checkpoint import (
-    METADATA_FILE,
-    CheckpointError,
-    latest_iteration,
-    load_checkpoint,
-    read_metadata,
-    save_checkpoint,
-)
+from megatron_ext.checkpoint import METADATA_FILE, CheckpointError, load_checkpoint, save_checkpoint
+from megatron_ext.checkpoint_layout import latest_iteration, read_metadata
 from megatron_ext.model import BuildOptions, build_model
 from megatron_ext.presets import TINY
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_ext.checkpoint import read_metadata
+from megatron_ext.checkpoint_layout import read_metadata
 from megatron_ext.convert import ConvertError, hf_io, mapping, to_hf, to_megatron
 from megatron_ext.convert.verify import hf_logits, megatron_logits, random_tokens
 from tests.unit.test_convert_fixtures import VARIANTS, make_hf_model, rope_fields, rope_supported

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, _run_ranks
+from tests.conftest import CUDA, ROOT, _run_ranks
 
 PROBE = ROOT / "tests/unit/prefork_probe.py"
+pytestmark = pytest.mark.skipif(CUDA, reason="where CUDA is, the tests start plain processes (tests/conftest.py)")
 
 
 def _both(monkeypatch, cmd: list[str], nproc: int) -> tuple[tuple, tuple]:

@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--save")
     args = ap.parse_args()
 
-    from megatron_ext.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+    from megatron_ext.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_ext.checkpoint_layout import read_metadata
     from megatron_ext.model import BuildOptions, build_model
     from megatron_ext.runtime import destroy_distributed, init_distributed
 

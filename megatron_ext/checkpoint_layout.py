@@ -1,0 +1,99 @@
+"""A checkpoint root's folder layout, read without torch (launchers and login-node tools use it):
+
+    ROOT/latest_checkpointed_iteration.txt   the latest finished iteration (Megatron-LM's pointer file)
+    ROOT/iter_0000010/                       one finished save (megatron_ext.checkpoint writes it)
+    ROOT/.iter_0000010.partial/              a save still being written, or interrupted
+
+The iteration folders, the latest pointer and our metadata file (`megatron_ext.json`) in an iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iter_dir_name(iteration: int) -> str:
+    """`iter_0000010` for iteration 10: Megatron-LM's name of an iteration folder."""
+    return f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """Iteration named by `root/latest_checkpointed_iteration.txt`, or None if there is none."""
+    path = Path(root) / LATEST_FILE
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}; "
+                              "fix or delete the file") from None
+
+
+def available_iterations(root: Path) -> list[int]:
+    """Iterations with an `iter_*` folder in `root`, ascending (whatever the latest pointer says)."""
+    its = []
+    for p in root.glob("iter_*"):
+        try:
+            its.append(int(p.name[5:]))
+        except ValueError:
+            pass
+    return sorted(its)
+
+
+def unfinished_saves(root: Path) -> list[int]:
+    """Iterations whose save is still being written (in the background) or was interrupted, ascending:
+    their temporary folders, which nothing loads and the next save of that iteration replaces."""
+    its = []
+    for p in Path(root).glob(".iter_*.partial"):
+        try:
+            its.append(int(p.name[6:-8]))
+        except ValueError:
+            pass
+    return sorted(its)
+
+
+def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tuple[int, Path]:
+    """(iteration, directory) of a checkpoint root (`iteration=None`: its latest), or of one of its `iter_*`
+    folders given itself (an earlier iteration, e.g. to start SFT or an evaluation from)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist; check the path")
+    named = re.fullmatch(r"iter_(\d+)", root.name)
+    if named and not (root / LATEST_FILE).exists():
+        if iteration is not None and iteration != int(named[1]):
+            raise CheckpointError(f"{root} is iteration {int(named[1])}, not the iteration {iteration} asked for; "
+                                  "give the checkpoint root with an iteration, or an iteration folder alone")
+        return int(named[1]), root
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            raise CheckpointError(f"{root} has no {LATEST_FILE}: it is not a Megatron checkpoint root "
+                                  f"(found iterations: {available_iterations(root) or 'none'}); "
+                                  "pass the directory that holds iter_* folders, or name an iteration")
+    path = root / iter_dir_name(iteration)
+    if not path.is_dir():
+        raise CheckpointError(f"{root} has no iteration {iteration} ({path.name}); "
+                              f"available: {available_iterations(root) or 'none'}")
+    return iteration, path
+
+
+def read_metadata(path: str | Path) -> dict:
+    """Our JSON metadata of a checkpoint: `path` is an `iter_*` directory or a root (then its latest)."""
+    path = Path(path)
+    if not (path / METADATA_FILE).is_file() and (path / LATEST_FILE).is_file():
+        _, path = resolve_iteration_dir(path)
+    file = path / METADATA_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist: {path} was not written by megatron_ext.checkpoint "
+                              "(or is not a checkpoint directory)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint metadata is corrupt") from None
