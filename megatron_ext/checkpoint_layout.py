@@ -1,4 +1,4 @@
-"""A checkpoint root's folder layout, read without torch (launchers and login-node tools use it):
+"""A checkpoint root's folder layout, from plain file reads (no torch here):
 
     ROOT/latest_checkpointed_iteration.txt   the latest finished iteration (Megatron-LM's pointer file)
     ROOT/iter_0000010/                       one finished save (megatron_ext.checkpoint writes it)
