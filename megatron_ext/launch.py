@@ -261,10 +261,9 @@ def resume_report(recipe: Recipe, world_size: int) -> list[str]:
     Raises RecipeError where the trainer would stop on it (incomplete checkpoint, another model), so a
     job learns it before its workers start.
     """
-    from megatron_ext.checkpoint_index import CheckpointError
-    from megatron_ext.checkpoint_layout import latest_iteration, read_metadata, resolve_iteration_dir
     from megatron_ext.checkpoint_cli import verdict
-    from megatron_ext.checkpoint_index import check_complete
+    from megatron_ext.checkpoint_index import CheckpointError, check_complete
+    from megatron_ext.checkpoint_layout import latest_iteration, read_metadata, resolve_iteration_dir
     from megatron_ext.resume import plan_resume
 
     root = Path(recipe.checkpoint.dir)

@@ -91,6 +91,7 @@ def _run_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> tuple[l
 
 
 _PREFORK: list[prefork.Prefork] = []  # the server of the last environment
+atexit.register(lambda: _PREFORK and _PREFORK.pop().close())
 
 
 def _prefork_server(env: dict) -> prefork.Prefork:
@@ -101,7 +102,6 @@ def _prefork_server(env: dict) -> prefork.Prefork:
         _PREFORK.pop().close()
     if not _PREFORK:
         _PREFORK.append(prefork.Prefork(env, ROOT))
-        atexit.register(lambda: _PREFORK and _PREFORK.pop().close())
     return _PREFORK[0]
 
 
