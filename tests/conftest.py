@@ -95,10 +95,10 @@ atexit.register(lambda: _PREFORK and _PREFORK.pop().close())
 
 
 def _prefork_server(env: dict) -> prefork.Prefork:
-    """The prefork server started with `env` (a new one when the environment changed; pytest's name of the test
-    in PYTEST_CURRENT_TEST does not count)."""
+    """The prefork server started with `env` (a new one when the environment changed, pytest's name of the test
+    in PYTEST_CURRENT_TEST aside, or when the last one has died)."""
     env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-    if _PREFORK and _PREFORK[0].env != env:
+    if _PREFORK and (_PREFORK[0].env != env or _PREFORK[0].proc.poll() is not None):
         _PREFORK.pop().close()
     if not _PREFORK:
         _PREFORK.append(prefork.Prefork(env, ROOT))

@@ -209,7 +209,11 @@ class Prefork:
         return self.codes.get(pid)
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        """Close the server's input: it kills any child still running and exits."""
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it had died
+            pass
         self.proc.wait(timeout=30)
 
 
