@@ -26,6 +26,7 @@ recipe and overrides for the job's task count, data and checkpoint paths, and GP
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -61,6 +62,12 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     """
     if not Path(recipe_path).is_file():
         raise RecipeError(f"recipe {recipe_path!r}: file not found; give a recipe YAML, e.g. recipes/cpt_1m.yaml")
+    # Looked for, not imported (~8 s): the check itself needs neither, the trainer both.
+    missing = [m for m in ("torch", "megatron.core") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RecipeError(f"python {sys.executable} cannot import {' and '.join(missing)}, which the trainer needs; "
+                          "use the python of the environment megatron_ext is installed in (sbatch: export "
+                          "PYTHON=/path/to/venv/bin/python)")
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
         from megatron_ext.train_setup import check_setup

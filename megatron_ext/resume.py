@@ -56,14 +56,13 @@ def train_split_epochs(recipe: Recipe, samples: int) -> int | None:
     """Epochs of the train split GPTDataset goes through to serve `samples` CPT samples: the fewest whose tokens
     reach samples x seq_length + 1 (its count), or None for a blend or data that cannot be read here."""
     from megatron_ext.data.common import split_range
-    from megatron_ext.data.loaders import open_index
+    from megatron_ext.data.dataset_files import check_complete
 
     d = recipe.data
     if d.weights is not None or len(d.prefixes) != 1:
         return None
     try:
-        index = open_index(d.prefixes[0])  # held: sequence_lengths is a view of its memory map
-        lengths = np.array(index.sequence_lengths, dtype=np.int64)
+        lengths = np.array(check_complete(d.prefixes[0]).sequence_lengths, dtype=np.int64)
     except Exception:  # gone or unreadable: the trainer reports it when it opens the data
         return None
     docs = split_range(lengths.size, d.split, 0)

@@ -12,13 +12,14 @@ from megatron_ext.recipe import Recipe, RecipeError
 def check_setup(recipe: Recipe) -> None:
     """Static checks on paths and data before any process group exists or the model is built: the output folder
     can be made, the datasets are complete and fit the model's vocabulary, init_from is a checkpoint root or
-    one of its iterations. Cheap: a few stat calls, a probe folder, each dataset's manifest and index header."""
+    one of its iterations. Cheap: a few stat calls, a probe folder, each dataset's manifest and index, read with
+    numpy alone (torch and Megatron-Core would cost `launch --check` ~8 s of CPU)."""
     import importlib.util
     import re
 
     from megatron_ext.checkpoint_index import METADATA_FILE
     from megatron_ext.data import DataError
-    from megatron_ext.data.loaders import check_token_ids, open_index, read_manifest
+    from megatron_ext.data.dataset_files import check_complete, check_sft_masks, check_token_ids, read_manifest
 
     if recipe.checkpoint.dir is None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
@@ -38,7 +39,8 @@ def check_setup(recipe: Recipe) -> None:
                                   "run tools/prepare_data.py first")
         try:
             check_token_ids(prefix, read_manifest(prefix, recipe.train.stage), recipe.model.vocab_size)
-            open_index(prefix)  # a truncated .bin/.idx fails here, not mid-training
+            # a truncated .bin/.idx (or SFT loss mask) fails here, not mid-training
+            check_sft_masks(prefix) if recipe.train.stage == "sft" else check_complete(prefix)
         except DataError as e:
             raise RecipeError(str(e)) from None
     init = recipe.checkpoint.init_from

@@ -91,7 +91,7 @@ log_job() {
 check_python() {
   command -v "$PYTHON" >/dev/null ||
     die "PYTHON=$PYTHON: no such program; export PYTHON=/path/to/venv/bin/python before sbatch"
-  # found, not imported (5 s): the recipe check right after imports them, and a broken install fails it visibly
+  # found, not imported (~8 s of CPU); launch --check looks for them the same way
   "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "yaml")))' 2>/dev/null ||
     die "PYTHON=$PYTHON cannot import torch, megatron.core and yaml; export PYTHON=/path/to/venv/bin/python" \
       "(the environment megatron_ext is installed in) before sbatch"

@@ -43,7 +43,7 @@ from megatron_ext.data.common import DataError
 # Lazy (PEP 562): the CLI's argument and path checks should not pay for importing torch and
 # Megatron-Core, which the readers need.
 _LAZY = {"prepare_cpt": "cpt", "prepare_sft": "sft", "pack_samples": "sft", "SFTPackedDataset": "loaders",
-         "build_cpt_datasets": "loaders", "collate_packed": "loaders", "read_manifest": "loaders"}
+         "build_cpt_datasets": "loaders", "collate_packed": "loaders", "read_manifest": "dataset_files"}
 
 
 def __getattr__(name: str):

@@ -23,7 +23,6 @@ with -1 (Megatron-LM's convention for packed batches) and adds max_seqlen int32 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,68 +32,17 @@ import numpy as np
 import torch
 
 from megatron_ext.data.common import DataError, split_fractions, split_range
+from megatron_ext.data.dataset_files import check_complete, check_sft_masks, read_manifest
 from megatron_ext.data.sft import pack_samples
 
 
-def read_manifest(prefix: str, kind: str | None = None) -> dict:
-    """The PREFIX.json manifest; DataError when the dataset is missing, incomplete or of another kind."""
-    for suffix in (".bin", ".idx", ".json"):
-        if not Path(prefix + suffix).is_file():
-            raise DataError(f"data prefix {prefix}: {prefix + suffix} not found; run tools/prepare_data.py first")
-    try:
-        manifest = json.loads(Path(prefix + ".json").read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"data prefix {prefix}: {prefix}.json is truncated or corrupt ({e}); prepare the data "
-                        "again (tools/prepare_data.py)") from None
-    if kind is not None and manifest.get("kind") != kind:
-        raise DataError(f"data prefix {prefix}: a {manifest.get('kind')!r} dataset, expected {kind!r}; "
-                        f"prepare it with `prepare_data.py {kind}`")
-    return manifest
-
-
-def check_token_ids(prefix: str, manifest: dict, vocab_size: int) -> None:
-    """DataError unless every token id of the dataset has an embedding row among the model's `vocab_size`: a
-    larger id fails only at the first forward step, as a bare IndexError from the embedding (CPU) or a device-side
-    assert (CUDA). The manifest records the largest id (`max_token_id`; older ones only the tokenizer's size)."""
-    largest = manifest.get("max_token_id", int(manifest["vocab_size"]) - 1)
-    if largest < vocab_size:
-        return
-    what = ("holds token ids up to" if "max_token_id" in manifest else "was tokenized with ids up to")
-    raise DataError(f"data prefix {prefix} {what} {largest} (tokenizer {manifest.get('tokenizer')}, "
-                    f"{manifest['vocab_size']} ids), but model.vocab_size = {vocab_size} has rows for ids 0.."
-                    f"{vocab_size - 1} only; set model.vocab_size to the model's tokenizer size (at least "
-                    f"{largest + 1}), or prepare the data with the model's tokenizer")
-
-
 def open_index(prefix: str):
-    """Megatron-Core's `IndexedDataset` over PREFIX.bin/.idx; DataError naming the file when either is truncated
-    or corrupt (a copy cut short, a full disk): Megatron-Core raises a bare ValueError, AssertionError or
-    struct.error for the index, and for a short .bin only when a missing document is read, mid-training."""
-    import struct
-
+    """Megatron-Core's `IndexedDataset` over PREFIX.bin/.idx, once `check_complete` has found both whole (else
+    DataError naming the file)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    def corrupt(path: str, what: str) -> DataError:
-        return DataError(f"data prefix {prefix}: {path} is truncated or corrupt ({what}); prepare the data again "
-                         "(tools/prepare_data.py)")
-
-    size = Path(prefix + ".bin").stat().st_size
-    if size == 0:  # numpy cannot map an empty file, and the failed reader's __del__ prints a traceback
-        raise corrupt(prefix + ".bin", "0 bytes")
-    index = IndexedDataset.__new__(IndexedDataset)
-    try:
-        index.__init__(prefix)
-    except (AssertionError, ValueError, struct.error) as e:
-        # The half-built object's __del__ deletes readers it never got and prints a traceback at exit: give it them.
-        for name in ("bin_reader", "index"):
-            if not hasattr(index, name):
-                setattr(index, name, None)
-        raise corrupt(prefix + ".idx", str(e) or type(e).__name__) from None
-    lengths, pointers = index.index.sequence_lengths, index.index.sequence_pointers
-    needed = int(pointers[-1]) + int(lengths[-1]) * np.dtype(index.index.dtype).itemsize if len(lengths) else 0
-    if size < needed:
-        raise corrupt(prefix + ".bin", f"{size} bytes, its index points up to byte {needed}")
-    return index
+    check_complete(prefix)
+    return IndexedDataset(prefix)
 
 
 class _ManifestTokenizer:
@@ -260,13 +208,10 @@ class SFTPackedDataset(torch.utils.data.Dataset):
     def __init__(self, prefix: str, seq_length: int, seed: int = 1234, split: str | None = None,
                  part: int = 0) -> None:
         self.manifest = read_manifest(prefix, "sft")
-        if not Path(prefix + "_lossmask.bin").is_file() or not Path(prefix + "_lossmask.idx").is_file():
-            raise DataError(f"data prefix {prefix}: {prefix}_lossmask.bin/.idx not found; re-run prepare_data.py sft")
+        check_sft_masks(prefix)
         self.tokens = open_index(prefix)
         self.masks = open_index(prefix + "_lossmask")
         lengths = self.tokens.sequence_lengths
-        if not np.array_equal(lengths, self.masks.sequence_lengths):
-            raise DataError(f"data prefix {prefix}: tokens and loss masks disagree in length; re-prepare it")
         self.seq_length = seq_length
         self.pad_id = int(self.manifest["pad_id"])
         docs = range(lengths.size) if split is None else split_range(lengths.size, split, part)

@@ -143,8 +143,8 @@ def test_truncated_files_name_the_file(tmp_path, token_data, sft_data):
             shutil.copy(prefix + suffix, tmp_path / (name + suffix))
     for path, keep in (("c.idx", 100), ("s_lossmask.idx", 100), ("s.bin", 10)):
         (tmp_path / path).write_bytes((tmp_path / path).read_bytes()[:keep])
-    with pytest.raises(DataError, match=r"data prefix .*/c: .*/c\.idx is truncated or corrupt \(buffer is smaller "
-                                        r"than requested size\); prepare the data again"):
+    with pytest.raises(DataError, match=r"data prefix .*/c: .*/c\.idx is truncated or corrupt \(100 bytes, but "
+                                        r"its header's \d+ sequences .*\); prepare the data again"):
         build_cpt_datasets(str(tmp_path / "c"), 64)
     from megatron_ext.data import SFTPackedDataset
 

@@ -101,8 +101,9 @@ def test_sft_vocab_counts_the_pad_id(tmp_path, sft_data, toy_tokenizer):
 
 
 @pytest.mark.parametrize("suffix, keep, message", [
-    (".idx", 100, r"cpt\.idx is truncated or corrupt \(buffer is smaller than requested size\); prepare the data again"),
-    (".idx", 0, r"cpt\.idx is truncated or corrupt \(bad header"),
+    (".idx", 100, r"cpt\.idx is truncated or corrupt \(100 bytes, but its header's \d+ sequences and \d+ document "
+                  r"indices take \d+\); prepare the data again"),
+    (".idx", 20, r"cpt\.idx is truncated or corrupt \(20 bytes, shorter than the 34-byte header\)"),
     (".bin", 1000, r"cpt\.bin is truncated or corrupt \(1000 bytes, its index points up to byte \d+\)"),
     (".bin", 0, r"cpt\.bin is truncated or corrupt \(0 bytes\)"),
     (".json", 10, r"cpt\.json is truncated or corrupt"),
