@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.runtime.distributed import free_port
+from megatron_ext.runtime.job_env import free_port
 from tests import prefork
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ def _convert(args, to_megatron, to_hf) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_ext.convert.hf_io import ROPE_PRESETS
+    from megatron_ext.presets import ROPE_PRESETS  # not through megatron_ext.convert: --help without torch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

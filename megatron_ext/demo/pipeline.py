@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.runtime.distributed import free_port
+from megatron_ext.runtime.job_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ABLATION = "ablation: SFT only, base RoPE (no YaRN)"

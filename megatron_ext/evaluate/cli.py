@@ -23,7 +23,6 @@ from pathlib import Path
 from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers, validate_args
 from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.io import read_utf8
-from megatron_ext.evaluate.ruler_tasks import task_names
 from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
@@ -180,6 +179,7 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save, prev
 def _run_ruler(args) -> None:
     from megatron_ext.evaluate.io import model_version, write_json_atomic, write_text_atomic
     from megatron_ext.evaluate.ruler import RulerResult, run_ruler, run_ruler_megatron
+    from megatron_ext.evaluate.ruler_tasks import task_names
 
     tasks, lengths = task_names(args.tasks), parse_lengths(args.lengths)
     _check_haystack(args)
@@ -307,16 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")
         warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
-        from megatron_ext.evaluate.loading import check_device
-        from megatron_ext.runtime import DeviceError
+        from megatron_ext.runtime import DeviceError, process_env
 
         try:
             validate_args(command, args)
+            from megatron_ext.evaluate.loading import check_device  # imports torch: after the argument checks
+
             check_device(args.device, megatron_engine=args.engine == "megatron")
             run(args)
         except (EvalError, DeviceError) as e:
-            from megatron_ext.runtime import process_env
-
             # An error every rank of a job finds alike: one line, from rank 0.
             sys.exit(f"error: {e}" if process_env().rank == 0 or isinstance(e, RankError) else 1)
     return 0

@@ -99,7 +99,7 @@ def _no_kv_cache(p: argparse.ArgumentParser) -> None:
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """The parser of each command: niah (the default), ppl, generate, ruler."""
-    from megatron_ext.evaluate.ruler_tasks import TASKS  # imports torch: not for the launcher's length checks
+    from megatron_ext.evaluate.ruler_tasks import TASKS  # the prompts' module: not for the launcher's length checks
 
     niah = argparse.ArgumentParser(prog="niah.py", description="Needle-in-a-haystack grid (lengths x depths) -> "
                                    "results.json and heatmap.png. `niah.py ppl --help`: perplexity by position; "

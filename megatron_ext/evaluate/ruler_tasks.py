@@ -23,7 +23,6 @@ from typing import Iterator
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, tokenize_haystack
-from megatron_ext.evaluate.niah import prompt_parts
 
 
 @dataclass(frozen=True)
@@ -132,6 +131,8 @@ class SampleBuilder:
         return make(task, length, rng)
 
     def _parts(self, instruction: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
+        from megatron_ext.evaluate.niah import prompt_parts  # imports torch: not for the task table (--help)
+
         return prompt_parts(self.tok, SimpleNamespace(instruction=instruction, question=question,
                                                       answer_prefix=answer_prefix), self.chat)
 

@@ -10,18 +10,22 @@ on long samples, exported as a Hugging Face checkpoint that vLLM and TensorRT-LL
 `tools/quantize.py` is the command line. ModelOpt is imported only when used (extra `[quantize]`).
 """
 
-from megatron_ext.quantize.calib import load_windows
-from megatron_ext.quantize.check import CheckResult, check_lengths, compare, format_table, run_check
-from megatron_ext.quantize.errors import QuantizeError
-from megatron_ext.quantize.fp8 import (
-    SUPPORTED_ARCHITECTURES, checkpoint_bytes, export, load_model, load_tokenizer, modelopt, quant_config, quantize,
-    quantized_layers, quantizers_disabled, read_hf_config, tensor_quantizers,
-)
-from megatron_ext.quantize.report import format_report, format_serving_table, serving_memory, weight_bytes
+# Lazy (PEP 562), as megatron_ext.data: `tools/quantize.py --help` and its argument errors should not pay for
+# importing torch, which every submodule but errors needs.
+_LAZY = {"load_windows": "calib", "QuantizeError": "errors", "format_report": "report",
+         "format_serving_table": "report", "serving_memory": "report", "weight_bytes": "report",
+         **dict.fromkeys(["CheckResult", "check_lengths", "compare", "format_table", "run_check"], "check"),
+         **dict.fromkeys(["SUPPORTED_ARCHITECTURES", "checkpoint_bytes", "export", "load_model", "load_tokenizer",
+                          "modelopt", "quant_config", "quantize", "quantized_layers", "quantizers_disabled",
+                          "read_hf_config", "tensor_quantizers"], "fp8")}
 
-__all__ = [
-    "CheckResult", "QuantizeError", "SUPPORTED_ARCHITECTURES", "check_lengths", "checkpoint_bytes", "compare",
-    "export", "format_report", "format_serving_table", "format_table", "load_model", "load_tokenizer", "load_windows", "modelopt",
-    "quant_config", "quantize", "quantized_layers", "quantizers_disabled", "read_hf_config", "run_check",
-    "serving_memory", "tensor_quantizers", "weight_bytes",
-]
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_ext.quantize.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'megatron_ext.quantize' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

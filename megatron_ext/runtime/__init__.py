@@ -1,14 +1,17 @@
 """Runtime: distributed init (torchrun or Slurm), device choice, and the CPU backend."""
 
-from megatron_ext.runtime.distributed import (
-    DeviceError,
-    ProcessEnv,
-    destroy_distributed,
-    first_host,
-    init_distributed,
-    process_env,
-    rank_device,
-)
+# Lazy (PEP 562): the tools read the job's ranks and report errors before torch is imported (`--help` and argument
+# mistakes answer at once); runtime.distributed needs torch.
+_HOME = {**dict.fromkeys(("DeviceError", "ProcessEnv", "first_host", "free_port", "process_env"), "job_env"),
+         **dict.fromkeys(("destroy_distributed", "init_distributed", "rank_device"), "distributed")}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_ext.runtime.{_HOME[name]}"), name)
+    raise AttributeError(f"module 'megatron_ext.runtime' has no attribute {name!r}")
 
 
 def te_available() -> bool:
@@ -20,5 +23,4 @@ def te_available() -> bool:
     return True
 
 
-__all__ = ["DeviceError", "ProcessEnv", "destroy_distributed", "first_host", "init_distributed", "process_env",
-           "rank_device", "te_available"]
+__all__ = [*_HOME, "te_available"]

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ext.runtime.distributed import DeviceError
+from megatron_ext.runtime.job_env import DeviceError
 
 _APPLIED = False
 
