@@ -36,15 +36,6 @@ from megatron_ext.data.dataset_files import check_complete, check_sft_masks, rea
 from megatron_ext.data.sft import pack_samples
 
 
-def open_index(prefix: str):
-    """Megatron-Core's `IndexedDataset` over PREFIX.bin/.idx, once `check_complete` has found both whole (else
-    DataError naming the file)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    check_complete(prefix)
-    return IndexedDataset(prefix)
-
-
 class _ManifestTokenizer:
     """What GPTDataset needs of a tokenizer (vocab size for the token dtype, an eod id, an identity
     for its index cache), taken from the manifest so training nodes need no tokenizer files."""
@@ -157,9 +148,7 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
             raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
                             f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
     for p in prefixes:
-        index = open_index(p)  # kept while copying: its lengths are a view of its memory map
-        lengths = np.array(index.sequence_lengths, dtype=np.int64)
-        del index
+        lengths = np.array(check_complete(p).sequence_lengths, dtype=np.int64)
         if split is not None:
             _check_split_sizes(p, lengths, seq_length, split)
     if weights is not None and len(weights) != len(prefixes):
@@ -208,9 +197,11 @@ class SFTPackedDataset(torch.utils.data.Dataset):
     def __init__(self, prefix: str, seq_length: int, seed: int = 1234, split: str | None = None,
                  part: int = 0) -> None:
         self.manifest = read_manifest(prefix, "sft")
-        check_sft_masks(prefix)
-        self.tokens = open_index(prefix)
-        self.masks = open_index(prefix + "_lossmask")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        check_sft_masks(prefix)  # both whole, of equal lengths: Megatron-Core's reader would fail bare or late
+        self.tokens = IndexedDataset(prefix)
+        self.masks = IndexedDataset(prefix + "_lossmask")
         lengths = self.tokens.sequence_lengths
         self.seq_length = seq_length
         self.pad_id = int(self.manifest["pad_id"])
