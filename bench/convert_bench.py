@@ -41,7 +41,7 @@ def write_random_hf(out: Path, cfg: dict, shard_bytes: int = 2 * 2**30) -> int:
     """Random bf16 weights of `cfg` as sharded safetensors + index + config; returns bytes written."""
     from megatron_ext.convert.hf_io import StreamingSafetensorsWriter
     from megatron_ext.convert.mapping import hf_shapes
-    from megatron_ext.model import normalize_hf_config
+    from megatron_ext.hf_config import normalize_hf_config
 
     out.mkdir(parents=True)
     shapes = hf_shapes(normalize_hf_config(cfg))

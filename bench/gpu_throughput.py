@@ -290,7 +290,7 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
     """Measure everything `s` asks for; returns the JSON document (also written to s.out)."""
     import torch
 
-    from megatron_ext.model import hf_config_from_recipe
+    from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.cost_model import GPUS, shape_from_hf_config, train_flops_per_token
     from megatron_ext.runtime import destroy_distributed, init_distributed
 

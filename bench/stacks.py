@@ -67,7 +67,8 @@ class Ours:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_ext.model import BuildOptions, build_model, hf_config_from_recipe
+        from megatron_ext.hf_config import hf_config_from_recipe
+        from megatron_ext.model import BuildOptions, build_model
         from megatron_ext.train import build_optimizer, wrap_ddp
 
         self.torch = torch
@@ -121,7 +122,7 @@ class Peer:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from megatron_ext.model import hf_config_from_recipe
+        from megatron_ext.hf_config import hf_config_from_recipe
 
         self.torch = torch
         cfg = LlamaConfig(**hf_config_from_recipe(make_recipe(s, recompute)), attn_implementation="sdpa",

@@ -19,7 +19,7 @@ class CheckpointError(Exception):
 
 def _architecture_mismatch(meta: dict, config) -> str | None:
     """First architecture field where the checkpoint's HF config and the model's TransformerConfig differ."""
-    from megatron_ext.model import normalize_hf_config
+    from megatron_ext.hf_config import normalize_hf_config
 
     hf = meta.get("hf_config")
     if not hf:
@@ -37,12 +37,33 @@ def _architecture_mismatch(meta: dict, config) -> str | None:
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+class _Stub:
+    """An allow-listed torch class of the index, read without importing torch (~4 s): its pickled state as
+    attributes. `check_complete` needs only the storage entries' relative_path, offset and length."""
+
+    def __init__(self, *args) -> None:  # torch.Size((...)), an enum member, a layout by name
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (__dict__, slots)
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+
 class _IndexUnpickler(pickle.Unpickler):
     """Unpickles a torch_dist `.metadata` file, allowing only the classes such files contain.
 
     torch.distributed.checkpoint stores its index as a pickle and reads it with plain `pickle.load`,
     which would run code from a crafted file. Checkpoints come from elsewhere, so we allow-list.
+    `stubs`: torch's classes become `_Stub`s (same allow-list; torch is not imported).
     """
+
+    def __init__(self, file, stubs: bool = False) -> None:
+        super().__init__(file)
+        self.stubs = stubs
 
     _MODULES = ("torch.distributed.checkpoint.",)
     _TORCH = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last",
@@ -54,20 +75,23 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module.startswith(self._MODULES) or (module == "torch" and name in self._TORCH) \
                 or (module, name) in self._OTHER:
+            if self.stubs and module.split(".")[0] == "torch":
+                return _Stub
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
 
 
-def read_dcp_index(path: str | Path):
+def read_dcp_index(path: str | Path, stubs: bool = False):
     """The torch.distributed.checkpoint index (`.metadata`) of a checkpoint directory, read with an allow-list.
 
     Raises CheckpointError for a missing, corrupt or crafted file. `load_checkpoint` reads the index
     this way first, so the plain `pickle.load` that torch then does runs only on a vetted file.
+    `stubs`: without importing torch, torch's classes as `_Stub`s (for reading its entries' fields only).
     """
     file = Path(path) / ".metadata"
     try:
         with open(file, "rb") as f:
-            return _IndexUnpickler(f).load()
+            return _IndexUnpickler(f, stubs).load()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: not a readable torch_dist checkpoint index ({type(e).__name__}: {e})") \
             from None
@@ -77,7 +101,7 @@ def check_complete(path: str | Path) -> None:
     """Raise one CheckpointError when a file that the torch_dist index of `path` refers to is missing or
     shorter than the index says: a save that did not finish on some node, or a partial copy."""
     path = Path(path)
-    index = read_dcp_index(path)
+    index = read_dcp_index(path, stubs=True)
     needed: dict[str, int] = {"common.pt": 1, "metadata.json": 1}  # Megatron's own files beside the index
     for info in (getattr(index, "storage_data", None) or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

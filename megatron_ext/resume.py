@@ -134,9 +134,9 @@ def resume_position(saved: dict, step: int, recipe: Recipe,
 
 
 def data_identities(recipe: Recipe) -> dict[str, dict]:
-    """`loaders.data_identity` of each of `recipe`'s data prefixes that can be read here, by prefix: recorded in
+    """`dataset_files.data_identity` of each of `recipe`'s data prefixes that can be read here, by prefix: recorded in
     the checkpoint metadata (`data_identity`) and compared on resume."""
-    from megatron_ext.data.loaders import data_identity
+    from megatron_ext.data.dataset_files import data_identity
 
     found = {p: data_identity(p) for p in recipe.data.prefixes}
     return {p: identity for p, identity in found.items() if identity is not None}
@@ -199,7 +199,7 @@ _ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
     """The RoPE settings of `recipe`'s model that differ from a checkpoint's HF config ('key: old -> new')."""
-    from megatron_ext.model import hf_config_from_recipe, normalize_hf_config
+    from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
 
     if not saved_hf_config:
         return []
@@ -212,7 +212,7 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
     """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`.
 
     `data_now`: the recipe's `data_identities`, if the caller has read them (see `resume_position`)."""
-    from megatron_ext.model import hf_config_from_recipe, normalize_hf_config
+    from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
 
     p, t = recipe.parallel, recipe.train
     layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}

@@ -187,7 +187,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
 
     from megatron_ext.checkpoint import CheckpointError, load_checkpoint
     from megatron_ext.checkpoint_layout import latest_iteration, read_metadata
-    from megatron_ext.model import build_model_from_recipe, hf_config_from_recipe
+    from megatron_ext.hf_config import hf_config_from_recipe
+    from megatron_ext.model import build_model_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops_per_token
     from megatron_ext.resume import data_identities, plan_resume, rope_changes

@@ -21,7 +21,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_ext.context_parallel import shard_for_context_parallel
 from megatron_ext.data import DataError
-from megatron_ext.data.loaders import SFTPackedDataset, build_cpt_datasets, read_manifest
+from megatron_ext.data.dataset_files import read_manifest
+from megatron_ext.data.loaders import SFTPackedDataset, build_cpt_datasets
 from megatron_ext.recipe import Recipe
 
 

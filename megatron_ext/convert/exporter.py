@@ -20,7 +20,7 @@ from megatron_ext.convert.hf_io import (
 )
 from megatron_ext.convert.dist_reader import TorchDistReader
 from megatron_ext.convert.staging import check_separate, peak_rss_bytes, staged_output
-from megatron_ext.model import normalize_hf_config
+from megatron_ext.hf_config import normalize_hf_config
 
 # Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
 _NOT_WEIGHTS = ("optimizer.",)

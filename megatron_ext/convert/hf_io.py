@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.model import normalize_hf_config
+from megatron_ext.hf_config import normalize_hf_config
 from megatron_ext.presets import ROPE_PRESETS
 
 

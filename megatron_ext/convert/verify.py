@@ -55,7 +55,8 @@ def megatron_logits(root: str | Path, tokens: torch.Tensor, iteration: int | Non
     """
     from megatron_ext.checkpoint import load_checkpoint
     from megatron_ext.checkpoint_layout import read_metadata, resolve_iteration_dir
-    from megatron_ext.model import BuildOptions, build_model, normalize_hf_config
+    from megatron_ext.hf_config import normalize_hf_config
+    from megatron_ext.model import BuildOptions, build_model
 
     _, path = resolve_iteration_dir(root, iteration)
     meta = read_metadata(path)

@@ -1,4 +1,5 @@
-"""The files of a prepared dataset PREFIX, read and checked with numpy alone: the manifest, the index, sizes.
+"""The files of a prepared dataset PREFIX, read and checked with numpy alone: the manifest, the index, sizes, and
+the identity of the contents that a checkpoint records.
 
 The pre-launch check (`launch --check`, run by every sbatch script before srun, and by the submitit launcher
 on the login node) and the resume report read datasets here, so that they import neither torch nor
@@ -20,8 +21,11 @@ The index format (PREFIX.idx, Megatron-Core's `IndexedDatasetBuilder`, little-en
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,3 +138,67 @@ def check_token_ids(prefix: str, manifest: dict, vocab_size: int) -> None:
                     f"{manifest['vocab_size']} ids), but model.vocab_size = {vocab_size} has rows for ids 0.."
                     f"{vocab_size - 1} only; set model.vocab_size to the model's tokenizer size (at least "
                     f"{largest + 1}), or prepare the data with the model's tokenizer")
+
+
+def index_fingerprint(prefixes: Sequence[str]) -> str:
+    """sha256 over the PREFIX.idx files: the document lengths that GPTDataset's cached indices
+    (document, sample and shuffle index) are computed from."""
+    h = hashlib.sha256()
+    for p in prefixes:
+        with open(p + ".idx", "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+SAMPLE_BLOCKS = 64
+SAMPLE_BLOCK_BYTES = 1 << 16
+
+
+def sample_offsets(size: int, blocks: int = SAMPLE_BLOCKS, block_bytes: int = SAMPLE_BLOCK_BYTES) -> list[int]:
+    """Where `sampled_fingerprint` reads `block_bytes` each in a file of `size` bytes: `blocks` (at least 2) evenly
+    spaced, non-overlapping offsets from the first block to the last (ending at the file's end); for a file of at
+    most `blocks * block_bytes`, every block's, so that it is read whole."""
+    if blocks < 2:
+        raise ValueError(f"blocks = {blocks}: at least 2, the first and the last")
+    if size <= blocks * block_bytes:
+        return list(range(0, size, block_bytes))
+    last = size - block_bytes
+    return [i * last // (blocks - 1) for i in range(blocks)]
+
+
+def sampled_fingerprint(path: str | Path, blocks: int = SAMPLE_BLOCKS, block_bytes: int = SAMPLE_BLOCK_BYTES) -> str:
+    """sha256 ("sha256:...") over the file's size (8 bytes, little-endian) and its `sample_offsets` blocks: at most
+    `blocks * block_bytes` read (4 MiB by default) whatever the size, so that a terabyte .bin costs the same at
+    every start. Depends on the contents only (not the path or times). Blind to a change confined to the bytes
+    between the sampled blocks; a file of at most `blocks * block_bytes` is hashed whole."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        # The size first: the offsets depend on it, and files of other sizes must not hash alike by their blocks.
+        h = hashlib.sha256(size.to_bytes(8, "little"))
+        for offset in sample_offsets(size, blocks, block_bytes):
+            f.seek(offset)
+            h.update(f.read(block_bytes))
+    return "sha256:" + h.hexdigest()
+
+
+def data_identity(prefix: str) -> dict | None:
+    """What a checkpoint records of dataset PREFIX, so that a resume notices data prepared again under the same
+    prefix; None when it cannot be read (gone, incomplete): then nothing is recorded or compared.
+
+    The contents, not the files' times, so the same data prepared again identically has the same identity: the
+    sha256 of PREFIX.idx (every document's length and offset, ~20 bytes a document: tens of MB for 1B tokens, read
+    once at a run's start), the size of PREFIX.bin, a sampled fingerprint of PREFIX.bin (`sampled_fingerprint`:
+    64 blocks of 64 KiB evenly spaced over the file, first and last included, the whole file up to 4 MiB; reading
+    all the tokens at every start is too expensive), the manifest's counts, for the warning, and tokenizer hash.
+    The sample tells other tokens of the same document lengths (fixed-length packed documents, another shuffle)
+    and the tokenizer hash other token ids; a change confined to bytes between the sampled blocks goes unseen.
+    """
+    try:
+        manifest = read_manifest(prefix)
+        return {"idx_sha256": index_fingerprint([prefix]), "bin_bytes": Path(prefix + ".bin").stat().st_size,
+                "bin_sample_sha256": sampled_fingerprint(prefix + ".bin"),
+                "documents": int(manifest["documents"]), "tokens": int(manifest["tokens"]),
+                "tokenizer_hash": manifest.get("tokenizer_hash")}
+    except (DataError, OSError, KeyError, TypeError, ValueError):  # the trainer reports it when it opens the data
+        return None

@@ -100,7 +100,7 @@ def torchrun(nproc: int) -> list[str]:
 def yarn_untrained(base_hf: Path, out: Path, recipe_path: Path) -> Path:
     """A copy of the base HF folder whose config carries the CPT recipe's YaRN RoPE (no training):
     the "base + YaRN" row of the paper's ablation. Weights are hard-linked, not copied."""
-    from megatron_ext.model import hf_config_from_recipe
+    from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, ["model.preset=null", f"model.hf_config={base_hf}"], world_size=2)

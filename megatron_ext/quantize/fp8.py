@@ -225,7 +225,7 @@ def _rope_in_transformers4_form(path: Path) -> None:
     A server on transformers 4 does not read `rope_parameters`: it would run the model with theta 10000 and
     no YaRN, silently wrong past the original context.
     """
-    from megatron_ext.model import normalize_hf_config
+    from megatron_ext.hf_config import normalize_hf_config
 
     cfg = json.loads(path.read_text())
     out = normalize_hf_config(cfg)

@@ -52,7 +52,7 @@ def test_resume_with_another_global_batch_goes_on_where_it_stopped(tmp_path, tor
     """Two steps of 4 samples, then two of 2: the run reads samples 8..11 next (not 4..7, which step x batch
     would give) and its checkpoint counts 12 samples; the same run resumed at CP 2 reads the same."""
     from megatron_ext.checkpoint_layout import read_metadata
-    from megatron_ext.data.loaders import data_identity
+    from megatron_ext.data.dataset_files import data_identity
 
     args = ["--recipe", str(RECIPE), f"data.prefix={token_data}", f"checkpoint.dir={tmp_path}",
             "train.seq_length=256", "parallel.context=1"]

@@ -43,7 +43,7 @@ def make_hf_model(out: Path, seed: int = 0, tokenizer: bool = True, **overrides)
 
 
 def rope_fields(cfg: dict) -> dict:
-    from megatron_ext.model import normalize_hf_config
+    from megatron_ext.hf_config import normalize_hf_config
 
     n = normalize_hf_config(cfg)
     return {"rope_theta": n["rope_theta"], "rope_scaling": n["rope_scaling"]}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_ext.convert import mapping
-from megatron_ext.model import normalize_hf_config
+from megatron_ext.hf_config import normalize_hf_config
 from megatron_ext.presets import LLAMA31_8B, TINY
 
 

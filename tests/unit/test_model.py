@@ -1,16 +1,10 @@
-"""Model builder: HF config <-> TransformerConfig, vocab padding, a tiny GPTModel runs on CPU."""
+"""Model builder and megatron_ext.hf_config: HF config <-> TransformerConfig, vocab padding, a tiny GPTModel runs on CPU."""
 
 import pytest
 import torch
 
-from megatron_ext.model import (
-    BuildOptions,
-    build_model,
-    hf_config_from_recipe,
-    normalize_hf_config,
-    padded_vocab_size,
-    transformer_config,
-)
+from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
+from megatron_ext.model import BuildOptions, build_model, padded_vocab_size, transformer_config
 from megatron_ext.presets import LLAMA31_8B, TINY
 from megatron_ext.recipe import load_recipe
 

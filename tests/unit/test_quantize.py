@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.model import normalize_hf_config
+from megatron_ext.hf_config import normalize_hf_config
 
 pytest.importorskip("modelopt.torch.quantization")
 

@@ -3,7 +3,7 @@ and the HF config a recipe turns into."""
 
 import pytest
 
-from megatron_ext.model import hf_config_from_recipe
+from megatron_ext.hf_config import hf_config_from_recipe
 from megatron_ext.presets import ROPE_PRESETS
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.rope import rope_frequencies

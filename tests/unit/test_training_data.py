@@ -113,11 +113,11 @@ def _checkpoint_of(prefix: str, tokenizer) -> tuple:
 
 
 def test_data_prepared_again_under_the_same_prefix_is_named(tmp_path, toy_tokenizer):
-    """The checkpoint records each prefix's contents (megatron_ext.data.loaders.data_identity): other documents
+    """The checkpoint records each prefix's contents (megatron_ext.data.dataset_files.data_identity): other documents
     under the same data.prefix are a data change; the same documents prepared again (new files) are none."""
     import os
 
-    from megatron_ext.data.loaders import data_identity
+    from megatron_ext.data.dataset_files import data_identity
     from megatron_ext.resume import plan_resume
 
     prefix = str(tmp_path / "cpt")
@@ -173,7 +173,7 @@ def test_other_tokens_of_the_same_lengths_are_named(tmp_path, toy_tokenizer):
 
     import numpy as np
 
-    from megatron_ext.data.loaders import data_identity, read_manifest
+    from megatron_ext.data.dataset_files import data_identity, read_manifest
 
     prefix = str(tmp_path / "cpt")
     recipe, saved = _checkpoint_of(prefix, toy_tokenizer)
@@ -201,7 +201,7 @@ def test_sampled_fingerprint_reads_spaced_blocks(tmp_path):
 
     import numpy as np
 
-    from megatron_ext.data.loaders import sample_offsets, sampled_fingerprint
+    from megatron_ext.data.dataset_files import sample_offsets, sampled_fingerprint
 
     data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes()
     (tmp_path / "sub").mkdir()
