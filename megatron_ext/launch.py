@@ -81,6 +81,32 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     return recipe
 
 
+def check_rope_follows(before: Recipe, stage: Recipe) -> None:
+    """A stage should start from the checkpoint of the stage before it (a warning when its checkpoint.init_from
+    is another), and keep its RoPE: an SFT must (RecipeError: `--stages cpt_4m,sft_4m`, not `sft`, whose rope is
+    the 1M model's); a CPT stage may extend it further (a warning)."""
+    from megatron_ext.hf_config import hf_config_from_recipe
+    from megatron_ext.resume import rope_changes
+
+    init, written = stage.checkpoint.init_from, before.checkpoint.dir
+    if written is None:
+        return
+    if init is None or Path(init).absolute() != Path(written).absolute():
+        print(f"warning: stage {stage.name} starts from checkpoint.init_from = {init!r}, not from {written!r}, which "
+              f"stage {before.name} writes; to chain them add {stage.name}:checkpoint.init_from={written}",
+              file=sys.stderr)
+        return
+    changes = rope_changes(hf_config_from_recipe(before), stage)
+    if not changes:
+        return
+    what = (f"stage {stage.name} starts from the checkpoint of stage {before.name} with another RoPE "
+            f"({'; '.join(changes)})")
+    if stage.train.stage == "sft":
+        raise RecipeError(f"{what}; an SFT keeps the RoPE its checkpoint was trained with: use the SFT recipe of that "
+                          "model (recipes/sft_2m.yaml, sft_4m.yaml) or set its rope.* and model.max_position_embeddings")
+    print(f"warning: {what}: positions change from those it was trained with", file=sys.stderr)
+
+
 def describe(recipe: Recipe, world_size: int) -> str:
     """One line: name, stage, layout and length, e.g. `cpt_4m: cpt TP8 PP1 CP16 DP2 on 256 ...`."""
     p, t = recipe.parallel, recipe.train
@@ -326,6 +352,8 @@ def submit(args, plan: list[Stage]) -> int:
     for i, stage in enumerate(plan):
         # Later stages read what earlier ones write: their paths are checked when they start.
         recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
+        if i:
+            check_rope_follows(jobs_params[-1][0], recipe)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
     evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 

@@ -248,19 +248,21 @@ stage_main() {
 # requeued job adds --resume, so it runs only the cells its results lack. ppl and generate run to the end.
 stop_evaluation() {
   SIGNALLED=USR1 SIGNAL_AT=$SECONDS
-  log "received USR1: stopping the evaluation (results.json keeps what is done)"
+  log "received USR1: stopping the evaluation (its results file keeps what is done)"
   scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM failed"
 }
 
-# results_stamp ARGS...: a checksum of the results.json in tools/niah.py's --out folder, or nothing.
+# results_stamp ARGS...: a checksum of the results file in tools/niah.py's --out folder (results.json; ruler.json
+# for `ruler`, megatron_ext/launch_eval.py EVALUATIONS), or nothing.
 results_stamp() {
-  local out="" prev=""
+  local out="" prev="" file=results.json
+  [[ ${1:-} == ruler ]] && file=ruler.json
   for a in "$@"; do
     [[ $prev == --out ]] && out=$a
     [[ $a == --out=* ]] && out=${a#--out=}
     prev=$a
   done
-  if [[ -n $out ]]; then cksum 2>/dev/null <"$out/results.json" || true; fi
+  if [[ -n $out ]]; then cksum 2>/dev/null <"$out/$file" || true; fi
 }
 
 eval_main() {

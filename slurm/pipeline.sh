@@ -10,8 +10,8 @@
 #   --hf       HF model folder to convert first (default: no conversion job; the CPT recipe's
 #              checkpoint.init_from must then exist)
 #   --export   HF folder to write from the last stage's checkpoint (default: no export job)
-#   --sft-recipe  SFT recipe (default recipes/sft.yaml, which keeps the 1M RoPE: for cpt_2m/cpt_4m
-#              give an SFT recipe with that stage's RoPE, see the header of recipes/sft.yaml)
+#   --sft-recipe  SFT recipe (default: the one with the CPT stage's RoPE, recipes/sft.yaml after cpt_1m,
+#              recipes/sft_2m.yaml and sft_4m.yaml after cpt_2m and cpt_4m)
 #   --niah     evaluate the last stage's checkpoint at these lengths (e.g. 128K:1M:4) with slurm/niah.sh on the
 #              Megatron engine, at the CPT recipe's TP x CP, before the export (default: no evaluation job);
 #              chat prompts after SFT; results in <checkpoint.dir>_niah/
@@ -60,11 +60,15 @@ done
   exit 1
 }
 if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
-  [[ $CPT == cpt_1m ]] || {
-    echo "error: recipes/sft.yaml keeps the 1M RoPE; for $CPT give --sft-recipe FILE with its RoPE" >&2
-    exit 1
-  }
-  SFT_RECIPE=recipes/sft.yaml
+  case $CPT in
+    cpt_1m) SFT_RECIPE=recipes/sft.yaml ;;
+    cpt_2m | cpt_4m) SFT_RECIPE=recipes/sft_${CPT#cpt_}.yaml ;;
+    *)
+      echo "error: --cpt $CPT: no shipped SFT recipe has its RoPE; give --sft-recipe FILE (recipes/sft.yaml with" \
+        "that stage's rope block and model.max_position_embeddings), or --no-sft" >&2
+      exit 1
+      ;;
+  esac
 fi
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# UltraLong SFT (recipes/sft.yaml, from the 1M CPT checkpoint): 256 H100, TP 8, ~30 min (perf.md).
+# UltraLong SFT (recipes/sft.yaml, from the 1M CPT checkpoint; RECIPE=recipes/sft_2m.yaml or sft_4m.yaml for the
+# 2M and 4M models): 256 H100, TP 8, ~30 min (perf.md).
 #   sbatch slurm/sft.sh [dotted.key=value ...]       (submit from the project root)
 # Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
 # recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.

@@ -119,8 +119,8 @@ def _leaves(d, prefix=""):
             yield f"{prefix}{k}", v
 
 
-@pytest.mark.parametrize("child", ["cpt_1m.yaml", "cpt_2m.yaml", "cpt_4m.yaml", "sft.yaml",
-                                   "tiny/cpt.yaml", "tiny/sft.yaml"])
+@pytest.mark.parametrize("child", ["cpt_1m.yaml", "cpt_2m.yaml", "cpt_4m.yaml", "sft.yaml", "sft_2m.yaml",
+                                   "sft_4m.yaml", "tiny/cpt.yaml", "tiny/sft.yaml"])
 def test_children_state_only_what_differs(child):
     path = RECIPES / child
     raw = yaml.safe_load(path.read_text())
@@ -151,6 +151,19 @@ def test_stage_graph_and_tiny_mirror():
             load_recipe(RECIPES / f"{cpt}.yaml").checkpoint.dir
 
 
+@pytest.mark.parametrize("length", ["2m", "4m"])
+def test_sft_of_the_longer_models_keeps_their_rope(length):
+    """sft_2m/sft_4m: the SFT of sft.yaml with the RoPE and context length of the CPT checkpoint they start from
+    (before, the docs said to override rope.factor alone: the exported config.json then declared 1M)."""
+    sft, cpt, base = (load_recipe(RECIPES / f"{name}.yaml").to_dict() for name in (f"sft_{length}", f"cpt_{length}",
+                                                                                  "sft"))
+    assert sft["rope"] == cpt["rope"] != base["rope"]
+    assert sft["model"] == cpt["model"] and sft["checkpoint"]["init_from"] == cpt["checkpoint"]["dir"]
+    assert sft["checkpoint"]["dir"] == f"checkpoints/sft_{length}"
+    assert {k: v for k, v in sft.items() if k not in ("rope", "model", "checkpoint", "name")} == \
+        {k: v for k, v in base.items() if k not in ("rope", "model", "checkpoint", "name")}
+
+
 def test_tiny_cpt_keeps_its_intent():
     r = load_recipe(RECIPES / "tiny/cpt.yaml")
     assert (r.model.preset, r.rope.rope_type, r.rope.factor, r.rope.original_max_position_embeddings) == (
@@ -166,4 +179,4 @@ def test_recipe_check_cli_on_all_recipes():
     proc = subprocess.run([sys.executable, "-m", "megatron_ext.recipe", "check", "--quiet", *files],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("ok: ") == len(files) == 8
+    assert proc.stdout.count("ok: ") == len(files) == 10

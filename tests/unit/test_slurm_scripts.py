@@ -95,15 +95,17 @@ def test_warning_before_training_started_does_not_requeue_in_a_loop(job):
     assert calls == "requeue 42\n" and "nothing saved" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_evaluation_warned_at_start_requeues_only_after_a_save(job, tmp_path):
+@pytest.mark.parametrize("command, results", [((), "results.json"), (("ruler",), "ruler.json")])
+def test_evaluation_warned_at_start_requeues_only_after_a_save(job, tmp_path, command, results):
     """slurm/niah.sh: a NIAH grid stopped by a USR1 that comes as it starts (a time limit not longer than the
     warning) requeued with --resume up to MAX_REQUEUES times, saving nothing each time. It still requeues when the
-    run saved results (the grid goes on) or when the warning came late."""
+    run saved results (the grid goes on) or when the warning came late. RULER saves ruler.json: its saves were not
+    seen (the script looked at results.json only), so a RULER job warned early was never requeued."""
     out = tmp_path / "niah"
     out.mkdir()
-    (out / "results.json").write_text("{}\n")  # from an earlier run
-    grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", str(out))
-    fake = {"FAKE_SIGNAL": "USR1", "FAKE_RC": "143", "FAKE_RESULTS": str(out / "results.json")}
+    (out / results).write_text("{}\n")  # from an earlier run
+    grid = (*command, "--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", str(out))
+    fake = {"FAKE_SIGNAL": "USR1", "FAKE_RC": "143", "FAKE_RESULTS": str(out / results)}
     proc, calls = job("niah.sh", grid, **fake, FAKE_LIMIT="5:00")
     assert proc.returncode == 1 and calls == "", proc.stdout + proc.stderr
     assert "no results were saved since it started" in proc.stderr and "longer --time" in proc.stderr
@@ -195,6 +197,18 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path):
     assert cpt.startswith("RECIPE= ARGS=--parsable slurm/cpt_1m.sh")
     assert sft.startswith(f"RECIPE={recipes}/sft.yaml ARGS=--parsable --dependency=afterok:7 ")
     assert "--export=ALL slurm/sft.sh checkpoint.init_from=checkpoints/cpt_1m" in sft
+
+
+def test_pipeline_sft_follows_the_cpt_stage(tmp_path):
+    """After cpt_2m / cpt_4m the SFT job gets the recipe with that stage's RoPE (before: an error asking the user
+    to write one)."""
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    for cpt, sft in (("cpt_1m", "sft.yaml"), ("cpt_2m", "sft_2m.yaml"), ("cpt_4m", "sft_4m.yaml")):
+        proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", "--cpt", cpt], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert f"RECIPE=recipes/{sft} sbatch --parsable --dependency=afterok:\\<{cpt}\\> " in proc.stdout, proc.stdout
+        assert f"slurm/sft.sh checkpoint.init_from=checkpoints/{cpt} " in proc.stdout
 
 
 def test_pipeline_with_a_python_without_the_dependencies(tmp_path):
