@@ -269,7 +269,7 @@ eval_main() {
   set -euo pipefail
   PYTHON=${PYTHON:-python}
   [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0 --megatron CKPT --cp 8 --out DIR"
-  (($# > 0)) || die "give tools/niah.py arguments, e.g. sbatch $0 --megatron runs/cpt_1m --cp 8 --lengths 1M --out runs/niah_1m"
+  (($# > 0)) || die "give tools/niah.py arguments, e.g. sbatch $0 --megatron checkpoints/cpt_1m --cp 8 --lengths 1M --out runs/niah_1m"
   export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
   nccl_defaults
   build_launcher

@@ -2,10 +2,10 @@
 # Long-context evaluation of a Megatron checkpoint on the Megatron engine (tools/niah.py --engine megatron):
 # NIAH grids, RULER-style tasks or perplexity by position at lengths no single GPU holds, every task of the job one
 # rank.
-#   sbatch slurm/niah.sh --megatron runs/cpt_1m --cp 8 --lengths 128K:1M:4 --out runs/niah_1m
-#   sbatch --nodes=8 slurm/niah.sh --megatron runs/cpt_4m --tp 8 --cp 8 --lengths 4M --chat --out runs/niah_4m
-#   sbatch slurm/niah.sh ppl --megatron runs/cpt_1m --cp 8 --indexed data/cpt_text_document --out runs/ppl_1m
-#   sbatch slurm/niah.sh ruler --megatron runs/sft_1m --cp 8 --lengths 128K,512K,1M --chat --out runs/ruler_1m
+#   sbatch slurm/niah.sh --megatron checkpoints/cpt_1m --cp 8 --lengths 128K:1M:4 --out runs/niah_1m
+#   sbatch --nodes=8 slurm/niah.sh --megatron checkpoints/cpt_4m --tp 8 --cp 8 --lengths 4M --chat --out runs/niah_4m
+#   sbatch slurm/niah.sh ppl --megatron checkpoints/cpt_1m --cp 8 --indexed data/cpt --out runs/ppl_1m
+#   sbatch slurm/niah.sh ruler --megatron checkpoints/sft_1m --cp 8 --lengths 128K,512K,1M --chat --out runs/ruler_1m
 # Arguments are tools/niah.py's (`python tools/niah.py --help`); TP x PP x CP must divide the task count (the
 # remaining data-parallel replicas share the prompts or documents). A NIAH grid or RULER run that reaches the time
 # limit is requeued and goes on with --resume (slurm/common.sh, eval_main); --resume also works on a resubmitted job.

@@ -2,9 +2,9 @@
 """What a checkpoint holds, whether it is complete, and what a run would do with it; its optimizer state re-saved
 for any layout.
 
-    python tools/checkpoint.py info runs/cpt_4m
-    python tools/checkpoint.py info runs/cpt_4m --recipe recipes/cpt_4m.yaml --world-size 128
-    torchrun --nproc_per_node=8 tools/checkpoint.py reshard runs/cpt_4m --out runs/cpt_4m_any   # TP x PP processes
+    python tools/checkpoint.py info checkpoints/cpt_4m
+    python tools/checkpoint.py info checkpoints/cpt_4m --recipe recipes/cpt_4m.yaml --world-size 128
+    torchrun --nproc_per_node=8 tools/checkpoint.py reshard checkpoints/cpt_4m --out checkpoints/cpt_4m_any   # TP x PP processes
 
 See `python tools/checkpoint.py info --help` and `... reshard --help`.
 """

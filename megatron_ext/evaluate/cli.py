@@ -5,7 +5,7 @@ or Megatron checkpoint (the arguments: `cli_args.py`).
     python tools/niah.py --megatron CKPT_DIR --lengths 4K,16K --out runs/niah     # via tools/convert.py
     torchrun --nproc-per-node 8 tools/niah.py --megatron CKPT_DIR --engine megatron --cp 8 --lengths 1M --out runs/niah
     python tools/niah.py ppl --model HF_DIR --text book.txt --out runs/ppl
-    python tools/niah.py ppl --model HF_DIR --indexed data/cpt_text_document --documents 8 --out runs/ppl
+    python tools/niah.py ppl --model HF_DIR --indexed data/cpt --documents 8 --out runs/ppl
     torchrun --nproc-per-node 8 tools/niah.py generate --megatron CKPT_DIR --engine megatron --cp 8 \
         --document book.txt --question "How does it end?" --chat
     python tools/niah.py ruler --model HF_DIR --tasks all --lengths 4K:128K:6 --samples 10 --out runs/ruler

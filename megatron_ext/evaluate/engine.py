@@ -2,7 +2,7 @@
 x CP layout (weights only) and hand the evaluations (`parallel.py`, `ruler.py`, `ask.py`) the model, its HF config
 and tokenizer, with the greedy decoder and the bookkeeping they share.
 
-    with megatron_engine("runs/cpt_1m", context=8) as engine:
+    with megatron_engine("checkpoints/cpt_1m", context=8) as engine:
         new_ids = engine.greedy(16)(prompts)
 """
 
