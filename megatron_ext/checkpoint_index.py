@@ -61,16 +61,16 @@ class _IndexUnpickler(pickle.Unpickler):
     `stubs`: torch's classes become `_Stub`s (same allow-list; torch is not imported).
     """
 
-    def __init__(self, file, stubs: bool = False) -> None:
-        super().__init__(file)
-        self.stubs = stubs
-
     _MODULES = ("torch.distributed.checkpoint.",)
     _TORCH = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last",
               "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
     _OTHER = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
               ("builtins", "slice"), ("torch", "device"),
               ("torch.serialization", "_get_layout")}  # looks a layout up by name in torch
+
+    def __init__(self, file, stubs: bool = False) -> None:
+        super().__init__(file)
+        self.stubs = stubs
 
     def find_class(self, module: str, name: str):
         if module.startswith(self._MODULES) or (module == "torch" and name in self._TORCH) \

@@ -81,7 +81,7 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     return recipe
 
 
-def check_rope_follows(before: Recipe, stage: Recipe) -> None:
+def check_stage_follows(before: Recipe, stage: Recipe) -> None:
     """A stage should start from the checkpoint of the stage before it (a warning when its checkpoint.init_from
     is another), and keep its RoPE: an SFT must (RecipeError: `--stages cpt_4m,sft_4m`, not `sft`, whose rope is
     the 1M model's); a CPT stage may extend it further (a warning)."""
@@ -353,7 +353,7 @@ def submit(args, plan: list[Stage]) -> int:
         # Later stages read what earlier ones write: their paths are checked when they start.
         recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
         if i:
-            check_rope_follows(jobs_params[-1][0], recipe)
+            check_stage_follows(jobs_params[-1][0], recipe)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
     evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 
