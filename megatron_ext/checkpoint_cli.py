@@ -111,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "reshard":
         return _reshard(args)
+    if not args.recipe and (args.overrides or args.world_size is not None):
+        print("error: --set and --world-size describe the run of --recipe; give --recipe FILE too", file=sys.stderr)
+        return 1
     try:
         lines, iteration, meta = describe(Path(args.dir), args.iteration)
         if args.recipe:
             recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
             p = recipe.parallel
-            world = args.world_size or recipe.cluster.nodes * recipe.cluster.gpus_per_node
+            world = args.world_size if args.world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
             dp = world // (p.tensor * p.pipeline * p.context)
             lines.append(f"with {args.recipe} on {world} processes:")
             lines += verdict(plan_resume(meta, iteration, recipe, dp), recipe.train.steps)

@@ -43,7 +43,9 @@ def available_iterations(root: Path) -> list[int]:
         try:
             its.append(int(p.name[5:]))
         except ValueError:
-            pass
+            continue
+        if not p.is_dir():  # a stray file of that name is no iteration
+            its.pop()
     return sorted(its)
 
 

@@ -7,6 +7,8 @@ compares a checkpoint's with the recipe's on a login node.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 from megatron_ext.recipe import Recipe, RopeConfig
 from megatron_ext.rope_spec import ROPE_FIELDS
@@ -80,3 +82,17 @@ def hf_config_from_recipe(recipe: Recipe) -> dict:
     if r.partial_rotary_factor != 1.0:
         cfg["partial_rotary_factor"] = r.partial_rotary_factor
     return cfg
+
+
+def read_config_json(path: str | Path) -> dict:
+    """An HF `config.json` as a dict; ValueError saying what is wrong with the file (not UTF-8, not JSON, not an
+    object of fields) for the caller to name it in its own error."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON {type(raw).__name__}, not an object of config fields")
+    return raw

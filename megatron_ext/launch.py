@@ -127,10 +127,11 @@ class Stage:
 
 
 def stage_recipe(base: str, name: str) -> str:
-    """`sft` -> `<folder of base>/sft.yaml`; a name ending in .yaml/.yml is a path."""
+    """`sft` -> `<folder of base>/sft.yaml` (base: a recipe, or its folder); a name ending in .yaml/.yml is a path."""
     if name.endswith((".yaml", ".yml")):
         return name
-    return str(Path(base).parent / f"{name}.yaml")
+    folder = Path(base) if Path(base).is_dir() else Path(base).parent
+    return str(folder / f"{name}.yaml")
 
 
 def plan_stages(recipe: str, stages: str | None, overrides: list[str]) -> list[Stage]:
@@ -257,13 +258,24 @@ def after(params: dict, job: str) -> dict:
     return dict(params, additional_parameters=extra)
 
 
+def _count(text: str) -> int:
+    """argparse type of a count of nodes, tasks or CPUs: an integer >= 1 (0 used to be dropped unseen)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_ext.launch", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="recipe YAML (the first stage, or the folder of --stages)")
     p.add_argument("--stages", help="comma list of recipe names in the folder of --recipe, run in order")
-    p.add_argument("--nodes", type=int, help="nodes per job (default: the recipe's cluster.nodes)")
+    p.add_argument("--nodes", type=_count, help="nodes per job (default: the recipe's cluster.nodes)")
     p.add_argument("--gpus-per-node", type=int, help="tasks (GPUs) per node (default: cluster.gpus_per_node)")
-    p.add_argument("--cpus-per-task", type=int, help=f"CPUs per task (default: {GPU_CPUS_PER_TASK} "
+    p.add_argument("--cpus-per-task", type=_count, help=f"CPUs per task (default: {GPU_CPUS_PER_TASK} "
                                                                  "on cuda, else Slurm's)")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--account", help="Slurm account")
@@ -279,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for the last stage and print every stage's result")
     p.add_argument("--check", action="store_true", help="only validate the recipe for --world-size tasks "
                                                         "(what slurm/*.sh run before srun)")
-    p.add_argument("--world-size", type=int, help="--check: tasks of the job")
-    p.add_argument("--tasks-per-node", type=int, help="--check: tasks per node")
+    p.add_argument("--world-size", type=int, help="--check: tasks of the job (default: the recipe's cluster size)")
+    p.add_argument("--tasks-per-node", type=_count, help="--check: tasks per node")
     p.add_argument("--claim", action="store_true", help="--check: record this Slurm job as the one writing "
                    "checkpoint.dir; fails while another queued or running job holds it (slurm/*.sh do this)")
     p.add_argument("--get", metavar="KEY", help="print one resolved recipe field (e.g. checkpoint.dir) and exit")
@@ -318,10 +330,11 @@ def resume_report(recipe: Recipe, world_size: int) -> list[str]:
 def run_check(args) -> int:
     """`--check`: validate the recipe for the job, say what it does with its checkpoint, and with `--claim` record
     this Slurm job as the writer of checkpoint.dir (refused while another live job holds it)."""
-    world = args.world_size or 1
-    recipe = check(args.recipe, args.overrides, world, args.tasks_per_node, args.gpus_per_node, paths=True)
+    recipe = check(args.recipe, args.overrides, args.world_size, args.tasks_per_node, args.gpus_per_node, paths=True)
+    world = args.world_size if args.world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    report = resume_report(recipe, world)  # before "ok": a checkpoint the run cannot resume is an error
     print(f"ok: {describe(recipe, world)}", flush=True)
-    for line in resume_report(recipe, world):
+    for line in report:
         print(f"checkpoint: {line}", flush=True)
     if args.claim:  # last: a job that fails a check above leaves no folder behind
         job = os.environ.get("SLURM_JOB_ID")

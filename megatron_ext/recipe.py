@@ -268,9 +268,12 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found; give the path to a .yaml recipe (see recipes/)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text (byte {e.start}); give a .yaml recipe") \
+            from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -19,6 +19,8 @@ def _require(ok: bool, message: str) -> None:
 def validate(recipe: Recipe, world_size: int | None = None) -> None:
     """Cross-field rules that need no hardware; raises `RecipeError` on the first violation."""
     m, p, t, r = recipe.model, recipe.parallel, recipe.train, recipe.runtime
+    _require(world_size is None or world_size >= 1,
+             f"world size = {world_size}: a run has at least 1 process; give --world-size N with N >= 1")
     for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         _require(
             getattr(m, name) is not None,

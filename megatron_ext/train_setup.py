@@ -47,7 +47,15 @@ def check_setup(recipe: Recipe) -> None:
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
                           "(tools/convert.py to-megatron writes one)")
-    if init is not None and not (Path(init) / "latest_checkpointed_iteration.txt").is_file():
+    if init is not None and (Path(init) / "latest_checkpointed_iteration.txt").is_file():
+        from megatron_ext.checkpoint_index import CheckpointError
+        from megatron_ext.checkpoint_layout import resolve_iteration_dir
+
+        try:  # the pointer names a number and an iteration folder that exists
+            resolve_iteration_dir(init)
+        except CheckpointError as e:
+            raise RecipeError(f"checkpoint.init_from = {init!r}: {e}") from None
+    elif init is not None:
         folder = Path(init)  # not a root: one of its iterations, or not a checkpoint
         if not re.fullmatch(r"iter_\d+", folder.name):
             raise RecipeError(f"checkpoint.init_from = {init!r}: no latest_checkpointed_iteration.txt there, so not a "

@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "to-hf" and not (args.max_shard_size_gb * 2**30 >= 1 and math.isfinite(args.max_shard_size_gb)):
         sys.exit(f"error: --max-shard-size-gb {args.max_shard_size_gb}: must be a positive number of GiB per "
                  "safetensors shard (default 5)")
+    if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
+        sys.exit(f"error: --tolerance {args.tolerance}: the largest |logit difference| --verify accepts, a number >= 0 "
+                 "(default 1e-4)")
 
     from megatron_ext.checkpoint import CheckpointError
     from megatron_ext.convert import ConvertError, to_hf, to_megatron

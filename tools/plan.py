@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluation.add_argument("--new-tokens", type=int, default=16, help="decode steps per prompt (default 16, NIAH's "
                             "--max-new-tokens; a model that retrieves with the needle as draft needs none)")
     args = parser.parse_args(argv)
+    if args.recipe_file and args.recipe_opt and args.recipe_file != args.recipe_opt:
+        sys.exit(f"error: two recipes, {args.recipe_file} and --recipe {args.recipe_opt}: give one")
     if args.eval:
         return _plan_eval(args)
     if (args.tp, args.pp, args.cp) != (None, None, None) or (args.prompts, args.new_tokens) != (11, 16):
@@ -148,8 +150,11 @@ def _plan_eval(args) -> int:
     try:
         if path is None:
             raise RecipeError("no recipe given; pass RECIPE or --recipe FILE (see recipes/): its model and layout")
-        if min(args.prompts, args.new_tokens + 1) < 1 or (args.gpus is not None and args.gpus < 1):
-            raise RecipeError("--gpus and --prompts must be >= 1, --new-tokens >= 0")
+        for flag, value, least in (("--gpus", args.gpus, 1), ("--tp", args.tp, 1), ("--pp", args.pp, 1),
+                                   ("--cp", args.cp, 1), ("--prompts", args.prompts, 1),
+                                   ("--new-tokens", args.new_tokens, 0)):
+            if value is not None and value < least:
+                raise RecipeError(f"{flag} = {value}: must be >= {least}")
         try:
             lengths = parse_lengths(args.eval)
         except EvalError as e:
@@ -158,7 +163,8 @@ def _plan_eval(args) -> int:
         gpu = resolve_gpu(args.gpu or recipe.cluster.gpu)
         gpus = args.gpus or recipe.cluster.nodes * recipe.cluster.gpus_per_node
         shape, par = Shape.from_recipe(recipe), recipe.parallel
-        tp, pp, cp = args.tp or par.tensor, args.pp or par.pipeline, args.cp or par.context
+        tp, pp, cp = (given if given is not None else default for given, default in
+                      ((args.tp, par.tensor), (args.pp, par.pipeline), (args.cp, par.context)))
         layout = {"gpus": gpus, "tensor": tp, "pipeline": pp, "mfu": args.mfu, "kernels": kernels_of(recipe),
                   "vocab_rows": padded_vocab(shape.vocab, recipe.model.make_vocab_size_divisible_by, tp)}
         plans = [eval_plan(shape, gpu, n, context=cp, **layout) for n in lengths]

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.workers < 0:
+        sys.exit(f"error: --workers {args.workers}: must be 0 (all cores) or a positive number of tokenizer threads")
     if args.workers > 0:  # must precede the tokenizers library's first parallel call
         os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     # Megatron-Core warns at import about optional GPU libraries; irrelevant to data preparation.

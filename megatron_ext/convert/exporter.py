@@ -10,6 +10,7 @@ from megatron_ext.convert import mapping
 from megatron_ext.convert.hf_io import (
     DTYPES,
     GENERATION_CONFIG,
+    TOKENIZER_FILES,
     ConvertError,
     StreamingSafetensorsWriter,
     check_llama,
@@ -17,6 +18,7 @@ from megatron_ext.convert.hf_io import (
     dtype_name,
     export_config,
     generation_config,
+    tokenizer_files,
 )
 from megatron_ext.convert.dist_reader import TorchDistReader
 from megatron_ext.convert.staging import check_separate, peak_rss_bytes, staged_output
@@ -89,6 +91,9 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     if max_shard_bytes < 1:
         raise ConvertError(f"max_shard_bytes = {max_shard_bytes}: must be positive (--max-shard-size-gb, e.g. 5)")
     check_separate(out, Path(megatron_dir), "--megatron")
+    if tokenizer is not None and not tokenizer_files(Path(tokenizer)):
+        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); give the "
+                           "folder of the model's tokenizer, or leave --tokenizer out for the one recorded at import")
     try:
         iteration, path = resolve_iteration_dir(megatron_dir, iteration)
         meta = read_metadata(path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.hf_config import normalize_hf_config
+from megatron_ext.hf_config import normalize_hf_config, read_config_json
 from megatron_ext.presets import ROPE_PRESETS
 
 
@@ -39,9 +39,9 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not path.is_file():
         raise ConvertError(f"--hf {hf_dir}: no config.json; point --hf at a Hugging Face model folder")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+        raw = read_config_json(path)
+    except ValueError as e:
+        raise ConvertError(f"{path}: {e}") from None
     check_llama(raw, str(path))
     return normalize_hf_config(raw)
 

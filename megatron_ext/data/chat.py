@@ -38,18 +38,49 @@ LLAMA31_CHAT_TEMPLATE = (
 
 
 def resolve_chat_template(spec: str, tokenizer: Any) -> str:
-    """`llama3.1` -> the built-in template; `tokenizer` -> the tokenizer's own; else a Jinja file path."""
+    """`llama3.1` -> the built-in template; `tokenizer` -> the tokenizer's own; else a Jinja file path.
+
+    DataError (naming --chat-template and the file) for an empty file, a Jinja syntax error or a template
+    that renders a conversation as nothing.
+    """
     if spec == "llama3.1":
         return LLAMA31_CHAT_TEMPLATE
     if spec == "tokenizer":
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("--chat-template tokenizer: the tokenizer has no chat_template; "
                             "use --chat-template llama3.1 or a Jinja file")
-        return tokenizer.chat_template
-    path = Path(spec)
-    if not path.is_file():
-        raise DataError(f"--chat-template {spec}: not 'llama3.1', 'tokenizer' or an existing Jinja file")
-    return path.read_text(encoding="utf-8")
+        template = tokenizer.chat_template
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise DataError(f"--chat-template {spec}: not 'llama3.1', 'tokenizer' or an existing Jinja file")
+        try:
+            template = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"--chat-template {spec}: not a UTF-8 text file; pass a Jinja chat template") from None
+        if not template.strip():
+            raise DataError(f"--chat-template {spec}: empty template; write a Jinja chat template into it "
+                            "(one that renders `messages`), or use --chat-template llama3.1 or tokenizer")
+    _check_template(spec, tokenizer, template)
+    return template
+
+
+def _check_template(spec: str, tokenizer: Any, template: str) -> None:
+    """Compile `template` the way transformers does (a trial render): a Jinja syntax error or a template
+    that renders a conversation as nothing is a DataError; errors at render time show up per sample."""
+    import jinja2
+
+    trial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        text = _render(tokenizer, trial, template, False)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(f"--chat-template {spec}: Jinja syntax error at line {e.lineno}: "
+                        f"{' '.join(str(e.message).split())}") from None
+    except Exception:  # noqa: BLE001 - a runtime error (raise_exception, undefined) may be specific to this trial
+        return
+    if not text.strip():
+        raise DataError(f"--chat-template {spec}: the template renders a conversation as empty text; "
+                        "it must output the `messages` (use --chat-template llama3.1 for Llama-3.1's format)")
 
 
 def _render(tokenizer: Any, messages: list[dict], template: str, add_generation_prompt: bool) -> str:

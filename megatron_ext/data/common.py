@@ -60,7 +60,18 @@ def output_paths(prefix: str, with_lossmask: bool = False) -> list[Path]:
 
 
 def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None:
-    """Refuse to overwrite an existing dataset without --force; the output folder must exist."""
+    """Refuse to overwrite an existing dataset without --force; the output folder must exist.
+
+    PREFIX names files, not a folder: 'out/' or an existing folder would write hidden 'out/.bin' etc.
+    """
+    if prefix.endswith(("/", os.sep)) or os.path.basename(prefix) in ("", ".", "..") or Path(prefix).is_dir():
+        files = "PREFIX.bin/.idx" + (", PREFIX_lossmask.bin/.idx" if with_lossmask else "") + " and PREFIX.json"
+        example = os.path.join(os.path.normpath(prefix), "sft" if with_lossmask else "cpt")
+        if not prefix:
+            raise DataError(f"--output '': empty; --output is a file prefix (it writes {files}), e.g. "
+                            f"--output data/{os.path.basename(example)}")
+        raise DataError(f"--output {prefix}: is a folder, but --output is a file prefix (it writes {files}); "
+                        f"name the files inside it, e.g. --output {example}")
     parent = Path(prefix).parent
     if not parent.is_dir():
         raise DataError(f"--output {prefix}: folder {parent} does not exist; create it first")

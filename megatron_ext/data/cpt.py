@@ -211,6 +211,8 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                                             "given") + "; name one of them, or pass --source-field FIELD")
     if max_tokens is not None and max_tokens <= 0:
         raise DataError(f"--max-tokens {max_tokens}: must be positive")
+    if seq_length is not None and seq_length <= 0:
+        raise DataError(f"--seq-length {seq_length}: must be positive")
     check_outputs(output, force)
     tok = load_tokenizer(tokenizer)
     tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup

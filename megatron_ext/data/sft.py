@@ -76,6 +76,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     n_read = n_tokens = n_trained = 0
     max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
     t0 = time.perf_counter()
+    import jinja2
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # after the cheap checks
 
     with atomic_outputs(output, with_lossmask=True) as tmp:
@@ -98,7 +99,14 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             if not any(m["role"] == "assistant" for m in messages):
                 dropped["no_assistant_turn"] += 1
                 continue
-            ids, mask = tokenize_chat(tok, messages, template)
+            try:
+                ids, mask = tokenize_chat(tok, messages, template)
+            except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
+                raise DataError(f"--chat-template {chat_template}: rendering {where} failed ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())}); fix the template or that sample") from None
+            if not ids:
+                raise DataError(f"--chat-template {chat_template}: renders {where} as no tokens; the template "
+                                "must output the conversation's messages")
             if len(ids) > seq_length:
                 dropped["too_long"] += 1
                 continue

@@ -149,13 +149,25 @@ def iter_rows(inputs: list[str], stats: ReadStats) -> Iterator[tuple[str, str, d
 
 def iter_texts(inputs: list[str], text_field: str, source_field: str | None,
                stats: ReadStats) -> Iterator[tuple[str, str]]:
-    """Yield (source, text) per document; DataError on a missing text/source field."""
+    """Yield (source, text) per document. DataError on a missing text/source field, and on a text field that holds
+    no string (a number, a dict: the wrong field, which was skipped as an empty line, line after line); an empty
+    string or null is an empty document, counted and skipped."""
     for name, where, row in iter_rows(inputs, stats):
         try:
             text = get_field(row, text_field)
         except KeyError:
             raise DataError(f"{where}: no field '{text_field}' (fields: {', '.join(sorted(row))}); "
                             "pass --text-field NAME") from None
+        if text is not None and not isinstance(text, str):
+            kind = type(text).__name__
+            kind = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+            hint = ""
+            if isinstance(text, dict) and text:
+                keys = sorted(map(str, text))
+                kind += f" (holding {', '.join(keys)})"
+                hint = f"; a dotted name such as {text_field}.{keys[0]} reaches inside a dict"
+            raise DataError(f"{where}: field '{text_field}' is {kind}, not a string; give --text-field the name of "
+                            f"the text field (fields: {', '.join(sorted(row))}{hint})")
         if source_field:
             try:
                 source = str(get_field(row, source_field))
@@ -164,7 +176,7 @@ def iter_texts(inputs: list[str], text_field: str, source_field: str | None,
                                 "fix --source-field or omit it (then the input name is the source)") from None
         else:
             source = name
-        if not isinstance(text, str) or not text:
+        if not text:
             stats.skip("empty", where)
             continue
         yield source, text

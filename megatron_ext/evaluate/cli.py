@@ -44,11 +44,16 @@ def _model(args):
         return
     # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds.
     tokenizer = _megatron_tokenizer(args)
+    made = args.out is not None and not args.out.exists()
     if args.out is not None:  # beside the results: the same file system, removed with the directory
         args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
-        print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", file=sys.stderr)
-        yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype, tokenizer)
+    try:
+        with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
+            print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", file=sys.stderr)
+            yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype, tokenizer)
+    finally:
+        if made and not any(args.out.iterdir()):  # a failed conversion leaves no empty --out behind
+            args.out.rmdir()
 
 
 def _megatron_tokenizer(args):

@@ -145,6 +145,12 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     if not (path / "config.json").is_file():
         raise EvalError(f"model directory {path} has no config.json: it is not a Hugging Face checkpoint "
                         "(for a Megatron checkpoint use --megatron DIR)")
+    from megatron_ext.hf_config import read_config_json
+
+    try:
+        read_config_json(path / "config.json")
+    except ValueError as e:
+        raise EvalError(f"{path / 'config.json'}: {e}") from None
     dev = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
     if tokenizer is None:
@@ -155,7 +161,13 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
 
     # `dtype=` since transformers 4.56; `torch_dtype=` before (older versions ignore unknown names).
     dtype_key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **{dtype_key: torch_dtype})
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **{dtype_key: torch_dtype})
+    except (OSError, ValueError, SafetensorError) as e:  # weights missing, cut short, or of another shape
+        raise EvalError(f"model directory {path}: cannot load the model's weights ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())}); give a complete Hugging Face model folder") from None
     return model.to(dev).eval(), tokenizer
 
 
@@ -184,5 +196,5 @@ def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise EvalError(f"converting {megatron_dir} to HF failed: {tail[0]}; {hint}")
+        raise EvalError(f"converting {megatron_dir} to HF failed: {tail[0].removeprefix('error: ')}; {hint}")
     return out_dir

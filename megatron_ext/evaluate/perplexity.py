@@ -101,6 +101,13 @@ def indexed_documents(prefix: str | Path, max_documents: int | None = None) -> l
                         "tools/prepare_data.py (the path without .bin/.idx)")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    from megatron_ext.data import DataError
+    from megatron_ext.data.dataset_files import check_complete
+
+    try:
+        check_complete(prefix)  # Megatron-Core's reader fails on a cut or foreign file with a bare traceback
+    except DataError as e:
+        raise EvalError(f"--indexed: {e}") from None
     ds = IndexedDataset(prefix)
     bounds = ds.document_indices  # [D+1] sequence index where each document starts
     lengths = np.add.reduceat(ds.sequence_lengths, bounds[:-1]) if len(bounds) > 1 else np.zeros(0, np.int64)

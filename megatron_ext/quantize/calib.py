@@ -29,11 +29,14 @@ def _indexed_documents(prefix: str) -> tuple[Iterator[np.ndarray], int, int]:
     """Documents of a Megatron indexed dataset, read lazily; also its document and token counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    from megatron_ext.data import DataError
+    from megatron_ext.data.dataset_files import check_complete
+
     try:
-        ds = IndexedDataset(prefix)
-    except Exception as e:  # a truncated or foreign file: name it, do not dump a traceback
-        raise QuantizeError(f"cannot read the indexed dataset {prefix}.bin/.idx ({type(e).__name__}: {e}): "
-                            "rebuild it with tools/prepare_data.py") from None
+        check_complete(prefix)  # Megatron-Core's reader fails on a cut or foreign file with a bare traceback
+    except DataError as e:
+        raise QuantizeError(f"--calib: {e}") from None
+    ds = IndexedDataset(prefix)
     # copies: ds[i] is a view into ds's memory map, which closes when ds is collected
     return (np.array(ds[i], dtype=np.int64) for i in range(len(ds))), len(ds), int(np.sum(ds.sequence_lengths))
 

@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     """Quantize, check, export and report; returns the exit status (1: the check failed)."""
     from megatron_ext.quantize import calib, check, fp8, report
 
+    for flag, limit in (("--max-ppl-increase", args.max_ppl_increase), ("--max-logits-rel-err", args.max_logits_rel_err)):
+        if not limit >= 0:  # nan too
+            raise QuantizeError(f"{flag} {limit}: a limit of the --check comparison, a number >= 0")
     hf_cfg = fp8.read_hf_config(args.hf)
     version, mtq, _ = fp8.modelopt()
     fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading

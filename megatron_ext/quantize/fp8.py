@@ -47,10 +47,12 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     if not path.is_file():
         raise QuantizeError(f"--hf {hf_dir}: no config.json there; pass a Hugging Face model directory "
                             "(tools/convert.py to-hf writes one)")
+    from megatron_ext.hf_config import read_config_json
+
     try:
-        cfg = json.loads(path.read_text())
+        cfg = read_config_json(path)
     except ValueError as e:
-        raise QuantizeError(f"{path} is not valid JSON ({e})") from None
+        raise QuantizeError(f"{path}: {e}") from None
     arch = cfg.get("architectures")
     if not arch:
         raise QuantizeError(f"{path} has no \"architectures\" field, which ModelOpt's export needs to name the "
@@ -93,10 +95,15 @@ def quant_config(mtq, weights: str = "fp8", kv_cache: str = "fp8", version: str 
 
 def load_model(hf_dir: str | Path, dtype: str = "auto", device: str | None = None):
     """The HF model in eval mode (`dtype` "auto": as stored) on `device` (default: cuda if available)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype)
+    except (OSError, ValueError, SafetensorError) as e:  # weights missing, cut short, or of another shape
+        raise QuantizeError(f"--hf {hf_dir}: cannot load the model's weights ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())}); give a complete Hugging Face model folder") from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval()
 
@@ -109,7 +116,7 @@ def load_tokenizer(path: str | Path, required: bool = False):
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
         if required:
-            raise QuantizeError(f"--tokenizer {path}: cannot load a tokenizer ({e})") from None
+            raise QuantizeError(f"--tokenizer {path}: cannot load a tokenizer ({' '.join(str(e).split())})") from None
         return None
 
 

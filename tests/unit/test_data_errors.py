@@ -183,3 +183,86 @@ def test_max_tokens_help_says_documents_are_not_cut():
     cpt = next(a for a in prepare_data._parser()._actions if a.dest == "cmd").choices["cpt"]
     help_ = next(a.help for a in cpt._actions if a.dest == "max_tokens")
     assert "stop after the document" in help_ and "never cut" in help_ and "exceed it" in help_
+
+
+def test_sft_bad_chat_template_file(tmp_path, tok_dir):
+    """An empty template file died with `ValueError: max() arg is an empty sequence`, a malformed one with a
+    jinja2 TemplateSyntaxError traceback: one line naming --chat-template, the file and the Jinja error now."""
+    chats = toy.write_jsonl(tmp_path / "chats.jsonl", toy.synthetic_chats(4, seed=0))
+    base = ["sft", "--input", str(chats), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
+            "--seq-length", "256", "--quiet", "--chat-template"]
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("\n")
+    assert _fail(base + [str(empty)]) == (
+        f"error: --chat-template {empty}: empty template; write a Jinja chat template into it (one that renders "
+        "`messages`), or use --chat-template llama3.1 or tokenizer")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content ")
+    assert _fail(base + [str(broken)]) == (
+        f"error: --chat-template {broken}: Jinja syntax error at line 2: unexpected end of template, expected "
+        "'end of print statement'.")
+    silent = tmp_path / "silent.jinja"
+    silent.write_text("{# renders nothing #}")
+    assert _fail(base + [str(silent)]) == (
+        f"error: --chat-template {silent}: the template renders a conversation as empty text; it must output the "
+        "`messages` (use --chat-template llama3.1 for Llama-3.1's format)")
+    raising = tmp_path / "raising.jinja"
+    raising.write_text("{{ raise_exception('roles must alternate') }}")
+    assert _fail(base + [str(raising)]) == (
+        f"error: --chat-template {raising}: rendering {chats}:1 failed (TemplateError: roles must alternate); "
+        "fix the template or that sample")
+    assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["cpt", "sft"])
+def test_output_must_be_a_prefix_not_a_folder(tmp_path, tok_dir, corpus, kind):
+    """`--output O/` (or an existing folder O) exited 0 having written hidden files O/.bin, O/.idx, O/.json."""
+    if kind == "cpt":
+        argv = ["cpt", "--input", str(corpus)]
+        files = "PREFIX.bin/.idx and PREFIX.json"
+    else:
+        argv = ["sft", "--input", str(toy.write_jsonl(tmp_path / "chats.jsonl", toy.synthetic_chats(4, seed=0))),
+                "--seq-length", "256"]
+        files = "PREFIX.bin/.idx, PREFIX_lossmask.bin/.idx and PREFIX.json"
+    argv += ["--tokenizer", str(tok_dir), "--quiet", "--output"]
+    (tmp_path / "out").mkdir()
+    for output in (f"{tmp_path / 'out'}/", str(tmp_path / "out"), f"{tmp_path / 'out'}/."):
+        assert _fail(argv + [output]) == (
+            f"error: --output {output}: is a folder, but --output is a file prefix (it writes {files}); name the "
+            f"files inside it, e.g. --output {tmp_path / 'out' / kind}")
+    assert list((tmp_path / "out").iterdir()) == []
+    assert _fail(argv + [""]) == f"error: --output '': empty; --output is a file prefix (it writes {files}), " \
+                                 f"e.g. --output data/{kind}"
+    assert _left(tmp_path) == ["out"]
+
+
+def test_cpt_bad_seq_length_and_workers(tmp_path, tok_dir, corpus):
+    """cpt accepted --seq-length 0 / -1 (sft refuses them) and --workers -1 with exit 0."""
+    base = ["cpt", "--input", str(corpus), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    for n in ("0", "-1"):
+        assert _fail(base + ["--seq-length", n]) == f"error: --seq-length {n}: must be positive"
+    for kind in ("cpt", "sft"):
+        argv = [kind, "--input", str(corpus), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
+                "--seq-length", "64", "--workers", "-1"]
+        assert _fail(argv) == "error: --workers -1: must be 0 (all cores) or a positive number of tokenizer threads"
+    assert _left(tmp_path) == []
+
+
+def test_cpt_text_field_of_the_wrong_type(tmp_path, tok_dir):
+    """A number in the text field, or --text-field naming a dict, skipped every line as 'empty' and ended in
+    'empty corpus (N empty)': the first such line is the error now. JSON null stays an empty document."""
+    base = ["cpt", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    nums = toy.write_jsonl(tmp_path / "nums.jsonl", [{"text": "fine text"}] + [{"text": 5}] * 20)
+    assert _fail(base + ["--input", str(nums)]) == (
+        f"error: {nums}:2: field 'text' is an int, not a string; give --text-field the name of the text field "
+        "(fields: text)")
+    rows = toy.write_jsonl(tmp_path / "rows.jsonl", [{"body": "hello world", "meta": {"source": "web", "lang": "en"}}])
+    assert _fail(base + ["--input", str(rows), "--text-field", "meta"]) == (
+        f"error: {rows}:1: field 'meta' is a dict (holding lang, source), not a string; give --text-field the name "
+        "of the text field (fields: body, meta; a dotted name such as meta.lang reaches inside a dict)")
+    lists = toy.write_jsonl(tmp_path / "lists.jsonl", [{"text": ["a", "b"]}])
+    assert "field 'text' is a list, not a string" in _fail(base + ["--input", str(lists)])
+    assert _left(tmp_path) == []
+    nulls = toy.write_jsonl(tmp_path / "nulls.jsonl", [{"text": None}, {"text": "hello world"}])
+    assert prepare_data.main(base + ["--input", str(nulls)]) == 0
+    assert _left(tmp_path) == ["out.bin", "out.idx", "out.json"]

@@ -1,0 +1,186 @@
+"""User mistakes a fuzzing pass over the tools found ending in a traceback, in a silent exit 0, or in a misleading
+message (2026-12-01): each now ends in one error naming the file or flag, the value and the fix."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.recipe import RecipeError, load_recipe
+from tests.conftest import ROOT
+from tests.unit.test_convert_fixtures import make_hf_model
+
+sys.path.insert(0, str(ROOT / "tools"))
+import convert as convert_cli  # noqa: E402  (tools/convert.py)
+import plan as plan_cli  # noqa: E402  (tools/plan.py)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("user_errors") / "hf")
+
+
+@pytest.fixture(scope="module")
+def hf_with_tokenizer(tmp_path_factory) -> Path:
+    from tests.unit.test_evaluate import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("user_errors_tok"))
+
+
+def broken_copy(hf: Path, tmp_path: Path, name: str) -> Path:
+    out = tmp_path / name
+    shutil.copytree(hf, out)
+    return out
+
+
+def test_a_config_json_that_is_not_an_object(hf, tmp_path):
+    """`[1, 2]` as config.json: AttributeError ('list' object has no attribute 'get') in convert and quantize, a
+    TypeError from transformers in niah."""
+    from megatron_ext.convert import ConvertError
+    from megatron_ext.convert.hf_io import read_hf_config
+    from megatron_ext.evaluate import EvalError
+    from megatron_ext.evaluate.loading import load_hf
+    from megatron_ext.quantize import QuantizeError
+    from megatron_ext.quantize.fp8 import read_hf_config as quantize_config
+
+    bad = broken_copy(hf, tmp_path, "list")
+    (bad / "config.json").write_text("[1, 2]")
+    said = rf"{bad}/config.json: a JSON list, not an object of config fields"
+    for call, error in ((read_hf_config, ConvertError), (quantize_config, QuantizeError), (load_hf, EvalError)):
+        with pytest.raises(error, match=said):
+            call(bad)
+    (bad / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConvertError, match=r"config\.json: not UTF-8 text \(byte 0\)"):
+        read_hf_config(bad)
+
+
+def test_weights_missing_or_cut_short(hf_with_tokenizer, tmp_path):
+    """niah and quantize loaded them through transformers and ended in its OSError or SafetensorError."""
+    from megatron_ext.evaluate import EvalError
+    from megatron_ext.evaluate.loading import load_hf
+    from megatron_ext.quantize import QuantizeError
+    from megatron_ext.quantize.fp8 import load_model
+
+    hf = hf_with_tokenizer
+    load_hf(hf, device="cpu")  # the control: the folder as saved loads
+    gone = broken_copy(hf, tmp_path, "gone")
+    (gone / "model.safetensors").unlink()
+    cut = broken_copy(hf, tmp_path, "cut")
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-5000])
+    for folder, why in ((gone, r"OSError: .*no file named model\.safetensors"), (cut, r"SafetensorError: ")):
+        with pytest.raises(EvalError, match=rf"model directory {folder}: cannot load the model's weights \({why}"):
+            load_hf(folder, device="cpu")
+        with pytest.raises(QuantizeError, match=rf"--hf {folder}: cannot load the model's weights \({why}"):
+            load_model(folder, device="cpu")
+
+
+def test_a_recipe_that_is_not_text_and_a_world_of_no_processes(tmp_path, capsys):
+    from megatron_ext import checkpoint_cli, launch
+
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(RecipeError, match=r"binary\.yaml' is not UTF-8 text \(byte 1\); give a \.yaml recipe"):
+        load_recipe(binary)
+    with pytest.raises(RecipeError, match=r"world size = 0: a run has at least 1 process; give --world-size N"):
+        load_recipe(ROOT / "recipes/tiny/cpt.yaml", world_size=0)  # was ZeroDivisionError
+    assert launch.main(["--check", "--recipe", str(ROOT / "recipes/tiny/cpt.yaml"), "--world-size", "-2"]) == 1
+    assert "world size = -2: a run has at least 1 process" in capsys.readouterr().err  # was about profile.ranks
+    assert checkpoint_cli.main(["info", str(tmp_path), "--set", "train.steps=1"]) == 1  # was ignored, exit 0
+    assert capsys.readouterr().err == "error: --set and --world-size describe the run of --recipe; give --recipe FILE too\n"
+
+
+def test_corrupt_indexed_data_for_perplexity_and_calibration(tmp_path, token_data):
+    """`niah.py ppl --indexed` and `quantize.py --calib` opened it with Megatron-Core's reader: an AssertionError
+    or ValueError, and a second traceback from its __del__."""
+    from megatron_ext.evaluate import EvalError
+    from megatron_ext.evaluate.perplexity import indexed_documents
+    from megatron_ext.quantize import QuantizeError
+    from megatron_ext.quantize.calib import load_windows
+
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(token_data + suffix, tmp_path / ("c" + suffix))
+    prefix = str(tmp_path / "c")
+    assert len(indexed_documents(prefix)) == 120  # the control
+    Path(prefix + ".idx").write_bytes(b"garbage!")
+    with pytest.raises(EvalError, match=r"--indexed: data prefix .*/c: .*/c\.idx is truncated or corrupt \(8 bytes"):
+        indexed_documents(prefix)
+    with pytest.raises(QuantizeError, match=r"--calib: data prefix .*/c: .*/c\.idx is truncated or corrupt"):
+        load_windows(prefix, samples=1, seq_length=64)
+
+
+def test_convert_options_checked_before_the_work(hf, tmp_path, cpu_parallel_state, capsys):
+    """to-hf --tokenizer of a folder without one wrote the model and warned (exit 0); a negative --tolerance ran
+    the whole conversion to fail its own check."""
+    mc = tmp_path / "mc"
+    assert convert_cli.main(["to-megatron", "--hf", str(hf), "--out", str(mc), "--no-progress"]) == 0
+    (tmp_path / "empty").mkdir()
+    for tok in ("nope", "empty"):
+        with pytest.raises(SystemExit, match=rf"^error: --tokenizer {tmp_path / tok}: no tokenizer files there "
+                                             r"\(tokenizer\.json, .*\); give the folder of the model's tokenizer"):
+            convert_cli.main(["to-hf", "--megatron", str(mc), "--out", str(tmp_path / "o"), "--tokenizer",
+                              str(tmp_path / tok)])
+    with pytest.raises(SystemExit, match=r"^error: --tolerance -1\.0: the largest \|logit difference\| --verify "):
+        convert_cli.main(["to-hf", "--megatron", str(mc), "--out", str(tmp_path / "o"), "--tolerance", "-1"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_plan_refuses_what_it_used_to_drop(capsys):
+    """--tp 0 planned with TP 1; two recipes planned the second."""
+    for flag in ("--tp", "--pp", "--cp", "--prompts"):
+        with pytest.raises(SystemExit, match=rf"^error: .*cpt\.yaml: {flag} = 0: must be >= 1$"):
+            plan_cli.main(["recipes/tiny/cpt.yaml", "--gpu", "h100", "--eval", "4K", flag, "0"])
+    with pytest.raises(SystemExit, match=r"^error: two recipes, a\.yaml and --recipe b\.yaml: give one$"):
+        plan_cli.main(["a.yaml", "--recipe", "b.yaml"])
+
+
+def test_launch_counts_and_a_folder_as_recipe(capsys, monkeypatch):
+    """--nodes 0 / --cpus-per-task 0 were dropped (the recipe's values submitted); `--recipe FOLDER --stages`, as
+    its help says, looked in the folder's parent."""
+    from megatron_ext import launch
+
+    monkeypatch.chdir(ROOT)
+    for flag in ("--nodes", "--cpus-per-task", "--tasks-per-node"):
+        with pytest.raises(SystemExit) as exit_:
+            launch.main(["--dry-run", "--recipe", "recipes/tiny/cpt.yaml", flag, "0"])
+        assert exit_.value.code == 2 and f"argument {flag}: 0: must be >= 1" in capsys.readouterr().err
+    assert launch.main(["--dry-run", "--recipe", "recipes/tiny", "--stages", "cpt,sft"]) == 0
+    assert "stage 2/2 sft: recipes/tiny/sft.yaml" in capsys.readouterr().out
+
+
+def test_init_from_whose_pointer_is_garbage(tmp_path, token_data):
+    """The preflight said ok; the run failed after building the model."""
+    from megatron_ext.checkpoint_layout import available_iterations
+    from megatron_ext.train_setup import check_setup
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000002").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("abc\n")
+    run = ["parallel.context=1", "train.seq_length=256", "train.global_batch_size=2", f"data.prefix={token_data}",
+           f"checkpoint.dir={tmp_path / 'run'}", f"checkpoint.init_from={root}"]
+    with pytest.raises(RecipeError, match=r"checkpoint\.init_from = '.*ckpt': .*latest_checkpointed_iteration\.txt: "
+                                          r"expected an iteration number, found 'abc'"):
+        check_setup(load_recipe(ROOT / "recipes/tiny/cpt.yaml", run, world_size=1))
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+    with pytest.raises(RecipeError, match=r"has no iteration 3 \(iter_0000003\); available: \[2\]"):
+        check_setup(load_recipe(ROOT / "recipes/tiny/cpt.yaml", run, world_size=1))
+    (root / "iter_0000003").write_text("a file, not a save")
+    assert available_iterations(root) == [2]  # was [2, 3]: "no iteration 3 ... available: [2, 3]"
+
+
+def test_niah_of_a_bad_megatron_checkpoint_leaves_no_folder(tmp_path):
+    """It said 'converting ... failed: error: ...' and left the empty --out it had made for the conversion."""
+    from megatron_ext.evaluate.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("abc\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--megatron", str(ckpt), "--out", str(tmp_path / "out"), "--device", "cpu", "--lengths", "128"])
+    said = str(exit_.value.code)
+    assert said.startswith(f"error: converting {ckpt} to HF failed: {ckpt}/latest_checkpointed_iteration.txt: "
+                           "expected an iteration number"), said
+    assert not (tmp_path / "out").exists()
