@@ -43,6 +43,10 @@ def check_setup(recipe: Recipe) -> None:
             check_sft_masks(prefix) if recipe.train.stage == "sft" else check_complete(prefix)
         except DataError as e:
             raise RecipeError(str(e)) from None
+    tok = recipe.model.tokenizer
+    if tok is not None and (tok.startswith((".", "/", "~")) or tok.count("/") > 1) and not Path(tok).expanduser().is_dir():
+        # a path, not a hub name: the checkpoint records it for the export and the evaluation, which would not find it
+        raise RecipeError(f"model.tokenizer = {tok!r}: no such folder; give the model's tokenizer folder or hub name")
     init = recipe.checkpoint.init_from
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "

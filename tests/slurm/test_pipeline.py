@@ -33,11 +33,6 @@ def test_dry_run_chains_four_jobs_with_afterok():
     assert all("--dependency=afterok:\\<" in job and "--kill-on-invalid-dep=yes" in job for job in (cpt, sft, export))
 
 
-def test_sft_after_longer_cpt_needs_its_own_recipe():
-    proc = pipeline("--dry-run", "--cpt", "cpt_4m")
-    assert proc.returncode == 1 and "--sft-recipe" in proc.stderr
-
-
 def test_bad_override_fails_at_submission():
     proc = pipeline("--dry-run", "train.bogus=1")
     assert proc.returncode != 0 and "bogus" in proc.stderr

@@ -171,6 +171,20 @@ def test_init_from_whose_pointer_is_garbage(tmp_path, token_data):
     assert available_iterations(root) == [2]  # was [2, 3]: "no iteration 3 ... available: [2, 3]"
 
 
+def test_a_tokenizer_path_that_is_not_there(tmp_path, token_data, toy_tokenizer):
+    """The checkpoint records model.tokenizer for the export and the evaluation; a path that is not there passed
+    the preflight. A hub name cannot be checked offline and passes."""
+    from megatron_ext.train_setup import check_setup
+
+    run = ["parallel.context=1", "train.seq_length=256", "train.global_batch_size=2", f"data.prefix={token_data}",
+           f"checkpoint.dir={tmp_path / 'run'}"]
+    for tok in (toy_tokenizer, "meta-llama/Llama-3.1-8B-Instruct"):
+        check_setup(load_recipe(ROOT / "recipes/tiny/cpt.yaml", [*run, f"model.tokenizer={tok}"], world_size=1))
+    with pytest.raises(RecipeError, match=rf"model\.tokenizer = '{tmp_path}/nope': no such folder"):
+        check_setup(load_recipe(ROOT / "recipes/tiny/cpt.yaml", [*run, f"model.tokenizer={tmp_path}/nope"],
+                                world_size=1))
+
+
 def test_niah_of_a_bad_megatron_checkpoint_leaves_no_folder(tmp_path):
     """It said 'converting ... failed: error: ...' and left the empty --out it had made for the conversion."""
     from megatron_ext.evaluate.cli import main
