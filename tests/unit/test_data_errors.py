@@ -191,26 +191,20 @@ def test_sft_bad_chat_template_file(tmp_path, tok_dir):
     chats = toy.write_jsonl(tmp_path / "chats.jsonl", toy.synthetic_chats(4, seed=0))
     base = ["sft", "--input", str(chats), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
             "--seq-length", "256", "--quiet", "--chat-template"]
-    empty = tmp_path / "empty.jinja"
-    empty.write_text("\n")
-    assert _fail(base + [str(empty)]) == (
-        f"error: --chat-template {empty}: empty template; write a Jinja chat template into it (one that renders "
-        "`messages`), or use --chat-template llama3.1 or tokenizer")
-    broken = tmp_path / "broken.jinja"
-    broken.write_text("{% for m in messages %}\n{{ m.content ")
-    assert _fail(base + [str(broken)]) == (
-        f"error: --chat-template {broken}: Jinja syntax error at line 2: unexpected end of template, expected "
-        "'end of print statement'.")
-    silent = tmp_path / "silent.jinja"
-    silent.write_text("{# renders nothing #}")
-    assert _fail(base + [str(silent)]) == (
-        f"error: --chat-template {silent}: the template renders a conversation as empty text; it must output the "
-        "`messages` (use --chat-template llama3.1 for Llama-3.1's format)")
-    raising = tmp_path / "raising.jinja"
-    raising.write_text("{{ raise_exception('roles must alternate') }}")
-    assert _fail(base + [str(raising)]) == (
-        f"error: --chat-template {raising}: rendering {chats}:1 failed (TemplateError: roles must alternate); "
-        "fix the template or that sample")
+    cases = [
+        ("empty", "\n", "empty template; write a Jinja chat template into it (one that renders `messages`), or use "
+                        "--chat-template llama3.1 or tokenizer"),
+        ("broken", "{% for m in messages %}\n{{ m.content ",
+         "Jinja syntax error at line 2: unexpected end of template, expected 'end of print statement'."),
+        ("silent", "{# renders nothing #}", "the template renders a conversation as empty text; it must output the "
+                                            "`messages` (use --chat-template llama3.1 for Llama-3.1's format)"),
+        ("raising", "{{ raise_exception('roles must alternate') }}",
+         f"rendering {chats}:1 failed (TemplateError: roles must alternate); fix the template or that sample"),
+    ]
+    for name, text, said in cases:
+        template = tmp_path / f"{name}.jinja"
+        template.write_text(text)
+        assert _fail(base + [str(template)]) == f"error: --chat-template {template}: {said}"
     assert _left(tmp_path) == []
 
 
