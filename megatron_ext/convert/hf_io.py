@@ -34,7 +34,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def read_hf_config(hf_dir: Path) -> dict:
     """`config.json` of a Llama checkpoint, normalised to the transformers-4 form, after support checks."""
     if not hf_dir.is_dir():
-        raise ConvertError(f"--hf {hf_dir}: directory does not exist")
+        raise ConvertError(f"--hf {hf_dir}: " + ("is a file, not a folder" if hf_dir.exists() else "directory does not exist")
+                           + "; give a Hugging Face model folder")
     path = hf_dir / "config.json"
     if not path.is_file():
         raise ConvertError(f"--hf {hf_dir}: no config.json; point --hf at a Hugging Face model folder")

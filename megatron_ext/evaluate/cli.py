@@ -22,7 +22,7 @@ from pathlib import Path
 
 from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers, validate_args
 from megatron_ext.evaluate.errors import EvalError, RankError
-from megatron_ext.evaluate.io import read_utf8
+from megatron_ext.evaluate.io import not_there, read_utf8
 from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
@@ -88,7 +88,7 @@ def _check_haystack(args) -> None:
     if args.haystack is None:
         return
     if not args.haystack.is_file():
-        raise EvalError(f"--haystack {args.haystack} does not exist: give a UTF-8 text file, or omit --haystack "
+        raise EvalError(f"--haystack {args.haystack} {not_there(args.haystack)}: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
     read_utf8(args.haystack, "--haystack")
 
@@ -227,9 +227,9 @@ def _run_ppl(args) -> None:
     from megatron_ext.evaluate.perplexity import indexed_documents, perplexity_by_position
 
     if args.text:
-        missing = [str(t) for t in args.text if not t.is_file()]
+        missing = [f"{t} {not_there(t)}" for t in args.text if not t.is_file()]
         if missing:
-            raise EvalError(f"--text: {', '.join(missing)} does not exist: give UTF-8 text files (one document each)")
+            raise EvalError(f"--text: {', '.join(missing)}: give UTF-8 text files (one document each)")
         for t in args.text:  # before the model is loaded
             read_utf8(t, "--text")
     docs = indexed_documents(args.indexed, args.documents) if args.indexed else None
@@ -274,7 +274,7 @@ def _run_generate(args) -> None:
     if args.document is None and args.question is None:
         raise EvalError("nothing to ask: give --document FILE and/or --question TEXT")
     if args.document is not None and not args.document.is_file():
-        raise EvalError(f"--document {args.document}: no such file; give a UTF-8 text file")
+        raise EvalError(f"--document {args.document} {not_there(args.document)}: give a UTF-8 text file")
     document = read_utf8(args.document, "--document") if args.document is not None else ""
     common = {"chat": args.chat, "max_new_tokens": args.max_new_tokens, "force": args.force}
     if _megatron_engine(args):

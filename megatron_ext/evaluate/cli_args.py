@@ -184,6 +184,8 @@ def _check_out(out: Path | None) -> None:
 def validate_args(command: str, args: argparse.Namespace) -> None:
     """User mistakes argparse lets through, found before a model is loaded, as EvalError; turns --seq-len
     (e.g. 64K) into an int."""
+    for flag in ("--tp", "--pp", "--cp"):
+        _at_least(flag, getattr(args, flag[2:], None), 1, "a parallel size of the Megatron engine")
     if command in ("niah", "ruler"):
         _at_least("--samples", args.samples, 1, "prompts per cell")
         _at_least("--batch-tokens", args.batch_tokens, 1, "prompt tokens per batch")

@@ -79,3 +79,10 @@ def read_utf8(path: Path, flag: str) -> str:
     except UnicodeDecodeError as e:
         raise EvalError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file") \
             from None
+
+
+def not_there(path: Path, want: str = "file") -> str:
+    """Why `path` is not the file (or folder, `want`) asked for: 'does not exist', or what it is instead."""
+    if not path.exists():
+        return "does not exist"
+    return "is a folder, not a file" if want == "file" else "is a file, not a folder"

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.io import not_there
 
 ROOT = Path(__file__).resolve().parents[2]
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -140,7 +141,7 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
 
     path = Path(path)
     if not path.is_dir():
-        raise EvalError(f"model directory {path} does not exist: give a Hugging Face model directory "
+        raise EvalError(f"model directory {path} {not_there(path, 'folder')}: give a Hugging Face model directory "
                         "(config.json, *.safetensors, tokenizer files)")
     if not (path / "config.json").is_file():
         raise EvalError(f"model directory {path} has no config.json: it is not a Hugging Face checkpoint "

@@ -198,3 +198,38 @@ def test_niah_of_a_bad_megatron_checkpoint_leaves_no_folder(tmp_path):
     assert said.startswith(f"error: converting {ckpt} to HF failed: {ckpt}/latest_checkpointed_iteration.txt: "
                            "expected an iteration number"), said
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_where_a_folder_belongs_and_the_other_way(tmp_path, capsys):
+    """Both were reported as 'does not exist' although the path is there."""
+    from megatron_ext.convert import ConvertError
+    from megatron_ext.convert.hf_io import read_hf_config
+    from megatron_ext.evaluate import EvalError
+    from megatron_ext.evaluate.cli import main
+    from megatron_ext.evaluate.loading import load_hf
+
+    a_file, a_folder = tmp_path / "file.txt", tmp_path / "folder"
+    a_file.write_text("x")
+    a_folder.mkdir()
+    with pytest.raises(ConvertError, match=rf"--hf {a_file}: is a file, not a folder; give a Hugging Face model"):
+        read_hf_config(a_file)
+    with pytest.raises(EvalError, match=rf"model directory {a_file} is a file, not a folder"):
+        load_hf(a_file)
+    for flag in ("--haystack", "--document"):
+        args = (["generate", "--question", "q"] if flag == "--document" else []) + \
+            ["--model", str(tmp_path), "--out", str(tmp_path / "o"), flag, str(a_folder)]
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert str(exit_.value.code).startswith(f"error: {flag} {a_folder} is a folder, not a file: give a UTF-8 "), \
+            exit_.value.code
+
+
+def test_engine_parallel_sizes_below_one(capsys):
+    """--tp 0 said '--tp 0 x --pp 1 x --cp 1 must divide the 1 processes'."""
+    from megatron_ext.evaluate.cli import main
+
+    for flag in ("--tp", "--pp", "--cp"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--megatron", "ckpt", "--engine", "megatron", flag, "0", "--out", "o"])
+        assert exit_.value.code == f"error: {flag} 0: must be >= 1 (a parallel size of the Megatron engine)"
+
