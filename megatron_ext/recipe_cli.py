@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m megatron_ext.recipe check FILE... [--world-size N] [--set KEY=VALUE ...] [--fields]`."""
     import argparse
     import sys
+    from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.recipe", description="Validate recipes and print the resolved recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for file in args.files:
         try:
+            if "=" in file and not Path(file).exists():
+                raise RecipeError(f"not a recipe file but an override, it seems; give overrides with --set {file}")
             recipe = load_recipe(file, args.overrides, world_size=args.world_size)
         except RecipeError as e:
             print(f"error: {file}: {e}", file=sys.stderr)

@@ -26,6 +26,11 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             getattr(m, name) is not None,
             f"model.{name}: missing required field; set it, or set model.preset ({sorted(PRESETS)}) or model.hf_config",
         )
+    for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
+        v = getattr(m, name)
+        _require(v is None or v >= 1, f"model.{name} = {v}: must be >= 1")
+    _require(m.rms_norm_eps > 0, f"model.rms_norm_eps = {m.rms_norm_eps}: must be > 0 (Llama-3.1: 1e-5)")
     for section, obj in (("parallel", p), ("cluster", recipe.cluster)):
         for f in fields(obj):
             v = getattr(obj, f.name)

@@ -233,3 +233,19 @@ def test_engine_parallel_sizes_below_one(capsys):
             main(["--megatron", "ckpt", "--engine", "megatron", flag, "0", "--out", "o"])
         assert exit_.value.code == f"error: {flag} 0: must be >= 1 (a parallel size of the Megatron engine)"
 
+
+
+def test_model_sizes_below_one_and_an_override_given_as_a_file(capsys):
+    """model.vocab_size=-1 and model.num_hidden_layers=0 passed the recipe check (the first failed later as 'rows
+    for ids 0..-2'); `recipe check FILE key=value` looked for a recipe file named key=value."""
+    from megatron_ext.recipe_cli import main
+
+    tiny = str(ROOT / "recipes/tiny/cpt.yaml")
+    for override, said in (("model.vocab_size=-1", "model.vocab_size = -1: must be >= 1"),
+                           ("model.num_hidden_layers=0", "model.num_hidden_layers = 0: must be >= 1"),
+                           ("model.rms_norm_eps=0", "model.rms_norm_eps = 0.0: must be > 0")):
+        with pytest.raises(RecipeError, match=said):
+            load_recipe(tiny, [override])
+    assert main(["check", "--quiet", tiny, "model.vocab_size=5"]) == 1
+    assert capsys.readouterr().err == ("error: model.vocab_size=5: not a recipe file but an override, it seems; give "
+                                       "overrides with --set model.vocab_size=5\n")
