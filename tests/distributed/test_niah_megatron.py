@@ -206,7 +206,7 @@ def test_cli_ruler_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_p
     (["--megatron", "CKPT", "--cp", "2"], "belong to --engine megatron"),
     (["--model", "HF", "--no-kv-cache"], "--no-kv-cache belong to --engine megatron"),
     (["generate", "--model", "HF"], "nothing to ask: give --document FILE"),
-    (["generate", "--model", "HF", "--document", "CKPT/none.txt"], "none.txt: no such file"),
+    (["generate", "--model", "HF", "--document", "CKPT/none.txt"], "none.txt does not exist: give a UTF-8 text file"),
     (["generate", "--model", "HF", "--question", "why", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (["--megatron", "CKPT", "--engine", "megatron", "--cp", "2"], "must divide the 1 processes"),
     (["--megatron", "CKPT/missing", "--engine", "megatron"], "missing does not exist"),
