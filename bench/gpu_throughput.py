@@ -233,9 +233,11 @@ class Run:
                 self.run_stack("ours", f"full:{n}", [L])
 
     def run_fallback(self, fallback_layers: int) -> None:
-        """Lengths where our stack ran out of memory, again with `fallback_layers` layers (both stacks)."""
+        """Lengths where our stack ran out of memory (or was skipped after a shorter one did), again with
+        `fallback_layers` layers (both stacks)."""
         oom = sorted({r["length"] for r in self.results
-                      if r["stack"] == "ours" and r["status"] == "oom" and r["layers"] == self.main_layers})
+                      if r["stack"] == "ours" and r["layers"] == self.main_layers
+                      and (r["status"] == "oom" or r.get("reason", "").startswith("out of memory at"))})
         if not oom or not 0 < fallback_layers < self.main_layers:
             return
         main = self.s

@@ -200,6 +200,12 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
             if isinstance(module, torch.nn.RMSNorm):
                 module.to(config.params_dtype)
     attach_rotary_embedding(model, cfg)
+    if opts.device == "cuda":
+        # Megatron's linear and embedding layers allocate on the GPU, but the local spec's norms
+        # (`WrappedTorchNorm`) are built on the host whatever the device (TE's are on the GPU); the DDP
+        # buffers of the distributed optimizer would move them, nothing else does (evaluation, the plain
+        # optimizer). Megatron-LM's `get_model` moves every model the same way.
+        model.cuda(torch.cuda.current_device())
     return model
 
 

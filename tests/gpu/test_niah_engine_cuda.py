@@ -55,6 +55,8 @@ def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
     losses = {}
     for precision in ("fp32", "bf16"):
         model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision=precision)
+        # every weight on the GPU, the local spec's torch norms too (they were built on the host)
+        assert {t.device for t in [*model.parameters(), *model.buffers()]} == {device}
         losses[precision] = MegatronTokenLosses(model, device)(ids)
         if precision == "fp32":
             gen = MegatronGreedy(model, cfg["vocab_size"], 4, device=device, kv_cache=False)

@@ -67,6 +67,16 @@ def test_training_on_cuda_equals_cpu(tmp_path, token_data, sft_data):
         np.testing.assert_allclose(columns(sft_gpu, key), columns(sft_cpu, key), rtol=1e-3, err_msg=key)
 
 
+def test_plain_optimizer_on_cuda_equals_cpu(tmp_path, token_data):
+    """train.distributed_optimizer=false on the GPU. Only the distributed optimizer's DDP buffers move parameters,
+    so the model itself must be on the GPU: the local spec's norms (torch RMSNorm) are built on the host."""
+    plain = ["train.steps=2", "train.eval_interval=0", "train.distributed_optimizer=false"]
+    cpu = train("cpt", tmp_path / "cpu", token_data, "cpu", *plain)
+    gpu = train("cpt", tmp_path / "gpu", token_data, "cuda", *plain)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(columns(gpu, key), columns(cpu, key), rtol=1e-3, err_msg=key)
+
+
 def test_divergence_on_cuda_stops_with_exit_diverged(tmp_path, token_data):
     train("cpt", tmp_path, token_data, "cuda", "train.steps=4", "train.lr=1e30", "train.eval_interval=0",
           "checkpoint.interval=1", expect=4)
@@ -110,7 +120,8 @@ def test_profiled_overlapped_bf16_steps_on_cuda(tmp_path, token_data):
 
 def test_out_of_memory_on_cuda_is_one_line(tmp_path, token_data):
     """A 4.4 TB embedding table on the GPU (or on the host first, whichever refuses): one error line, exit 1."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(ROOT / "recipes/tiny/cpt.yaml"),
                            f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "runtime.device=cuda",
                            *COMMON, "train.steps=1", "model.vocab_size=17179869184"],

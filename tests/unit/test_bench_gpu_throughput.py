@@ -155,10 +155,10 @@ def test_out_of_memory_is_recorded_and_longer_lengths_skipped(tmp_path, monkeypa
     assert status[256] == ("skipped", "out of memory at 128")
     saved = json.loads((tmp_path / "gpu_throughput.json").read_text())  # written after every row
     assert [r["status"] for r in saved["results"]] == ["ok", "oom", "skipped"]
-    # the out-of-memory length again with 2 layers; the skipped one is not retried
+    # the out-of-memory length and the one skipped after it again with 2 layers (a number at every length)
     run.run_fallback(2)
     extra = doc["results"][3:]
-    assert [(r["length"], r["layers"], r["status"]) for r in extra] == [(128, 2, "ok")]
+    assert [(r["length"], r["layers"], r["status"]) for r in extra] == [(128, 2, "ok"), (256, 2, "ok")]
     assert extra[0]["flops_per_token"] == 2e6 and run.s.layers == 4
 
 
