@@ -92,6 +92,12 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
     elif opts.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     fused = use_te  # fusions need TE/Apex kernels
+    # TE's linears fuse the weight-gradient accumulation themselves, but the output layer is always Megatron's
+    # ColumnParallelLinear, which refuses the flag at build without Apex's fused_weight_gradient_mlp_cuda (NGC
+    # images have it, a pip-installed TE stack does not).
+    from megatron.core.tensor_parallel import layers as tp_layers
+
+    fuse_grad_accumulation = fused and tp_layers._grad_accum_fusion_available
     return TransformerConfig(
         num_layers=cfg["num_hidden_layers"],
         hidden_size=cfg["hidden_size"],
@@ -124,7 +130,7 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
         bias_dropout_fusion=fused,
         masked_softmax_fusion=fused,
         persist_layer_norm=fused,
-        gradient_accumulation_fusion=fused,
+        gradient_accumulation_fusion=fuse_grad_accumulation,
         apply_rope_fusion=False,  # our RoPE tables carry YaRN's attention factor; see rope.py
         calculate_per_token_loss=True,
         fp8=opts.fp8,

@@ -52,9 +52,38 @@ def test_te_fp8_config_fields(pretend_te, recipe_fp8, fp8_recipe):
     assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_dot_product_attention) == (recipe_fp8, fp8_recipe, True)
     assert cfg.attention_backend == AttnBackend.fused  # FP8 attention only exists in cuDNN fused attention
     assert cfg.context_parallel_size == 4 and cfg.cp_comm_type == "p2p"
-    assert cfg.bias_activation_fusion and cfg.gradient_accumulation_fusion
+    assert cfg.bias_activation_fusion
     assert not cfg.apply_rope_fusion  # fused RoPE would drop YaRN's attention factor
     assert cfg.params_dtype == torch.bfloat16 and cfg.bf16
+
+
+@pytest.mark.parametrize("apex", [True, False])
+def test_gradient_accumulation_fusion_only_with_apex_kernel(pretend_te, monkeypatch, apex):
+    from megatron.core.tensor_parallel import layers
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", apex)
+    cfg = transformer_config(TINY, BuildOptions(device="cuda", precision="bf16"))
+    assert cfg.transformer_impl == "transformer_engine" and cfg.gradient_accumulation_fusion is apex
+
+
+def test_te_config_builds_the_output_layer_without_apex(pretend_te, cpu_parallel_state):
+    """GPTModel's output layer is Megatron's ColumnParallelLinear whatever the spec; without Apex (as here and on a
+    pip-installed TE stack) it refuses gradient_accumulation_fusion at build. Control: the flag forced on."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, layers
+
+    assert not layers._grad_accum_fusion_available  # no Apex on this machine
+    cfg = dataclasses.replace(transformer_config(TINY, BuildOptions(device="cuda", precision="bf16")),
+                              use_cpu_initialization=True)
+
+    def output_layer(config):
+        return ColumnParallelLinear(TINY["hidden_size"], TINY["vocab_size"], config=config,
+                                    init_method=torch.nn.init.zeros_, bias=False, gather_output=False)
+
+    output_layer(cfg)
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        output_layer(dataclasses.replace(cfg, gradient_accumulation_fusion=True))
 
 
 def test_te_bf16_without_fp8_keeps_auto_backend(pretend_te):
