@@ -133,7 +133,8 @@ class TorchSDPAttention(MegatronModule):
     def _forward_packed(self, query, key, value, params, causal):
         """THD: q `[t, nh, d]`, k/v `[t, ng, d]`; samples delimited by `cu_seqlens_q` -> `[t, nh * d]`."""
         if self.cp_size != 1:
-            raise NotImplementedError("packed sequences with context parallelism need Transformer Engine")
+            raise NotImplementedError("packed sequences are not split for context parallelism (SFT runs at "
+                                      "parallel.context=1)")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         bounds = cu.tolist()
         outs = []

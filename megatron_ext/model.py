@@ -83,6 +83,10 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
 
     cfg = normalize_hf_config(hf_cfg)
     use_te = opts.use_te()
+    if opts.sequence_parallel and not use_te:  # the local spec's torch norms assert it away
+        raise RecipeError("parallel.sequence_parallel = true but Transformer Engine is not used (it does not import "
+                          "here, or runtime.attention = 'sdpa'); install the [gpu] extra, or set "
+                          "parallel.sequence_parallel=false")
     dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
     recompute = {}
     if opts.recompute == "full":

@@ -109,12 +109,18 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
             _require((n // p.tensor) % p.context == 0,
                      f"parallel.cp_comm_type = 'a2a': model.{label} per TP rank = {n // p.tensor} must be divisible "
-                     f"by parallel.context = {p.context}; use cp_comm_type p2p or a2a+p2p")
+                     f"by parallel.context = {p.context}; use cp_comm_type p2p, or a2a+p2p with an a2a size "
+                     "(parallel.hierarchical_context_sizes[0]) that divides it")
     if p.cp_comm_type == "a2a+p2p":
         sizes = p.hierarchical_context_sizes
         _require(sizes is not None and len(sizes) == 2 and sizes[0] * sizes[1] == p.context,
                  f"parallel.hierarchical_context_sizes = {list(sizes) if sizes else None}: cp_comm_type 'a2a+p2p' "
                  f"needs [a2a size, p2p size] with product parallel.context = {p.context}")
+        for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            # TE's all-to-all splits each TP rank's heads over the a2a group
+            _require((n // p.tensor) % sizes[0] == 0,
+                     f"parallel.hierarchical_context_sizes = {list(sizes)}: the a2a size {sizes[0]} must divide "
+                     f"model.{label} per TP rank = {n // p.tensor}; use a smaller a2a size or cp_comm_type p2p")
     per_step = t.micro_batch_size * dp
     _require(t.global_batch_size % per_step == 0,
              f"train.global_batch_size = {t.global_batch_size}: must be divisible by micro_batch_size x data parallel "
@@ -125,6 +131,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         _require(r.attention != "te", "runtime.attention = 'te': Transformer Engine needs runtime.device=cuda; use sdpa")
         _require(not p.sequence_parallel,
                  "parallel.sequence_parallel = true: needs Transformer Engine norms (runtime.device=cuda)")
+    _require(not (p.sequence_parallel and r.attention == "sdpa"),
+             "parallel.sequence_parallel = true with runtime.attention = 'sdpa': sequence parallelism needs the "
+             "Transformer Engine path (Megatron's torch norms refuse it); use runtime.attention=auto or te, or "
+             "parallel.sequence_parallel=false")
     _require(not r.fp8_attention or r.fp8 is not None,
              "runtime.fp8_attention = true: needs runtime.fp8 (hybrid or e4m3)")
     _require(not (r.fp8_attention and p.context > 1 and p.cp_comm_type in ("all_gather", "a2a+p2p")),
@@ -143,9 +153,11 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         _require(t.micro_batch_size == 1,
                  f"train.micro_batch_size = {t.micro_batch_size}: SFT runs one packed sequence per microbatch "
                  "(THD); use micro_batch_size=1 and raise train.global_batch_size instead")
-        _require(p.context == 1 or (r.device == "cuda" and r.attention != "sdpa"),
-                 f"parallel.context = {p.context} with train.stage = 'sft': packed sequences under context "
-                 "parallelism need Transformer Engine; SFT samples are short, use parallel.context=1")
+        # Packs are not split over CP ranks (each conversation padded to 2 x CP chunks, as TE's THD attention and
+        # Megatron's THD RoPE under CP expect): every CP rank would read the whole pack.
+        _require(p.context == 1,
+                 f"parallel.context = {p.context} with train.stage = 'sft': packed SFT sequences are not split for "
+                 "context parallelism; SFT samples are short (8K), use parallel.context=1")
     _validate_rope_block(recipe)
     _validate_profile(recipe, world if world_size is not None else None)
 

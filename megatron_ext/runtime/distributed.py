@@ -39,6 +39,10 @@ def init_distributed(
         apply_cpu_backend()
         backend = "gloo"
     else:
+        if tensor > 1 or context > 1:
+            # Megatron's TP/SP and CP communication overlap assumes kernels start in issue order (one hardware
+            # queue); read when the CUDA context is made, so before set_device. slurm/common.sh sets it as well.
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         if not torch.cuda.is_available():
             raise DeviceError("runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu")
         torch.cuda.set_device(penv.local_rank % torch.cuda.device_count())

@@ -95,6 +95,14 @@ def test_te_bf16_without_fp8_keeps_auto_backend(pretend_te):
     assert cfg.hierarchical_context_parallel_sizes == [2, 2]
 
 
+@pytest.mark.skipif(te_available(), reason="checks the error when Transformer Engine is missing")
+def test_sequence_parallel_without_te_is_a_recipe_error():
+    """runtime.attention auto on a GPU whose TE does not import: the local spec, whose torch norms assert
+    sequence_parallel away; one line instead."""
+    with pytest.raises(RecipeError, match="parallel.sequence_parallel = true but Transformer Engine is not used"):
+        transformer_config(TINY, BuildOptions(device="cuda", tensor=2, sequence_parallel=True))
+
+
 def test_recompute_settings():
     full = transformer_config(TINY, BuildOptions(recompute="full"))
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)

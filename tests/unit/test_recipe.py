@@ -110,6 +110,18 @@ def test_missing_architecture():
     (["data.prefix=[a, b]", "data.weights=[1, 0]"], 2, r"data\.weights = \[1\.0, 0\.0\]: every weight must be > 0"),
     (["data.prefix=[a, b]", "data.weights=[1, 1]", "train.stage=sft", "parallel.context=1",
       "train.global_batch_size=2"], 2, r"data\.prefix: a list of 2 prefixes with train\.stage = 'sft'"),
+    # packs are not split over CP ranks, on any device (TE's THD attention would have got whole packs)
+    (["train.stage=sft", "parallel.context=2", "runtime.device=cuda"], 2,
+     r"parallel\.context = 2 with train\.stage = 'sft': packed SFT sequences are not split"),
+    (["train.stage=sft", "parallel.context=1"], 2, None),
+    # TE splits each TP rank's heads over the a2a group: 1 KV head per rank at TP 2
+    (["parallel.context=2", "parallel.tensor=2", "parallel.cp_comm_type=a2a+p2p",
+      "parallel.hierarchical_context_sizes=[2, 1]"], 4,
+     r"hierarchical_context_sizes = \[2, 1\]: the a2a size 2 must divide model\.num_key_value_heads per TP rank = 1"),
+    (["parallel.context=2", "parallel.tensor=2", "parallel.cp_comm_type=a2a+p2p",
+      "parallel.hierarchical_context_sizes=[1, 2]"], 4, None),
+    (["runtime.device=cuda", "runtime.attention=sdpa", "parallel.tensor=2", "parallel.sequence_parallel=true",
+      "parallel.context=1"], 2, r"parallel\.sequence_parallel = true with runtime\.attention = 'sdpa'"),
 ])
 def test_cross_field_rules(override, world, message):
     if message is None:

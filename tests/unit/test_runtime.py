@@ -36,3 +36,22 @@ def test_torchrun_wins_inside_slurm():
 def test_single_process():
     e = process_env({})
     assert (e.rank, e.world_size, e.launcher) == (0, 1, "single")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the variable on a machine without CUDA")
+@pytest.mark.parametrize("tensor, context, value", [(2, 1, "1"), (1, 4, "1"), (1, 1, None)])
+def test_cuda_device_max_connections_before_cuda_starts(monkeypatch, tensor, context, value):
+    """TP/CP overlap needs one CUDA hardware queue, read when the context is made: init_distributed sets it before
+    it looks for a device (here it then stops: no CUDA), also under torchrun (the Slurm scripts set it too)."""
+    import os
+
+    from megatron_ext.runtime import DeviceError, init_distributed
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(DeviceError, match="no CUDA device is visible"):
+        init_distributed("cuda", tensor=tensor, context=context)
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == value
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # a user's own value is kept
+    with pytest.raises(DeviceError):
+        init_distributed("cuda", tensor=tensor, context=context)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
