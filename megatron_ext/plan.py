@@ -225,9 +225,12 @@ def step_timing(recipe: Recipe, s: Shape, gpu: GPU, gpus: int, dp: int, mfu: flo
 
 
 def context_candidates(recipe: Recipe, gpus: int) -> list[int]:
-    """CP sizes the GPU count and sequence allow with the recipe's TP and PP, ascending."""
+    """CP sizes the GPU count and sequence allow with the recipe's TP and PP, ascending (SFT: CP 1 only, its
+    packs are not split over CP ranks)."""
     p = recipe.parallel
     free = gpus // (p.tensor * p.pipeline) if gpus % (p.tensor * p.pipeline) == 0 else 0
+    if recipe.train.stage == "sft":
+        free = min(free, 1)
     return [c for c in range(1, free + 1) if free % c == 0 and (c == 1 or recipe.train.seq_length % (2 * c) == 0)]
 
 

@@ -169,6 +169,17 @@ def test_min_context_for_the_recipes_on_256_gpus():
         assert got == cps, (gpu, recompute)
 
 
+def test_sft_is_planned_at_context_parallel_1_only():
+    """SFT packs are not split over CP ranks (recipe rules refuse CP > 1 for SFT): the planner offers CP 1, or
+    nothing where CP 1 does not fit (here: 4M tokens per sample, which needs CP as a CPT would)."""
+    sft = load_recipe(R / "sft.yaml")
+    assert P.context_candidates(sft, 256) == [1]
+    assert P.min_context(sft, C.GPUS["h100-80gb"]) == 1
+    long = load_recipe(R / "sft.yaml", ["train.seq_length=4194304"])
+    assert P.min_context(long, C.GPUS["h100-80gb"]) is None
+    assert P.context_candidates(load_recipe(R / "cpt_4m.yaml"), 256)[:3] == [1, 2, 4]  # control: CPT gets them all
+
+
 def test_chunked_loss_head_halves_the_context_parallel_size():
     """The recipes' default loss head keeps no logits: with full recompute the smallest CP halves (TP 8,
     256 GPUs); without recompute the layer activations dominate and it does not move."""
