@@ -46,13 +46,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     """
     b, nh, n, d = q.shape
     ng = k.shape[1]
-    qg = q.float().reshape(b, ng, nh // ng, n, d)
+    g = nh // ng
+    # the g query heads of a KV head as rows of one matmul: a `[b, ng, 1, S', d]` operand broadcast against
+    # `[b, ng, g, n, d]` would be copied g times by matmul (4x the block's bytes for Llama's GQA)
+    qg = q.float().reshape(b, ng, g * n, d)
     outs, lses = [], []
     for start in range(0, k.shape[2], KEY_BLOCK):
-        kb, vb = (t[:, :, start:start + KEY_BLOCK].float().unsqueeze(2) for t in (k, v))  # [b, ng, 1, S', d]
-        scores = (qg @ kb.transpose(-1, -2)).mul_(scale)  # [b, ng, g, n, S']
-        scores.masked_fill_(~visible[:, start:start + KEY_BLOCK], float("-inf"))
-        lse = scores.logsumexp(-1)  # [b, ng, g, n]
+        kb, vb = (t[:, :, start:start + KEY_BLOCK].float() for t in (k, v))  # [b, ng, S', d]
+        scores = (qg @ kb.transpose(-1, -2)).mul_(scale)  # [b, ng, g * n, S']
+        scores.view(b, ng, g, n, -1).masked_fill_(~visible[:, start:start + KEY_BLOCK], float("-inf"))
+        lse = scores.logsumexp(-1)  # [b, ng, g * n]
         probs = scores.sub_(torch.where(lse.isfinite(), lse, 0).unsqueeze(-1)).exp_()
         outs.append((probs @ vb).reshape(b, nh, n, d))
         lses.append(lse.reshape(b, nh, n))
