@@ -65,6 +65,7 @@ FWE_ALPHA, FWE_TOP = 2.0, 3      # Zipf exponent of the coded words; how many ar
 _NOISE = ("The sky is clear and the air is still. The path goes on and the day goes by. "
           "Here we are, and here we stay. Back and forth the water moves.")  # digit-free, like the filler
 _CONSONANTS, _VOWELS = "bdfghjklmnprstvwz", "aeiou"  # 85 syllables: 614,125 words of three
+_WORDS = (len(_CONSONANTS) * len(_VOWELS)) ** 3
 _NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
@@ -88,6 +89,9 @@ def pseudo_words(rng: random.Random, n: int, taken: set[str] | None = None) -> l
     """`n` distinct pronounceable non-words of three syllables (`bolami`), none in `taken` (which they join). All of
     one length, so no answer word is part of another (the score looks for substrings)."""
     taken = set() if taken is None else taken
+    if len(taken) + n > _WORDS:  # the rejection loop below would never end
+        raise EvalError(f"RULER: {n} more distinct words asked with {len(taken)} taken, of the {_WORDS} there are (a "
+                        "haystack of that many distinct keys); use a shorter length for this task")
     out: list[str] = []
     while len(out) < n:
         w = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(3))

@@ -10,6 +10,7 @@ of the most frequent) must score less, so the tasks tell a reader that follows t
 from __future__ import annotations
 
 import json
+import itertools
 import random
 import re
 from collections import Counter
@@ -140,6 +141,11 @@ def test_scoring_pieces():
     assert zipf_counts(36, 2.0) == [36, 9, 4, 2, 1, 1]
     words = pseudo_words(random.Random(0), 500)
     assert len(set(words)) == 500 and all(re.fullmatch(r"([bdfghjklmnprstvwz][aeiou]){3}", w) for w in words)
+    # every word is taken: an error, not an endless search (niah_multikey_2 near 4M tokens, short key lines)
+    every = {"".join(c) for c in itertools.product(*[[a + b for a in "bdfghjklmnprstvwz" for b in "aeiou"]] * 3)}
+    assert pseudo_words(random.Random(0), 1, set(list(every)[1:]))  # the last free word is found
+    with pytest.raises(EvalError, match="1 more distinct words asked with 614125 taken, of the 614125"):
+        pseudo_words(random.Random(0), 1, every)
     assert task_names("vt,niah") == [n for n in TASKS if n.startswith("niah_")] + ["vt"]
     assert task_names("all") == list(TASKS)
     with pytest.raises(EvalError, match="--tasks: qa_1 is not a task"):
