@@ -50,7 +50,17 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
     root = path.parent
     if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
         raise CheckpointError(f"--out {out} is, or lies inside, the checkpoint folder {root}: pick a new folder")
+    there = out.absolute()
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        where = "is a file" if there == out.absolute() else f"lies under {there}, which is a file"
+        raise CheckpointError(f"--out {out} {where}, not a folder: give a new folder path")
     if out.exists() and any(out.iterdir()):
+        left = sorted(p.name for p in out.iterdir())
+        if all(name.endswith(".partial") for name in left):
+            raise CheckpointError(f"--out {out} holds only the unfinished save of an interrupted run ({', '.join(left)})"
+                                  f": remove {out} and run again")
         raise CheckpointError(f"--out {out} exists and is not empty: pick a new folder (a resharded checkpoint is "
                               "a new checkpoint.dir to resume from)")
     overrides = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.context=1",

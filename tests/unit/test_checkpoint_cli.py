@@ -100,6 +100,9 @@ def test_fully_reshardable_checkpoint(tmp_path, cpu_parallel_state, capsys):
     (lambda m: m.update(has_optimizer=False), "new", "holds no optimizer state"),
     (lambda m: None, "run/any", "is, or lies inside, the checkpoint folder"),
     (lambda m: None, "full", "exists and is not empty"),
+    (lambda m: None, "full/x", "full/x is a file, not a folder: give a new folder path"),  # was a traceback
+    (lambda m: None, "full/x/sub", "full/x, which is a file, not a folder"),
+    (lambda m: None, "killed", "holds only the unfinished save of an interrupted run (.iter_0000002.partial): remove"),
 ])
 def test_reshard_refuses(ckpt, capsys, tmp_path, edit, out, message):
     """What stops `tools/checkpoint.py reshard` is one line naming it, before any process group or model."""
@@ -111,6 +114,7 @@ def test_reshard_refuses(ckpt, capsys, tmp_path, edit, out, message):
     meta_file.write_text(json.dumps(meta))
     (tmp_path / "full").mkdir()
     (tmp_path / "full/x").write_text("")
+    (tmp_path / "killed/.iter_0000002.partial").mkdir(parents=True)
     code = main(["reshard", str(ckpt), "--out", str(tmp_path / out)])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: ") and message in err, err
