@@ -17,7 +17,7 @@ from megatron_ext.recipe import Recipe
 _DATA_IDENTITY = (("data", "prefix"), ("data", "weights"), ("data", "split"), ("train", "stage"),
                   ("train", "seq_length"), ("train", "seed"))
 _ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "vocab_size")
+                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
@@ -207,22 +207,28 @@ def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
     return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ROPE if old.get(k) != new.get(k)]
 
 
+def architecture_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
+    """The model sizes of `recipe` that differ from a checkpoint's HF config ('key: old -> new'): such a checkpoint
+    does not load into the recipe's model (or, for tie_word_embeddings, loads without its output layer)."""
+    from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
+
+    if not saved_hf_config:
+        return []
+    old, new = normalize_hf_config(saved_hf_config), normalize_hf_config(hf_config_from_recipe(recipe))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ARCHITECTURE if old.get(k) != new.get(k)]
+
+
 def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
                 data_now: dict[str, dict] | None = None) -> Resume:
     """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`.
 
     `data_now`: the recipe's `data_identities`, if the caller has read them (see `resume_position`)."""
-    from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
-
     p, t = recipe.parallel, recipe.train
     layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}
     why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer, t.precision,
                                        gradient_bucket_size(t.overlap_grad_reduce, t.ddp_bucket_size, data_parallel))
     consumed, tokens, data_changed = resume_position(saved, step, recipe, data_now)
-    arch = []
-    if saved.get("hf_config"):
-        old, new = normalize_hf_config(saved["hf_config"]), normalize_hf_config(hf_config_from_recipe(recipe))
-        arch = [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ARCHITECTURE if old.get(k) != new.get(k)]
+    arch = architecture_changes(saved.get("hf_config"), recipe)
     return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
                   data_changed, arch, data_request(saved) if t.stage == "cpt" else None,
                   _order_warning(saved, step, consumed, recipe), rope_changes(saved.get("hf_config"), recipe))

@@ -222,6 +222,10 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
                 "(raise train.steps to go on)")
             return 0
+        if resume.architecture_changed:
+            raise CheckpointError(f"checkpoint.dir = {str(root)!r} holds another model "
+                                  f"({'; '.join(resume.architecture_changed)}): use the checkpoint's model.* "
+                                  "settings, or a new checkpoint.dir (with checkpoint.init_from for a new stage)")
         began = time.time()
         if resume.full_state:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler,

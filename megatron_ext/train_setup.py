@@ -68,6 +68,19 @@ def check_setup(recipe: Recipe) -> None:
         if not (folder / METADATA_FILE).is_file():
             raise RecipeError(f"checkpoint.init_from = {init!r}: an iteration folder without {METADATA_FILE}, so not "
                               "one a finished save wrote; give another iteration, or the checkpoint root (its latest)")
+    if init is not None:
+        from megatron_ext.checkpoint_index import CheckpointError
+        from megatron_ext.checkpoint_layout import read_metadata
+        from megatron_ext.resume import architecture_changes
+
+        try:
+            changed = architecture_changes(read_metadata(init).get("hf_config"), recipe)
+        except CheckpointError:
+            changed = []  # no run metadata: the load compares the tensors' shapes
+        if changed:  # the load would blame tensor shapes, or (tie_word_embeddings) drop the output layer silently
+            raise RecipeError(f"checkpoint.init_from = {init!r} holds another model ({'; '.join(changed)}): set the "
+                              "recipe's model.* to the checkpoint's (or model.hf_config to its HF folder), or start "
+                              "from another checkpoint")
 
 
 def _check_folder_can_be_made(name: str, path: str) -> None:

@@ -145,6 +145,15 @@ def test_prelaunch_check_reports_the_resume(ckpt, capsys, token_data):
     assert "checkpoint: resumes at step 2 -> 10: model, optimizer and scheduler; reads on from sample 8" in out
     assert launch([*args, "model.num_hidden_layers=4"]) == 1
     assert "holds another model (num_hidden_layers: 2 -> 4)" in capsys.readouterr().err
+    # output weights tied or not, another vocabulary: the load failed on an optimizer buffer's shape, or blamed the
+    # vocabulary padding, or (untied into tied) dropped the trained output layer without a word
+    for change, said in (("model.tie_word_embeddings=true", "tie_word_embeddings: False -> True"),
+                         ("model.vocab_size=1024", "vocab_size: 512 -> 1024")):
+        assert launch([*args, change]) == 1
+        assert f"holds another model ({said})" in capsys.readouterr().err
+        fresh = [a for a in args if not a.startswith("checkpoint.dir=")]
+        assert launch([*fresh, f"checkpoint.dir={ckpt.parent / 'next'}", f"checkpoint.init_from={ckpt}", change]) == 1
+        assert f"checkpoint.init_from = '{ckpt}' holds another model ({said})" in capsys.readouterr().err
     sorted((ckpt / "iter_0000002").glob("*.distcp"))[0].write_bytes(b"x")
     assert launch(args) == 1
     assert "incomplete checkpoint" in capsys.readouterr().err
