@@ -68,6 +68,9 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
                  f"train.global_batch_size={world_size // (tp * pp)}", "train.micro_batch_size=1",
                  f"checkpoint.dir={out}", "checkpoint.optimizer_sharding=fully_reshardable",
                  "checkpoint.async_save=false"]
+    if ((saved.get("recipe") or {}).get("model") or {}).get("hf_config"):
+        # the saved recipe holds the architecture it read from that file: the file may be gone (another machine)
+        overrides.append("model.hf_config=null")
     if train.get("overlap_grad_reduce"):
         # the saved buckets, whose default size depends on the DP of the run that saved them
         overrides.append(f"train.ddp_bucket_size={saved_bucket_size(saved)}")

@@ -231,3 +231,22 @@ def test_info_and_prelaunch_check_without_torch(ckpt, token_data):
         proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, cwd=ROOT,
                               timeout=120)
         assert said in proc.stdout and proc.stdout.endswith("exit: 0\ntorch: False\n"), proc.stdout + proc.stderr
+
+
+def test_reshard_builds_the_saved_architecture_when_its_hf_config_is_gone(ckpt, tmp_path):
+    """A run configured with model.hf_config=FOLDER, resharded after the folder moved (another machine): the saved
+    recipe holds the architecture read from it; re-reading the path stopped reshard on a field it cannot set."""
+    import json
+
+    from megatron_ext.checkpoint_reshard import reshard_plan
+    from megatron_ext.recipe import RecipeError
+
+    meta_file = ckpt / "iter_0000002/megatron_ext.json"
+    meta = json.loads(meta_file.read_text())
+    meta["recipe"]["model"].update(preset=None, hf_config=str(tmp_path / "moved/hf"))
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(RecipeError, match="no config.json there"):  # the control: the saved recipe as it is
+        load_recipe(raw=meta["recipe"], world_size=1)
+    _, saved, overrides = reshard_plan(ckpt, tmp_path / "new", None, 1)
+    recipe = load_recipe(raw=saved["recipe"], overrides=overrides, world_size=1)
+    assert hf_config_from_recipe(recipe) == meta["hf_config"]
