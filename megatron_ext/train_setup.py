@@ -19,7 +19,8 @@ def check_setup(recipe: Recipe) -> None:
 
     from megatron_ext.checkpoint_index import METADATA_FILE
     from megatron_ext.data import DataError
-    from megatron_ext.data.dataset_files import check_complete, check_sft_masks, check_token_ids, read_manifest
+    from megatron_ext.data.dataset_files import (check_complete, check_sft_masks, check_token_ids, missing_file,
+                                                 read_manifest)
 
     if recipe.checkpoint.dir is None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
@@ -30,23 +31,28 @@ def check_setup(recipe: Recipe) -> None:
             raise RecipeError(f"checkpoint.tensorboard_dir = {recipe.checkpoint.tensorboard_dir!r}: the tensorboard "
                               "package is not installed; pip install tensorboard (or megatron-ext[tensorboard]), "
                               "or unset it")
+    tok = recipe.model.tokenizer
+    if tok is not None and (tok.startswith((".", "/", "~")) or tok.count("/") > 1) and not Path(tok).expanduser().is_dir():
+        # a path, not a hub name: the checkpoint records it for the export and the evaluation, which would not find it
+        raise RecipeError(f"model.tokenizer = {tok!r}: no such folder; give the model's tokenizer folder or hub name")
+    largest = _largest_token_id(Path(tok).expanduser() / "tokenizer.json") if tok is not None else None
+    if largest is not None and largest >= recipe.model.vocab_size:
+        # the checkpoint records it: the export ships it and evaluation fails on its first id beyond the embedding
+        raise RecipeError(f"model.tokenizer = {tok!r} makes token ids up to {largest}, but model.vocab_size = "
+                          f"{recipe.model.vocab_size} has rows for ids 0..{recipe.model.vocab_size - 1}: it is not this "
+                          "model's tokenizer; give the one the model was trained with")
     if recipe.data.prefix is None:
         raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
     for prefix in recipe.data.prefixes:
         for suffix in (".bin", ".idx"):
             if not Path(prefix + suffix).is_file():
-                raise RecipeError(f"data.prefix = {prefix!r}: {prefix + suffix} not found; "
-                                  "run tools/prepare_data.py first")
+                raise RecipeError(f"data.prefix = {prefix!r}: {missing_file(prefix, suffix)}")
         try:
             check_token_ids(prefix, read_manifest(prefix, recipe.train.stage), recipe.model.vocab_size)
             # a truncated .bin/.idx (or SFT loss mask) fails here, not mid-training
             check_sft_masks(prefix) if recipe.train.stage == "sft" else check_complete(prefix)
         except DataError as e:
             raise RecipeError(str(e)) from None
-    tok = recipe.model.tokenizer
-    if tok is not None and (tok.startswith((".", "/", "~")) or tok.count("/") > 1) and not Path(tok).expanduser().is_dir():
-        # a path, not a hub name: the checkpoint records it for the export and the evaluation, which would not find it
-        raise RecipeError(f"model.tokenizer = {tok!r}: no such folder; give the model's tokenizer folder or hub name")
     init = recipe.checkpoint.init_from
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
@@ -81,6 +87,21 @@ def check_setup(recipe: Recipe) -> None:
             raise RecipeError(f"checkpoint.init_from = {init!r} holds another model ({'; '.join(changed)}): set the "
                               "recipe's model.* to the checkpoint's (or model.hf_config to its HF folder), or start "
                               "from another checkpoint")
+
+
+def _largest_token_id(tokenizer_json: Path) -> int | None:
+    """The largest id a fast tokenizer's `tokenizer.json` makes (its model's vocabulary and added tokens), read
+    without transformers; None when there is no such file or it is not of that form."""
+    import json
+
+    try:
+        data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        ids = [len(vocab) - 1] if isinstance(vocab, list) else list(vocab.values())
+        ids += [t["id"] for t in data.get("added_tokens") or []]
+        return max(int(i) for i in ids) if ids else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _check_folder_can_be_made(name: str, path: str) -> None:

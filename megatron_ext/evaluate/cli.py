@@ -38,8 +38,8 @@ def _model(args):
             given = load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}",
                                    "give a tokenizer directory (tokenizer.json ...) or a hub name")
         model, tokenizer = load_hf(args.model, args.device, args.dtype, given)
-        if given is not None:
-            check_vocab(tokenizer, model.config.vocab_size, f"--tokenizer {args.tokenizer}")
+        check_vocab(tokenizer, model.config.vocab_size,
+                    f"--tokenizer {args.tokenizer}" if given is not None else f"the tokenizer in {args.model}")
         yield model, tokenizer
         return
     # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds.
@@ -232,7 +232,8 @@ def _run_ppl(args) -> None:
             raise EvalError(f"--text: {', '.join(missing)}: give UTF-8 text files (one document each)")
         for t in args.text:  # before the model is loaded
             read_utf8(t, "--text")
-    docs = indexed_documents(args.indexed, args.documents) if args.indexed else None
+    docs = (indexed_documents(args.indexed, args.documents or 8, vocab_size=_model_vocab_size(args))
+            if args.indexed else None)
     if _megatron_engine(args):
         from megatron_ext.evaluate.parallel import run_ppl_megatron
         from megatron_ext.runtime import process_env
@@ -251,6 +252,20 @@ def _run_ppl(args) -> None:
         result = perplexity_by_position(model, source, texts=texts, seq_len=args.seq_len,
                                         per_octave=args.per_octave, chunk=args.chunk, progress=not args.no_progress)
     _save_ppl(args, result)
+
+
+def _model_vocab_size(args) -> int | None:
+    """vocab_size from --model's config.json or --megatron's run metadata, read before the model is loaded; None
+    when unreadable (loading the model then says what is wrong)."""
+    from megatron_ext.checkpoint_index import CheckpointError
+    from megatron_ext.checkpoint_layout import read_metadata
+    from megatron_ext.hf_config import read_config_json
+
+    try:
+        cfg = read_config_json(args.model / "config.json") if args.model else read_metadata(args.megatron)["hf_config"]
+        return int(cfg["vocab_size"])
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _save_ppl(args, result) -> None:

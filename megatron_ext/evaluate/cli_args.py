@@ -126,7 +126,8 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     docs = ppl.add_mutually_exclusive_group(required=True)
     docs.add_argument("--text", type=Path, nargs="+", help="text files, one document each")
     docs.add_argument("--indexed", default=None, help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
-    ppl.add_argument("--documents", type=int, default=None, help="with --indexed: the N longest documents")
+    ppl.add_argument("--documents", type=int, default=None,
+                     help="with --indexed: the N longest documents (default 8; the whole corpus would take days)")
     ppl.add_argument("--seq-len", default=None, help="cut documents to this many tokens, at least 2: 65536, 64K, 1M "
                      "(default: max_position_embeddings)")
     ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")

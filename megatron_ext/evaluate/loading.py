@@ -125,8 +125,10 @@ def megatron_tokenizer(checkpoint, given, recorded, vocab_size: int | None):
     if not recorded:
         raise EvalError(f"--megatron {checkpoint}: the checkpoint records no tokenizer; give --tokenizer "
                         "DIR_OR_NAME (the tokenizer the model was trained with)")
-    return load_tokenizer(recorded, f"--megatron {checkpoint}", f"it records the tokenizer {recorded}; give "
-                          "--tokenizer DIR_OR_NAME (the tokenizer the model was trained with)")
+    tok = load_tokenizer(recorded, f"--megatron {checkpoint}", f"it records the tokenizer {recorded}; give "
+                         "--tokenizer DIR_OR_NAME (the tokenizer the model was trained with)")
+    check_vocab(tok, vocab_size, f"the tokenizer {recorded} that --megatron {checkpoint} records")
+    return tok
 
 
 def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
@@ -174,10 +176,11 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
 
 def check_vocab(tokenizer, vocab_size: int | None, what: str) -> None:
     """EvalError when `tokenizer` makes ids the model has no embedding for (an IndexError deep in the forward
-    pass otherwise): a tokenizer given by hand that is not the model's."""
+    pass otherwise): a tokenizer given by hand, or saved with the model (model.tokenizer of the run), that is not
+    the model's."""
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise EvalError(f"{what} has {len(tokenizer):,} tokens but the model's vocab_size is {vocab_size:,}: it is "
-                        "not this model's tokenizer; give the one the model was trained with")
+                        "not this model's tokenizer; give the one the model was trained with (--tokenizer)")
 
 
 def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:

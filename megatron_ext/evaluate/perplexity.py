@@ -89,11 +89,13 @@ class PerplexityResult:
         return cls(d["buckets"], d["documents"], d["doc_tokens"], d.get("settings", {}))
 
 
-def indexed_documents(prefix: str | Path, max_documents: int | None = None) -> list[np.ndarray]:
+def indexed_documents(prefix: str | Path, max_documents: int | None = None,
+                      vocab_size: int | None = None) -> list[np.ndarray]:
     """Token-id documents of a Megatron indexed dataset `PREFIX.bin/.idx`, the longest first.
 
     A document is the concatenation of its sequences (Megatron's document index). With
-    `max_documents`, only the longest ones: those say most about long positions.
+    `max_documents`, only the longest ones: those say most about long positions. With `vocab_size` (the model's),
+    EvalError for a token id the model has no embedding for (data of another tokenizer).
     """
     prefix = str(prefix).removesuffix(".bin").removesuffix(".idx")
     if not (Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()):
@@ -111,8 +113,14 @@ def indexed_documents(prefix: str | Path, max_documents: int | None = None) -> l
     ds = IndexedDataset(prefix)
     bounds = ds.document_indices  # [D+1] sequence index where each document starts
     lengths = np.add.reduceat(ds.sequence_lengths, bounds[:-1]) if len(bounds) > 1 else np.zeros(0, np.int64)
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))[:max_documents]
-    return [np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])]).astype(np.int64) for i in order]
+    order = np.lexsort((np.arange(len(lengths)), -lengths))[:max_documents]  # longest first, then in file order
+    docs = [np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])]).astype(np.int64) for i in order]
+    largest = max((int(d.max()) for d in docs if len(d)), default=-1)
+    if vocab_size is not None and largest >= vocab_size:
+        raise EvalError(f"--indexed {prefix}: token ids up to {largest}, but the model's vocab_size is {vocab_size} "
+                        f"(ids 0..{vocab_size - 1}): the data was tokenized with another tokenizer; prepare it with "
+                        "the model's (tools/prepare_data.py)")
+    return docs
 
 
 def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:

@@ -249,3 +249,48 @@ def test_model_sizes_below_one_and_an_override_given_as_a_file(capsys):
     assert main(["check", "--quiet", tiny, "model.vocab_size=5"]) == 1
     assert capsys.readouterr().err == ("error: model.vocab_size=5: not a recipe file but an override, it seems; give "
                                        "overrides with --set model.vocab_size=5\n")
+
+
+def test_tokenizer_or_data_beyond_the_models_vocabulary(tmp_path, token_data, toy_tokenizer, capsys):
+    """A tokenizer (or data) with ids the model has no embedding row for: the trainer accepted such a
+    model.tokenizer and recorded it, the export shipped it, and niah.py / ppl --indexed ended in a bare IndexError
+    from the embedding. Control: the model's own vocabulary size passes."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext import launch
+    from megatron_ext.evaluate import EvalError
+    from megatron_ext.evaluate.cli import main as niah
+    from megatron_ext.evaluate.perplexity import indexed_documents
+
+    # trainer / launch --check: the toy tokenizer makes ids up to 511
+    run = ["--check", "--recipe", str(ROOT / "recipes/tiny/cpt.yaml"), "--world-size", "2",
+           f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'run'}", f"model.tokenizer={toy_tokenizer}"]
+    assert launch.main(run) == 0
+    assert launch.main([*run, "model.vocab_size=300"]) == 1
+    assert (f"model.tokenizer = '{toy_tokenizer}' makes token ids up to 511, but model.vocab_size = 300"
+            in capsys.readouterr().err)
+
+    # niah with the tokenizer saved beside the model
+    small = make_hf_model(tmp_path / "hf", tokenizer=False, vocab_size=300)
+    for f in Path(toy_tokenizer).iterdir():
+        shutil.copy(f, small / f.name)
+    with pytest.raises(SystemExit, match=rf"^error: the tokenizer in {small} has 512 tokens but the model's "
+                                         "vocab_size is 300"):
+        niah(["--model", str(small), "--lengths", "256", "--depths", "50", "--device", "cpu",
+              "--out", str(tmp_path / "n")])
+
+    # ppl --indexed: the longest documents first (the oracle: Megatron-Core's reader, sorted in Python), and ids
+    # beyond the model's rows named
+    ds = IndexedDataset(token_data)
+    bounds = ds.document_indices
+    lengths = [int(ds.sequence_lengths[bounds[i]:bounds[i + 1]].sum()) for i in range(len(bounds) - 1)]
+    want = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))[:5]
+    docs = indexed_documents(token_data, 5, vocab_size=512)
+    assert [len(d) for d in docs] == [lengths[i] for i in want]
+    np.testing.assert_array_equal(docs[0], np.concatenate([ds[j] for j in range(bounds[want[0]],
+                                                                                 bounds[want[0] + 1])]))
+    largest = max(int(d.max()) for d in docs)
+    with pytest.raises(EvalError, match=rf"--indexed {token_data}: token ids up to {largest}, but the model's "
+                                        rf"vocab_size is {largest} \(ids 0..{largest - 1}\): the data was tokenized"):
+        indexed_documents(token_data, 5, vocab_size=largest)
