@@ -12,7 +12,7 @@ CPT corpus (the paper: per-source length upsampling, documents separated by the 
 
   writes data/cpt.bin/.idx (Megatron-Core `IndexedDatasetBuilder`) and data/cpt.json (documents,
   tokens, per-source counts, length histogram, skipped lines, settings, tokenizer hash). Inputs:
-  .jsonl/.json/.parquet/.txt (one document per line) files, or a `datasets` name/folder
+  .jsonl/.json (JSON Lines)/.parquet/.txt (one document per line) files, or a `datasets` name/folder
   (`NAME[:split]`, streamed). `--separator` is literal text (default `<s>`), `bos-eos`
   (`<|begin_of_text|>` doc `<|end_of_text|>`) or `none`. `--upsample` rules: see `cpt.py`.
 
@@ -22,8 +22,9 @@ SFT chat data (records with a `messages` list of {role, content})::
         --seq-length 8192 [--chat-template llama3.1 | tokenizer | FILE.jinja]
 
   writes data/sft.bin/.idx (tokens), data/sft_lossmask.bin/.idx (uint8, 1 on assistant tokens)
-  and data/sft.json. Samples without an assistant turn or longer than --seq-length are dropped
-  and counted.
+  and data/sft.json. Samples without an assistant turn, longer than --seq-length, or malformed
+  (with the built-in llama3.1 template: a role other than system/user/assistant/tool/ipython) are
+  dropped and counted.
 
 Reading (trainer side)::
 

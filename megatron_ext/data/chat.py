@@ -14,10 +14,16 @@ from typing import Any
 
 from megatron_ext.data.common import DataError
 
+# The roles Llama-3.1-Instruct's own template knows: `tool` results are rendered under the `ipython` header
+# (as Meta's template does). The built-in template would write any other role verbatim as a header the model
+# never saw, so `prepare_sft` drops samples with other roles when it renders with the built-in template.
+LLAMA31_ROLES = ("system", "user", "assistant", "tool", "ipython")
+
 # Llama-3.1-Instruct's conversation format without tool calls (written for this project): a system
 # block with the knowledge-date header always present, then `<|start_header_id|>ROLE<|end_header_id|>\n\n
-# CONTENT<|eot_id|>` per turn. Assistant content sits in `{% generation %}` so transformers'
-# `return_assistant_tokens_mask=True` can serve as an independent oracle for our masks.
+# CONTENT<|eot_id|>` per turn (ROLE `ipython` for a `tool` message). Assistant content sits in
+# `{% generation %}` so transformers' `return_assistant_tokens_mask=True` can serve as an independent oracle
+# for our masks.
 LLAMA31_CHAT_TEMPLATE = (
     r"{{- bos_token }}"
     r"{%- if messages and messages[0]['role'] == 'system' %}"
@@ -28,7 +34,8 @@ LLAMA31_CHAT_TEMPLATE = (
     r"{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + date_string + '\n\n' }}"
     r"{{- system_message + '<|eot_id|>' }}"
     r"{%- for message in loop_messages %}"
-    r"{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    r"{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    r"{{- '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
     r"{%- if message['role'] == 'assistant' %}"
     r"{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
     r"{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"

@@ -275,7 +275,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                   f"in the documents read before --max-tokens {max_tokens} stopped the read", file=sys.stderr)
         if not lengths:
             raise DataError(f"--input {' '.join(inputs)}: empty corpus (no documents written; {n_read} read, "
-                            f"{stats.empty} empty, {stats.non_utf8} non-UTF-8, {stats.bad_json} bad JSON lines; "
+                            f"{stats.empty} empty; skipped {stats.summary()}; "
                             "upsampling rates of 0 drop documents too)")
         if seq_length is not None and n_tokens < seq_length + 1:
             raise DataError(f"corpus has {n_tokens} tokens but one sequence of --seq-length {seq_length} needs "
@@ -286,7 +286,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
             "tokens": n_tokens, "per_source": {k: per_source[k] for k in sorted(per_source)},
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
-                        "empty_documents": stats.empty},
+                        "not_object_lines": stats.not_object, "empty_documents": stats.empty},
             "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "max_token_id": max_id, "tokenizer": tokenizer,
             "tokenizer_hash": tok_hash, "separator": separator,
             "separator_ids": {"prefix": pre, "suffix": post},
@@ -296,10 +296,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
         write_json(tmp[output + ".json"], manifest)
     dt = time.perf_counter() - t_stream
     cpu = time.process_time() - cpu_stream
-    for kind in ("non_utf8", "bad_json"):
-        if getattr(stats, kind):
-            print(f"warning: skipped {getattr(stats, kind)} {kind.replace('_', '-')} lines "
-                  f"(first at {stats.first_problem[kind]})", file=sys.stderr)
+    stats.report()
     if progress:
         print(f"wrote {output}.bin/.idx/.json: {len(lengths)} documents, {n_tokens} tokens in {dt:.1f}s "
               f"({n_tokens / max(dt, 1e-9):,.0f} tokens/s, {os.environ.get('RAYON_NUM_THREADS', 'all')} threads; "

@@ -80,6 +80,16 @@ def read_index(path: str | Path) -> IndexFile:
     return IndexFile(np.dtype(INDEX_DTYPES[code]), lengths, pointers, documents)
 
 
+def missing_file(prefix: str, suffix: str) -> str:
+    """Why PREFIX+suffix is missing and the fix (the caller names the field): when PREFIX names one of the
+    dataset's files (`data/cpt.bin`), the fix is the prefix itself, as every reader appends .bin/.idx/.json."""
+    for ext in (".bin", ".idx", ".json"):
+        if prefix.endswith(ext):
+            return (f"{prefix + suffix} not found; a data prefix names the dataset without its .bin/.idx/.json "
+                    f"ending: give {prefix[: -len(ext)]}")
+    return f"{prefix + suffix} not found; run tools/prepare_data.py first"
+
+
 def check_complete(prefix: str) -> IndexFile:
     """PREFIX.idx parsed, and PREFIX.bin as long as the index says; DataError naming the file that is truncated
     or corrupt (Megatron-Core's reader notices a short .bin only when a missing document is read, mid-training)."""
@@ -90,7 +100,7 @@ def check_complete(prefix: str) -> IndexFile:
 
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
-            raise DataError(f"data prefix {prefix}: {prefix + suffix} not found; run tools/prepare_data.py first")
+            raise DataError(f"data prefix {prefix}: {missing_file(prefix, suffix)}")
     size = Path(prefix + ".bin").stat().st_size
     if size == 0:  # numpy cannot map an empty file
         raise corrupt(prefix + ".bin", "0 bytes")
@@ -114,7 +124,7 @@ def read_manifest(prefix: str, kind: str | None = None) -> dict:
     """The PREFIX.json manifest; DataError when the dataset is missing, incomplete or of another kind."""
     for suffix in (".bin", ".idx", ".json"):
         if not Path(prefix + suffix).is_file():
-            raise DataError(f"data prefix {prefix}: {prefix + suffix} not found; run tools/prepare_data.py first")
+            raise DataError(f"data prefix {prefix}: {missing_file(prefix, suffix)}")
     try:
         manifest = json.loads(Path(prefix + ".json").read_text())
     except json.JSONDecodeError as e:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import bisect
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from megatron_ext.data.chat import resolve_chat_template, tokenize_chat
+from megatron_ext.data.chat import LLAMA31_ROLES, resolve_chat_template, tokenize_chat
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
                                       load_tokenizer, token_dtype, tokenizer_hash, write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, get_field, iter_rows
@@ -58,7 +59,10 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     """Render chats, mask non-assistant tokens, drop samples > seq_length; write PREFIX(+_lossmask).
 
     Returns the manifest. Samples with no assistant turn or longer than `seq_length` are dropped
-    and counted. Raises DataError on user mistakes; nothing is left at `output` then.
+    and counted, as are malformed ones ("bad_messages"): not a list of {role, content} strings, or, with the
+    built-in llama3.1 template, a role Llama-3.1 does not know (`usr`, `human`). A custom template decides
+    itself what a role means: such roles are kept then, with a warning. Raises DataError on user mistakes;
+    nothing is left at `output` then.
     """
     from tqdm import tqdm
 
@@ -72,6 +76,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     dtype = token_dtype(vocab_size)
     stats = ReadStats()
     dropped = {"no_assistant_turn": 0, "too_long": 0, "bad_messages": 0}
+    odd_roles: Counter[str] = Counter()  # roles outside LLAMA31_ROLES, for the end report
     lengths: list[int] = []
     n_read = n_tokens = n_trained = 0
     max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
@@ -91,9 +96,20 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             except KeyError:
                 raise DataError(f"{where}: no field '{messages_field}' (fields: {', '.join(sorted(row))}); "
                                 "pass --messages-field NAME") from None
-            if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
+            problem = _messages_problem(messages, messages_field)
+            role = None if problem else next((m["role"] for m in messages if m["role"] not in LLAMA31_ROLES), None)
+            if role is not None:
+                odd_roles[role] += 1
+                if chat_template == "llama3.1":
+                    problem = f"role '{role}' is not one of {', '.join(LLAMA31_ROLES)}"
+                elif odd_roles[role] == 1:
+                    print(f"warning: {where}: role '{role}' is not one of Llama-3.1's ({', '.join(LLAMA31_ROLES)}); "
+                          f"kept, as --chat-template {chat_template} renders it (a typo? fix the data)",
+                          file=sys.stderr)
+            if problem:
+                if not dropped["bad_messages"]:
+                    print(f"warning: {where}: sample skipped: {problem} (further ones are counted and reported "
+                          "at the end)", file=sys.stderr)
                 dropped["bad_messages"] += 1
                 continue
             if not any(m["role"] == "assistant" for m in messages):
@@ -121,14 +137,15 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         mask_b.finalize(tmp[output + "_lossmask.idx"])
         if not lengths:
             raise DataError(f"--input {' '.join(inputs)}: no usable SFT samples ({n_read} read; dropped: "
-                            f"{dropped}; lines skipped: {stats.non_utf8} non-UTF-8, {stats.bad_json} bad JSON)")
+                            f"{dropped}{_roles_note(odd_roles)}; lines skipped: {stats.summary()})")
         packs = pack_samples(np.array(lengths), seq_length, seed)
         manifest = {
             "format_version": FORMAT_VERSION, "kind": "sft", "samples": len(lengths), "samples_read": n_read,
             "documents": len(lengths), "tokens": n_tokens, "trained_tokens": n_trained, "dropped": dropped,
             "seq_length": seq_length, "packs": len(packs), "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
             "length_histogram": length_histogram(np.array(lengths)),
-            "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json},
+            "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
+                        "not_object_lines": stats.not_object},
             "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
             "max_token_id": max(max_id, _pad_id(tok)),  # the loader pads samples with pad_id
             "tokenizer_hash": tokenizer_hash(tok), "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
@@ -136,13 +153,34 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                          "seed": seed},
         }
         write_json(tmp[output + ".json"], manifest)
+    stats.report()
     dropped_total = sum(dropped.values())
     if dropped_total:
-        print(f"warning: dropped {dropped_total} samples: {dropped}", file=sys.stderr)
+        print(f"warning: dropped {dropped_total} samples: {dropped}{_roles_note(odd_roles)}", file=sys.stderr)
+    elif odd_roles:
+        print(f"warning: kept samples with roles Llama-3.1 does not know{_roles_note(odd_roles)}", file=sys.stderr)
     if progress:
         print(f"wrote {output}(.bin/.idx, _lossmask.bin/.idx, .json): {len(lengths)} samples, {n_tokens} tokens, "
               f"{len(packs)} packs of {seq_length} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return manifest
+
+
+def _messages_problem(messages: Any, field: str) -> str | None:
+    """Why `messages` is not a list of {"role": str, "content": str} dicts (None when it is)."""
+    if not isinstance(messages, list):
+        return f"'{field}' is a {type(messages).__name__}, not a list of messages"
+    for j, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"message {j} of '{field}' is not an object with string 'role' and 'content'"
+    return None
+
+
+def _roles_note(odd_roles: Counter[str]) -> str:
+    """'; unknown roles: usr (3), wizard (1)' (the five most frequent), or '' when there were none."""
+    if not odd_roles:
+        return ""
+    more = f", +{len(odd_roles) - 5} more" if len(odd_roles) > 5 else ""
+    return "; unknown roles: " + ", ".join(f"{r} ({n})" for r, n in odd_roles.most_common(5)) + more
 
 
 def _pad_id(tok: Any) -> int:

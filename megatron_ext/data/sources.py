@@ -8,13 +8,16 @@ An input SRC is
   downloaded up front and memory stays bounded.
 
 Rows are yielded one at a time with a location string ("file.jsonl:17") for error messages.
-Non-UTF-8 and malformed JSON lines are counted and skipped (never a crash mid-run).
+Non-UTF-8 lines, malformed JSON lines and JSON lines that hold no object are counted and skipped (never a crash
+mid-run). A whole-file JSON array (or an object spread over lines) is refused: reading it would need the whole
+file in memory, and skipping it line by line would report every line as bad.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +27,11 @@ from typing import Any
 from megatron_ext.data.common import DataError
 
 _LOCAL = (".jsonl", ".json", ".parquet", ".txt", ".jsonl.gz", ".json.gz", ".txt.gz")
+_JSON = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
+# How a skipped kind is named in warnings (default: the field name with '-' for '_').
+_LABELS = {"not_object": "not-an-object"}
 
 
 @dataclass
@@ -32,15 +40,28 @@ class ReadStats:
 
     non_utf8: int = 0
     bad_json: int = 0
+    not_object: int = 0  # valid JSON, but a list/string/number where a row (an object) belongs
     empty: int = 0
     first_problem: dict[str, str] = field(default_factory=dict)
 
-    def skip(self, kind: str, where: str) -> None:
+    def skip(self, kind: str, where: str, detail: str = "") -> None:
+        """Count one skipped line of `kind`; the first one of each kind is a warning naming its place."""
         setattr(self, kind, getattr(self, kind) + 1)
         if kind not in self.first_problem:
             self.first_problem[kind] = where
-            print(f"warning: {where}: {kind.replace('_', '-')} line skipped (further ones are counted "
-                  "and reported at the end)", file=sys.stderr)
+            print(f"warning: {where}: {_LABELS.get(kind, kind.replace('_', '-'))} line skipped{detail} (further ones "
+                  "are counted and reported at the end)", file=sys.stderr)
+
+    def summary(self) -> str:
+        """The skipped-line counts in one phrase, for 'nothing usable' errors."""
+        return f"{self.non_utf8} non-UTF-8, {self.bad_json} bad JSON, {self.not_object} not-an-object lines"
+
+    def report(self) -> None:
+        """The end-of-run report the first warnings promise: each kind's count and first place."""
+        for kind in ("non_utf8", "bad_json", "not_object"):
+            if getattr(self, kind):
+                print(f"warning: skipped {getattr(self, kind)} {_LABELS.get(kind, kind.replace('_', '-'))} lines "
+                      f"(first at {self.first_problem[kind]})", file=sys.stderr)
 
 
 def get_field(row: dict, dotted: str) -> Any:
@@ -66,11 +87,19 @@ def input_name(src: str) -> str:
 
 
 def check_inputs(inputs: list[str]) -> None:
-    """Fail early (before any output is opened) on inputs that cannot be read."""
+    """Fail early (before any output is opened) on inputs that cannot be read, or that are given twice."""
     if not inputs:
         raise DataError("--input: no input given")
+    seen: dict[str, str] = {}
     for src in inputs:
         p = Path(src)
+        # the same file under two spellings (a/b.jsonl, ./a/b.jsonl) would be read twice: its documents doubled
+        key = str(p.resolve()) if p.exists() else src
+        if key in seen:
+            also = f" (also as {seen[key]})" if seen[key] != src else ""
+            raise DataError(f"--input {src}: given twice{also}, so its data would be read twice; drop the repeat "
+                            "(cpt weights a source with --upsample SOURCE:all=RATE)")
+        seen[key] = src
         if p.is_file():
             if not src.endswith(_LOCAL):
                 raise DataError(f"--input {src}: unsupported file type; use one of {', '.join(_LOCAL)}")
@@ -92,6 +121,9 @@ def _lines(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
             yield n, line
 
 
+_BAD = object()  # a line that is not JSON at all
+
+
 def _rows_local(path: Path, stats: ReadStats) -> Iterator[tuple[str, dict]]:
     name = path.name
     if name.endswith((".txt", ".txt.gz")):
@@ -110,18 +142,43 @@ def _rows_local(path: Path, stats: ReadStats) -> Iterator[tuple[str, dict]]:
                 n += 1
                 yield f"{path}:row {n}", row
     else:
+        first = True
         for n, line in _lines(path, stats):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
+                row = _BAD
+            if first:
+                _check_json_lines(path, line, row)
+                first = False
+            if row is _BAD:
                 stats.skip("bad_json", f"{path}:{n}")
                 continue
             if not isinstance(row, dict):
-                stats.skip("bad_json", f"{path}:{n}")
+                stats.skip("not_object", f"{path}:{n}", f" (a JSON {_json_kind(row)}, not an object)")
                 continue
             yield f"{path}:{n}", row
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+def _check_json_lines(path: Path, line: str, row: Any) -> None:
+    """DataError when the first line of a .json/.jsonl input shows the file is not JSON Lines at all: a JSON array
+    of objects (on one line, or opened by a lone '[') or an object spread over several lines (a lone '{')."""
+    head = line.strip()
+    if (isinstance(row, list) and row and all(isinstance(r, dict) for r in row)) or (
+            row is _BAD and head.startswith("[")):
+        what, fix = "is a JSON array", f"jq -c '.[]' {path} > OUT.jsonl"
+    elif row is _BAD and head == "{":
+        what, fix = "holds a JSON object spread over several lines", f"jq -c . {path} > OUT.jsonl"
+    else:
+        return
+    raise DataError(f"--input {path}: .json/.jsonl inputs must be JSON Lines (one object per line), but {path} "
+                    f"{what}; write one object per line (e.g. `{fix}`) and pass that file")
 
 
 def _rows_hf(src: str) -> Iterator[tuple[str, dict]]:
@@ -133,8 +190,63 @@ def _rows_hf(src: str) -> Iterator[tuple[str, dict]]:
     except Exception as e:  # noqa: BLE001 - hub/network/format errors all become one line
         msg = str(e).splitlines()[0] if str(e) else ""
         raise DataError(f"--input {src}: cannot open as a Hugging Face dataset ({type(e).__name__}: {msg})") from None
-    for n, row in enumerate(ds, 1):
-        yield f"{src}:row {n}", row
+    rows = iter(ds)
+    n = 0
+    # The JSON builder logs a malformed file before raising; our error names the file and line itself.
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)
+    try:
+        while True:
+            # `datasets` reads lazily: a malformed file shows up here, mid-stream, as a pyarrow/pandas error.
+            # Only next() is guarded, so errors of the consumer (thrown in at the yield) are not relabelled.
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:  # noqa: BLE001 - pyarrow/pandas/hub errors all become one line
+                raise DataError(_stream_error(src, n, e)) from None
+            n += 1
+            yield f"{src}:row {n}", row
+    finally:
+        json_log.setLevel(level)
+
+
+def _stream_error(src: str, n_read: int, e: Exception) -> str:
+    """The message for a `datasets` stream that failed after `n_read` rows; for a local folder, the first line
+    that is not JSON (found by reading its .json/.jsonl files the way file inputs are read) and the fix."""
+    msg = str(e).splitlines()[0] if str(e) else ""
+    head = f"--input {src}: reading it with `datasets` failed after {n_read} rows ({type(e).__name__}: {msg})"
+    if not Path(src).is_dir():
+        return head
+    bad = _first_bad_json_line(Path(src))
+    files = f"{src.rstrip('/')}/*.jsonl"
+    if bad:
+        return (f"{head}; {bad} is not valid JSON: fix that line, or pass the files themselves (--input {files}), "
+                "which skips and counts bad lines")
+    return f"{head}; fix the folder's files, or pass the files themselves (--input {files})"
+
+
+def _first_bad_json_line(folder: Path) -> str | None:
+    """'FILE:LINE' of the first line of the folder's .json/.jsonl files that is not JSON; None when all parse.
+    A file that is one JSON document (an array, a pretty-printed object) is fine: `datasets` reads those whole."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(_JSON)):
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            bad = next((n for n, raw in enumerate(f, 1) if raw.strip() and not _parses(raw)), None)
+        if bad is not None:
+            with opener(path, "rb") as f:
+                if not _parses(f.read()):
+                    return f"{path}:{bad}"
+    return None
+
+
+def _parses(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
 
 
 def iter_rows(inputs: list[str], stats: ReadStats) -> Iterator[tuple[str, str, dict]]:

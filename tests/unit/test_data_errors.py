@@ -77,7 +77,7 @@ def test_non_utf8_lines_are_counted_and_skipped(tmp_path, tok_dir, corpus, capsy
 
     man = prepare_cpt([str(bad)], str(tok_dir), str(tmp_path / "out"), progress=False)
     assert man["documents"] == 12
-    assert man["skipped"] == {"non_utf8_lines": 1, "bad_json_lines": 1, "empty_documents": 0}
+    assert man["skipped"] == {"non_utf8_lines": 1, "bad_json_lines": 1, "not_object_lines": 0, "empty_documents": 0}
     err = capsys.readouterr().err
     assert "non-utf8 line skipped" in err and "bad.jsonl:4" in err
 
@@ -260,3 +260,148 @@ def test_cpt_text_field_of_the_wrong_type(tmp_path, tok_dir):
     nulls = toy.write_jsonl(tmp_path / "nulls.jsonl", [{"text": None}, {"text": "hello world"}])
     assert prepare_data.main(base + ["--input", str(nulls)]) == 0
     assert _left(tmp_path) == ["out.bin", "out.idx", "out.json"]
+
+
+CHAT = '{"messages":[{"role":"user","content":"hi there"},{"role":"assistant","content":"hello"}]}'
+
+
+@pytest.mark.parametrize("kind", ["cpt", "sft"])
+def test_folder_input_with_a_malformed_line(tmp_path, tok_dir, kind):
+    """A folder --input is read by `datasets`, which died mid-stream with a bare `pyarrow.lib.ArrowInvalid: JSON
+    parse error` traceback on a malformed line (the same line in a file --input is skipped and counted)."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    good = '{"text": "hello world"}' if kind == "cpt" else CHAT
+    (folder / "a.jsonl").write_text(f"{good}\n{good}\n")
+    (folder / "b.jsonl").write_text(f"{good}\n{{\"messages\": [\n{good}\n")
+    argv = [kind, "--input", str(folder), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    argv += ["--seq-length", "256"] if kind == "sft" else []
+    msg = _fail(argv)
+    assert msg.startswith(f"error: --input {folder}: reading it with `datasets` failed after "), msg
+    assert msg.endswith(f"; {folder / 'b.jsonl'}:2 is not valid JSON: fix that line, or pass the files themselves "
+                        f"(--input {folder}/*.jsonl), which skips and counts bad lines"), msg
+    assert _left(tmp_path) == []
+    # the advice works: the files themselves are read, the bad line skipped and counted
+    files = [str(folder / "a.jsonl"), str(folder / "b.jsonl")]
+    assert prepare_data.main(argv[:2] + files + argv[3:]) == 0
+    from megatron_ext.data.dataset_files import read_manifest
+
+    assert read_manifest(str(tmp_path / "out"))["skipped"]["bad_json_lines"] == 1
+
+
+def test_json_input_that_is_not_json_lines(tmp_path, tok_dir):
+    """A .json file holding a JSON array was read line by line: 'bad-json line skipped', then 'no usable SFT
+    samples (... 1 bad JSON)'. Arrays and objects spread over lines are refused (reading them needs the whole file
+    in memory; inputs are streamed): the error says the file is not JSON Lines and how to convert it."""
+    import json
+
+    chat = json.loads(CHAT)
+    base = ["sft", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--seq-length", "256", "--quiet"]
+    cases = [("one_line.json", json.dumps([chat, chat]), "is a JSON array", "'.[]'"),
+             ("pretty.json", json.dumps([chat, chat], indent=2), "is a JSON array", "'.[]'"),
+             ("object.jsonl", json.dumps(chat, indent=2), "holds a JSON object spread over several lines", ".")]
+    for name, text, what, jq in cases:
+        path = tmp_path / name
+        path.write_text(text)
+        assert _fail(base + ["--input", str(path)]) == (
+            f"error: --input {path}: .json/.jsonl inputs must be JSON Lines (one object per line), but {path} {what}; "
+            f"write one object per line (e.g. `jq -c {jq} {path} > OUT.jsonl`) and pass that file")
+    assert _left(tmp_path) == []
+
+
+def test_sft_lines_that_are_not_objects_and_the_end_report(tmp_path, tok_dir, capsys):
+    """Valid JSON lines that hold no object ([1,2], "str") were called 'bad-json'; and sft promised that 'further
+    ones are counted and reported at the end' but never printed that report (cpt did)."""
+    path = tmp_path / "s.jsonl"
+    path.write_text(f'[1, 2]\n{CHAT}\n"str"\n{{broken\n{CHAT}\n')
+    argv = ["sft", "--input", str(path), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
+            "--seq-length", "256", "--quiet"]
+    assert prepare_data.main(argv) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {path}:1: not-an-object line skipped (a JSON array, not an object) (further ones are counted "
+            "and reported at the end)") in err
+    assert f"warning: {path}:4: bad-json line skipped" in err
+    assert f"warning: skipped 2 not-an-object lines (first at {path}:1)" in err
+    assert f"warning: skipped 1 bad-json lines (first at {path}:4)" in err
+    from megatron_ext.data.dataset_files import read_manifest
+
+    man = read_manifest(str(tmp_path / "out"))
+    assert man["samples"] == 2
+    assert man["skipped"] == {"non_utf8_lines": 0, "bad_json_lines": 1, "not_object_lines": 2}
+
+
+def test_sft_unknown_roles_are_skipped_and_named(tmp_path, tok_dir, capsys):
+    """A typo'd role ('usr') was rendered silently as a header the model never saw; with the built-in template such
+    samples are dropped and counted (as bad_messages), the role named. Llama-3.1's own roles are all kept."""
+    import json
+
+    def chat(*roles):
+        return {"messages": [{"role": r, "content": f"{r} says hi"} for r in roles]}
+
+    rows = [chat("user", "assistant"), chat("usr", "assistant"), chat("wizard", "assistant"),
+            chat("system", "user", "assistant", "tool", "ipython", "assistant"), chat("usr", "assistant")]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["sft", "--input", str(path), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
+            "--seq-length", "256", "--quiet"]
+    assert prepare_data.main(argv) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {path}:2: sample skipped: role 'usr' is not one of system, user, assistant, tool, ipython "
+            "(further ones are counted and reported at the end)") in err
+    assert ("warning: dropped 3 samples: {'no_assistant_turn': 0, 'too_long': 0, 'bad_messages': 3}; unknown roles: "
+            "usr (2), wizard (1)") in err
+    from megatron_ext.data.dataset_files import read_manifest
+
+    assert read_manifest(str(tmp_path / "out"))["samples"] == 2
+    # every sample with such a role dropped: the error names the roles
+    only_bad = toy.write_jsonl(tmp_path / "bad.jsonl", [chat("usr", "assistant")])
+    msg = _fail(argv[:2] + [str(only_bad)] + argv[3:] + ["--force"])
+    assert "no usable SFT samples" in msg and "'bad_messages': 1}; unknown roles: usr (1);" in msg
+    # a structural problem is named too
+    assert prepare_data.main(argv[:2] + [str(toy.write_jsonl(tmp_path / "m.jsonl", [
+        {"messages": [{"role": "user"}]}, chat("user", "assistant")]))] + argv[3:] + ["--force"]) == 0
+    assert (f"{tmp_path / 'm.jsonl'}:1: sample skipped: message 1 of 'messages' is not an object with string 'role' "
+            "and 'content'") in capsys.readouterr().err
+    # a custom template decides what a role means: kept, with a warning
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+                   "{{ m['content'] }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+    assert prepare_data.main(argv + ["--force", "--chat-template", str(tpl)]) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {path}:2: role 'usr' is not one of Llama-3.1's (system, user, assistant, tool, ipython); "
+            f"kept, as --chat-template {tpl} renders it (a typo? fix the data)") in err
+    assert "kept samples with roles Llama-3.1 does not know; unknown roles: usr (2), wizard (1)" in err
+    assert read_manifest(str(tmp_path / "out"))["samples"] == 5
+
+
+def test_an_input_given_twice(tmp_path, tok_dir, corpus, monkeypatch):
+    """The same --input twice was read twice (its documents doubled) without a word."""
+    base = ["--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    assert _fail(["cpt", "--input", str(corpus), str(corpus)] + base) == (
+        f"error: --input {corpus}: given twice, so its data would be read twice; drop the repeat (cpt weights a "
+        "source with --upsample SOURCE:all=RATE)")
+    monkeypatch.chdir(corpus.parent)
+    msg = _fail(["sft", "--input", corpus.name, f"./{corpus.name}", "--seq-length", "64"] + base)
+    assert msg.startswith(f"error: --input ./{corpus.name}: given twice (also as {corpus.name}), so its data"), msg
+    assert _left(tmp_path) == []
+
+
+def test_data_prefix_given_with_its_bin_ending(tmp_path, token_data, sft_data):
+    """`data.prefix=.../cpt.bin` said '.../cpt.bin.bin not found; run tools/prepare_data.py first'; the hint is
+    the prefix without the ending now (the trainer's setup check and the dataset readers alike)."""
+    from megatron_ext.data import SFTPackedDataset
+    from megatron_ext.recipe import RecipeError, load_recipe
+    from megatron_ext.train_setup import check_setup
+
+    hint = "not found; a data prefix names the dataset without its .bin/.idx/.json ending: give "
+    with pytest.raises(DataError, match=f"data prefix {token_data}.bin: {token_data}.bin.bin {hint}{token_data}$"):
+        build_cpt_datasets(token_data + ".bin", 64)
+    with pytest.raises(DataError, match=f"{sft_data}.idx.bin {hint}{sft_data}$"):
+        SFTPackedDataset(sft_data + ".idx", 256)
+    recipe = load_recipe(ROOT / "recipes/tiny/cpt.yaml", ["parallel.context=1", "train.seq_length=256",
+                                                         "train.global_batch_size=2", f"checkpoint.dir={tmp_path}/r",
+                                                         f"data.prefix={token_data}.bin"], world_size=1)
+    said = f"data.prefix = '{token_data}.bin': {token_data}.bin.bin {hint}{token_data}$"
+    with pytest.raises(RecipeError, match=said):
+        check_setup(recipe)
