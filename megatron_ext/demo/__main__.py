@@ -30,7 +30,8 @@ from pathlib import Path
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 from megatron_ext.demo.pipeline import (ABLATION, ROOT, DemoSettings, StepLog,  # noqa: E402
-                                        rope_overrides_from_hf, run_tool, torchrun, yarn_untrained)
+                                        rope_overrides_from_hf, run_tool, run_tools, torchrun,
+                                        yarn_untrained)
 
 
 def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
@@ -79,10 +80,10 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     def make_data() -> None:
         write_jsonl(data / "cpt.jsonl", demo_corpus(s.cpt_docs, s.seed + 100, 100, 200))
         write_jsonl(data / "sft.jsonl", demo_chats(s.sft_chats, s.seed + 200, 20, 150))
-        run_tool([py, "tools/prepare_data.py", "cpt", "--input", data / "cpt.jsonl", "--tokenizer", tok_dir,
-                  "--output", data / "cpt", "--separator", "<s>", "--seq-length", "2048", "--force", "--quiet"])
-        run_tool([py, "tools/prepare_data.py", "sft", "--input", data / "sft.jsonl", "--tokenizer", tok_dir,
-                  "--output", data / "sft", "--seq-length", "2048", "--force", "--quiet"])
+        run_tools([[py, "tools/prepare_data.py", "cpt", "--input", data / "cpt.jsonl", "--tokenizer", tok_dir,
+                    "--output", data / "cpt", "--separator", "<s>", "--seq-length", "2048", "--force", "--quiet"],
+                   [py, "tools/prepare_data.py", "sft", "--input", data / "sft.jsonl", "--tokenizer", tok_dir,
+                    "--output", data / "sft", "--seq-length", "2048", "--force", "--quiet"]])
         # Held-out long documents for perplexity by position.
         ppl_dir = data / "ppl"
         ppl_dir.mkdir(exist_ok=True)
@@ -127,9 +128,9 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     cpt_hf, sft_hf, ablation_hf = out / "cpt_hf", out / "sft_hf", out / "sft_no_yarn_hf"
 
     def export() -> None:
-        for src, dst in [(cpt_dir, cpt_hf)] + ([(sft_dir, sft_hf)] if sft_ok else []) + [(ablation_dir, ablation_hf)]:
-            run_tool([py, "tools/convert.py", "to-hf", "--megatron", src, "--out", dst,
-                      "--max-position-embeddings", "2048", "--tokenizer", tok_dir, "--force", "--no-progress"])
+        pairs = [(cpt_dir, cpt_hf)] + ([(sft_dir, sft_hf)] if sft_ok else []) + [(ablation_dir, ablation_hf)]
+        run_tools([[py, "tools/convert.py", "to-hf", "--megatron", src, "--out", dst, "--max-position-embeddings",
+                    "2048", "--tokenizer", tok_dir, "--force", "--no-progress"] for src, dst in pairs])
 
     steps.run("to-hf", export)
 
@@ -143,23 +144,26 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     lengths = ",".join(str(n) for n in s.lengths)
 
     def evaluate() -> None:
+        # the HF grids and loss curves are independent one-thread processes: two at a time
+        hf_runs = []
         for i, (label, path) in enumerate(models.items()):
             chat = ["--chat"] if label in ("after CPT + SFT", ABLATION) else []  # SFT models: their chat format
-            run_tool([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
-                      "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
-                      "--title", f"NIAH: {label}", "--no-progress", *chat])
+            hf_runs.append([py, "tools/niah.py", "--model", path, "--out", evals / f"niah{i}", "--lengths", lengths,
+                            "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
+                            "--title", f"NIAH: {label}", "--no-progress", *chat])
+        # Loss by position: the CPT is what extends the language model; the SFT then narrows it to answers.
+        curves = [("base", "base"), ("cpt", "after YaRN CPT")] + ([("final", "after CPT + SFT")] if sft_ok else [])
+        for tag, label in curves:
+            hf_runs.append([py, "tools/niah.py", "ppl", "--model", models[label], "--out", evals / f"ppl_{tag}",
+                            "--text", *sorted((data / "ppl").glob("*.txt")), "--seq-len", str(max(s.lengths)),
+                            "--label", label, "--device", "cpu", "--no-progress"])
+        run_tools(hf_runs)
         if sft_ok:  # the same grid on the final Megatron checkpoint itself: no conversion, CP 2 (how 1M+ is evaluated)
             run_tool(torchrun(2) + ["tools/niah.py", "--megatron", sft_dir, "--engine", "megatron", "--cp", "2",
                                     "--tokenizer", tok_dir, "--out", evals / "megatron_niah", "--lengths", lengths,
                                     "--depths", s.depths, "--samples", str(s.samples), "--force", "--device", "cpu",
                                     "--chat", "--title", "NIAH: after CPT + SFT, Megatron engine (CP 2)",
                                     "--no-progress"])
-        # Loss by position: the CPT is what extends the language model; the SFT then narrows it to answers.
-        curves = [("base", "base"), ("cpt", "after YaRN CPT")] + ([("final", "after CPT + SFT")] if sft_ok else [])
-        for tag, label in curves:
-            run_tool([py, "tools/niah.py", "ppl", "--model", models[label], "--out", evals / f"ppl_{tag}",
-                      "--text", *sorted((data / "ppl").glob("*.txt")), "--seq-len", str(max(s.lengths)),
-                      "--label", label, "--device", "cpu", "--no-progress"])
 
     steps.run("evaluate", evaluate)
     report = write_report(out, models, steps, settings, total_s=time.time() - t_start)

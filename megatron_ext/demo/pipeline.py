@@ -73,23 +73,58 @@ class StepLog:
         return out
 
 
+def _tool_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                TOKENIZERS_PARALLELISM="false")
+
+
+def _show(line: str) -> None:
+    if not line.startswith("warning:") and "Warning" not in line:
+        print("    " + line, end="" if line.endswith("\n") else "\n", flush=True)
+
+
+def _failed(cmd: list, returncode: int) -> RuntimeError:
+    return RuntimeError(f"step failed (exit {returncode}, output above): {' '.join(str(c) for c in cmd)}")
+
+
 def run_tool(cmd: list[str], log_file: Path | None = None) -> None:
     """Run a CLI with PYTHONPATH at the checkout, streaming its output (and copying it to `log_file`)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               TOKENIZERS_PARALLELISM="false")
     print("[demo] $ " + " ".join(shlex.quote(str(c)) for c in cmd), flush=True)
-    with subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, bufsize=1) as proc:
+    with subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=_tool_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if not line.startswith("warning:") and "Warning" not in line:
-                print("    " + line, end="", flush=True)
+            _show(line)
         proc.wait()
     if log_file is not None:
         log_file.write_text("".join(lines))
     if proc.returncode != 0:
-        raise RuntimeError(f"step failed (exit {proc.returncode}, output above): {' '.join(str(c) for c in cmd)}")
+        raise _failed(cmd, proc.returncode)
+
+
+def run_tools(cmds: list[list], workers: int | None = None) -> None:
+    """Independent single-process CLIs, `workers` at a time (default: 2, or 1 on a one-core machine; each runs one
+    thread): each one's command and output are printed when it and those before it have ended, in order. Raises
+    for the first that failed, after all have run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = workers or min(2, os.cpu_count() or 1)
+
+    def run(cmd: list) -> subprocess.CompletedProcess:
+        return subprocess.run([str(c) for c in cmd], cwd=ROOT, env=_tool_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+
+    failed = None
+    with ThreadPoolExecutor(workers) as pool:
+        for cmd, proc in zip(cmds, pool.map(run, cmds)):
+            print("[demo] $ " + " ".join(shlex.quote(str(c)) for c in cmd), flush=True)
+            for line in proc.stdout.splitlines(keepends=True):
+                _show(line)
+            if proc.returncode != 0 and failed is None:
+                failed = _failed(cmd, proc.returncode)
+    if failed is not None:
+        raise failed
 
 
 def torchrun(nproc: int) -> list[str]:
