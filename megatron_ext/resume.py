@@ -197,25 +197,25 @@ def _same_path(saved: str, now: str) -> bool:
 _ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 
-def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
-    """The RoPE settings of `recipe`'s model that differ from a checkpoint's HF config ('key: old -> new')."""
+def _config_changes(saved_hf_config: dict | None, recipe: Recipe, keys: tuple[str, ...]) -> list[str]:
+    """`keys` of `recipe`'s HF config that differ from a checkpoint's ('key: old -> new'; none without one)."""
     from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
 
     if not saved_hf_config:
         return []
     old, new = normalize_hf_config(saved_hf_config), normalize_hf_config(hf_config_from_recipe(recipe))
-    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ROPE if old.get(k) != new.get(k)]
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys if old.get(k) != new.get(k)]
+
+
+def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
+    """The RoPE settings of `recipe`'s model that differ from a checkpoint's HF config ('key: old -> new')."""
+    return _config_changes(saved_hf_config, recipe, _ROPE)
 
 
 def architecture_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:
     """The model sizes of `recipe` that differ from a checkpoint's HF config ('key: old -> new'): such a checkpoint
     does not load into the recipe's model (or, for tie_word_embeddings, loads without its output layer)."""
-    from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
-
-    if not saved_hf_config:
-        return []
-    old, new = normalize_hf_config(saved_hf_config), normalize_hf_config(hf_config_from_recipe(recipe))
-    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in _ARCHITECTURE if old.get(k) != new.get(k)]
+    return _config_changes(saved_hf_config, recipe, _ARCHITECTURE)
 
 
 def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
