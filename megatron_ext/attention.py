@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_ext.context_parallel import cp_chunk_ids, unshard_order
+from megatron_ext.context_parallel import cp_chunk_ids, unshard
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -119,11 +119,9 @@ class TorchSDPAttention(MegatronModule):
         if self.cp_size == 1:
             return self._sdpa(q, k, v, causal=causal).permute(2, 0, 1, 3).reshape(s, b, nh * d)
         group = self._cp_group()
-        seq = s * self.cp_size
-        order = unshard_order(seq, self.cp_size).to(query.device)
         # [cp * s_local, b, ng, d] in rank order -> global order
-        k_all = _AllGatherSeq.apply(key, group).index_select(0, order).permute(1, 2, 0, 3)
-        v_all = _AllGatherSeq.apply(value, group).index_select(0, order).permute(1, 2, 0, 3)
+        k_all = unshard(_AllGatherSeq.apply(key, group), self.cp_size).permute(1, 2, 0, 3)
+        v_all = unshard(_AllGatherSeq.apply(value, group), self.cp_size).permute(1, 2, 0, 3)
         if causal:
             out = zigzag_causal_attention(self._sdpa, q, k_all, v_all, self.cp_size, dist.get_rank(group))
         else:

@@ -41,10 +41,18 @@ def shard_for_context_parallel(batch: dict[str, torch.Tensor], cp_size: int, cp_
     return out
 
 
-def unshard_order(seq_len: int, cp_size: int) -> torch.Tensor:
-    """Permutation that puts the concatenation of all ranks' local chunks (rank 0 first) back in order.
+def unshard(gathered: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
+    """Every rank's local chunks concatenated along `dim` (rank 0 first) -> the sequence in global order.
 
-    `gathered[:, unshard_order(...)]` restores global positions.
+    One copy of views (rank r's first chunk is global chunk r, its second chunk 2 x CP - 1 - r): no index
+    tensor, which at 4M positions took a CPU sort per layer. Differentiable.
     """
-    positions = torch.cat([cp_positions(seq_len, cp_size, r) for r in range(cp_size)])
-    return torch.argsort(positions)
+    if cp_size == 1:
+        return gathered
+    seq_len = gathered.shape[dim]
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    firsts = [gathered.narrow(dim, 2 * r * chunk, chunk) for r in range(cp_size)]
+    seconds = [gathered.narrow(dim, (2 * r + 1) * chunk, chunk) for r in reversed(range(cp_size))]
+    return torch.cat(firsts + seconds, dim=dim)

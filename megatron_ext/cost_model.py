@@ -1,6 +1,6 @@
 """FLOP and memory formulas of Llama-shaped models on GPUs (perf.md), pure functions of the numbers.
 
-Every constant is in the block below with its source (tags as in /work/shared/research/perf.md: [V]
+Every constant is in the block below with its source (tags as in docs/research/perf.md: [V]
 verified, [S] secondary, [D] derived, [U] unconfirmed). The memory terms follow perf.md section 5 and add
 the items it leaves out: RoPE tables, TE p2p context-parallel buffers, the chunked loss head, and the local
 (CPU) kernel path whose saved tensors were itemised from Megatron-Core 0.16.1's local layer spec with torch

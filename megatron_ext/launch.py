@@ -9,6 +9,7 @@ Each stage is one recipe, run as one Slurm job of `nodes x gpus_per_node` tasks 
 stage k+1 waits for stage k with `--dependency=afterok`. `--stages` names recipes in the folder of
 `--recipe` (`sft` -> that folder's `sft.yaml`; a name ending in `.yaml` is a path); without it the
 one `--recipe` runs. Overrides apply to every stage; `STAGE:key=value` only to the stage named STAGE.
+An SFT stage starts from the `checkpoint.dir` of the stage before it unless `STAGE:checkpoint.init_from` is given.
 Nodes and GPUs per node default to the recipe's `cluster` block (the recipe is the source of truth).
 `--niah 128K:1M:4` adds one more job after the last stage: NIAH of its checkpoint on the Megatron engine
 (`tools/niah.py --engine megatron`, what slurm/pipeline.sh --niah runs) at the TP x CP of the stage with the
@@ -79,6 +80,22 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
                 f"runtime.device = 'cuda': {tasks_per_node} tasks per node but {gpus_per_node} GPUs per node "
                 f"allocated; submit with --gpus-per-node={tasks_per_node} (one task per GPU) or set runtime.device=cpu")
     return recipe
+
+
+def chain_sft_stage(before: Recipe, recipe: Recipe, stage: Stage) -> bool:
+    """An SFT stage fine-tunes what the stage before it wrote: its `checkpoint.init_from` becomes that stage's
+    `checkpoint.dir` (an override added to `stage`, so the job runs with it) unless the user set init_from for it.
+    Without this, `--stages cpt_4m,sft` would fine-tune sft.yaml's own init_from, the 1M model. True if added."""
+    written = before.checkpoint.dir
+    given = any(o.split("=", 1)[0].strip() == "checkpoint.init_from" for o in stage.overrides)
+    init = recipe.checkpoint.init_from
+    if recipe.train.stage != "sft" or written is None or given or (
+            init is not None and Path(init).absolute() == Path(written).absolute()):
+        return False
+    stage.overrides.append(f"checkpoint.init_from={written}")
+    print(f"stage {stage.name} starts from {written!r}, which stage {before.name} writes (its recipe's "
+          f"checkpoint.init_from is {init!r})", file=sys.stderr)
+    return True
 
 
 def check_stage_follows(before: Recipe, stage: Recipe) -> None:
@@ -365,6 +382,8 @@ def submit(args, plan: list[Stage]) -> int:
     for i, stage in enumerate(plan):
         # Later stages read what earlier ones write: their paths are checked when they start.
         recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
+        if i and chain_sft_stage(jobs_params[-1][0], recipe, stage):
+            recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
         if i:
             check_stage_follows(jobs_params[-1][0], recipe)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))

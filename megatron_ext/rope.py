@@ -11,7 +11,7 @@ UltraLong (arXiv 2504.06214) extends Llama-3.1-8B from 128K to 1M/2M/4M tokens b
 beta = 4, alpha = 1), attention factor 0.1 ln(factor) + 1 = 1.485 / 1.555 / 1.624 (HF default).
 `ULTRALONG_ROPE` (= `presets.ROPE_PRESETS`) holds these blocks; recipes use them as
 `rope: {preset: ultralong-1m}` or spelled out. The paper gives no mscale / attention factor, so the
-HF default is assumed (see ../shared/research/paper.md section 2).
+HF default is assumed (see docs/research/paper.md section 2).
 
 Parsing and validation of the rope block (pure Python, also run at recipe load) live in
 `megatron_ext.rope_spec`; this module computes frequencies and the Megatron tables.

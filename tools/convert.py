@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--dtype", choices=["bf16", "fp32"], help="stored dtype (default: the HF config's)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     b = sub.add_parser("to-hf", help="Megatron checkpoint (any TP/PP) -> HF safetensors folder")
-    b.add_argument("--megatron", required=True, type=Path, help="checkpoint root (holds iter_* folders)")
+    b.add_argument("--megatron", required=True, type=Path,
+                   help="checkpoint root (holds iter_* folders; the latest is read) or one iter_* folder")
     b.add_argument("--out", required=True, type=Path, help="HF folder to create")
     b.add_argument("--iteration", type=int, help="default: latest_checkpointed_iteration.txt")
     b.add_argument("--rope-preset", choices=sorted(ROPE_PRESETS), help="UltraLong YaRN rope + context length")

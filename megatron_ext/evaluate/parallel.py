@@ -218,7 +218,7 @@ class MegatronTokenLosses:
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        from megatron_ext.context_parallel import shard_for_context_parallel, unshard_order
+        from megatron_ext.context_parallel import shard_for_context_parallel, unshard
 
         n = len(ids)
         length = _padded_length(n, self.cp)
@@ -235,7 +235,7 @@ class MegatronTokenLosses:
             if self.cp > 1:
                 parts = [torch.empty_like(local) for _ in range(self.cp)]
                 dist.all_gather(parts, local, group=self.cp_group)
-                local = torch.cat(parts)[unshard_order(length, self.cp).to(self.device)]
+                local = unshard(torch.cat(parts), self.cp)
             losses = local
         dist.all_reduce(losses, group=self.pp_group)  # the last stage's numbers to every stage
         return losses[:n - 1].cpu()

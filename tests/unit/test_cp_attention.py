@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.attention import zigzag_causal_attention
-from megatron_ext.context_parallel import cp_positions
+from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel, unshard
 
 
 def _sdpa(q, k, v, mask=None):
@@ -18,6 +18,22 @@ def _inputs(seq, heads=4, groups=2, d=8):
     q = torch.randn(2, heads, seq, d, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(2, groups, seq, d, generator=gen, dtype=torch.float64) for _ in range(2))
     return q, k, v
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unshard_restores_the_sequence_from_every_ranks_chunks(cp_size, dim):
+    """What the all-gather returns (rank 0's chunks first) back in global order, along either dim; the plain
+    concatenation is not (negative control), and a length that 2 x CP does not divide is refused."""
+    seq = 12 * cp_size
+    whole = torch.arange(3 * seq).reshape(3, seq, 1).movedim(1, dim)  # [s, 3, 1] or [3, s, 1]
+    gathered = torch.cat([shard_for_context_parallel({"x": whole}, cp_size, r, seq_dim=dim)["x"]
+                          for r in range(cp_size)], dim=dim)
+    assert torch.equal(unshard(gathered, cp_size, dim=dim), whole)
+    assert torch.equal(gathered, whole) == (cp_size == 1)
+    if cp_size > 1:
+        with pytest.raises(ValueError, match="not divisible by 2 x CP"):
+            unshard(gathered.narrow(dim, 0, seq - 1), cp_size, dim=dim)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])

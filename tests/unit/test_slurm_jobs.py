@@ -182,25 +182,33 @@ def test_without_a_requeue_exceptions_pass_unchanged(submitit_handler, handler):
 
 
 def test_stages_chain_from_each_others_checkpoint_and_an_sft_keeps_its_rope(capsys, monkeypatch):
-    """`--stages cpt_4m,sft` SFTs from sft.yaml's own init_from (the 1M checkpoint), and with its init_from set to
-    cpt_4m's folder it would train the 4M model with the 1M model's RoPE: the first is a warning, the second an
-    error naming the fix; `cpt_4m,sft_4m` chains cleanly; a CPT stage after another may change the RoPE (warned)."""
+    """`--stages cpt_4m,sft` chains the SFT to cpt_4m's folder (sft.yaml's own init_from is the 1M checkpoint), and
+    then it would train the 4M model with the 1M model's RoPE: an error naming the fix. Where the user sets the SFT's
+    init_from to another folder it is kept, with a warning; `cpt_4m,sft_4m` chains cleanly; a CPT stage after
+    another may change the RoPE (warned)."""
     from tests.conftest import ROOT
 
     monkeypatch.chdir(ROOT)
 
     def run(stages, *overrides):
         code = launch.main(["--recipe", "recipes/cpt_4m.yaml", "--stages", stages, *overrides, "--dry-run"])
-        return code, capsys.readouterr().err
+        captured = capsys.readouterr()
+        return code, captured.err, captured.out
 
-    code, err = run("cpt_4m,sft")
+    code, err, _ = run("cpt_4m,sft")
+    assert code == 1 and err.startswith("stage sft starts from 'checkpoints/cpt_4m', which stage cpt_4m writes (its "
+                                        "recipe's checkpoint.init_from is 'checkpoints/cpt_1m')\nerror: stage sft "
+                                        "starts from the checkpoint of stage cpt_4m with another RoPE (rope_scaling: ")
+    assert "max_position_embeddings: 4194304 -> 1048576); an SFT keeps the RoPE" in err and "sft_4m.yaml" in err
+    code, err, _ = run("cpt_4m,sft", "sft:checkpoint.init_from=checkpoints/cpt_1m")
     assert code == 0 and err == ("warning: stage sft starts from checkpoint.init_from = 'checkpoints/cpt_1m', not from "
                                  "'checkpoints/cpt_4m', which stage cpt_4m writes; to chain them add "
                                  "sft:checkpoint.init_from=checkpoints/cpt_4m\n")
-    code, err = run("cpt_4m,sft", "sft:checkpoint.init_from=checkpoints/cpt_4m")
-    assert code == 1 and err.startswith("error: stage sft starts from the checkpoint of stage cpt_4m with another "
-                                        "RoPE (rope_scaling: ")
-    assert "max_position_embeddings: 4194304 -> 1048576); an SFT keeps the RoPE" in err and "sft_4m.yaml" in err
-    assert run("cpt_4m,sft_4m") == (0, "")
-    code, err = run("cpt_1m,cpt_4m", "cpt_4m:checkpoint.init_from=checkpoints/cpt_1m")
+    # the chain follows the folder the stage before really writes, and the job runs with it
+    code, err, out = run("cpt_1m,sft", "cpt_1m:checkpoint.dir=/scratch/run1")
+    assert code == 0 and err == ("stage sft starts from '/scratch/run1', which stage cpt_1m writes (its recipe's "
+                                 "checkpoint.init_from is 'checkpoints/cpt_1m')\n")
+    assert "checkpoint.init_from=/scratch/run1" in out.split("stage 2/2 sft")[1]
+    assert run("cpt_4m,sft_4m")[:2] == (0, "")
+    code, err, _ = run("cpt_1m,cpt_4m", "cpt_4m:checkpoint.init_from=checkpoints/cpt_1m")
     assert code == 0 and "positions change from those it was trained with" in err
