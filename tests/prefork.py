@@ -17,6 +17,7 @@ starts another server when that environment changes.
 
 Protocol, one JSON object per line: the client sends {"argv", "env", "cwd", "stdout", "stderr"}; the server
 answers {"pid"} when it has forked and {"exit": pid, "code"} when that child ends (code as Popen.returncode).
+The line `quit` (or the end of its input) ends the server and any child still running.
 """
 
 from __future__ import annotations
@@ -130,15 +131,15 @@ def serve() -> None:
         readable, _, _ = select.select([stdin], [], [], 0.02)
         if readable:
             chunk = os.read(stdin, 1 << 16)
-            if not chunk:  # the client is gone: so are its ranks
+            pending += chunk
+            if not chunk or pending.startswith(b"quit\n"):  # the client is gone or done: so are its ranks
                 for pid in children:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                 return
-            pending += chunk
-            while b"\n" in pending:
+            while b"\n" in pending and not pending.startswith(b"quit\n"):
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
                 pid = os.fork()
@@ -209,12 +210,19 @@ class Prefork:
         return self.codes.get(pid)
 
     def close(self) -> None:
-        """Close the server's input: it kills any child still running and exits."""
+        """Ask the server to end: it kills any child still running and exits. Said in words rather than by closing
+        its input alone, since a process forked from the client since (the CPU backend's checkpoint-results manager,
+        in a test that set up Megatron-Core in pytest's process) holds a copy of that pipe: no end of file comes."""
         try:
+            self.proc.stdin.write(b"quit\n")
             self.proc.stdin.close()
         except BrokenPipeError:  # it had died
             pass
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 if __name__ == "__main__":
