@@ -25,10 +25,8 @@ from megatron_ext.context_parallel import cp_chunk_ids, unshard
 
 
 class _AllGatherSeq(torch.autograd.Function):
-    """All-gather along dim 0 over a group; backward sums the gradients of all ranks and keeps ours.
-
-    (An all-reduce instead of a reduce-scatter: gloo has no reduce-scatter.)
-    """
+    """All-gather along dim 0 over a group; backward reduce-scatters: the sum over ranks of the gradient of our
+    part (half the bytes of an all-reduce, and no full-sequence buffer kept)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -39,10 +37,21 @@ class _AllGatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        return grad.chunk(size, dim=0)[rank], None
+        size = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+_BOUNDS: list = [None, []]  # the last cu_seqlens tensor and its values (held, so no other tensor takes its id)
+
+
+def _sample_bounds(cu: torch.Tensor) -> list[int]:
+    """`cu.tolist()` once per microbatch: every layer gets the same tensor, and on a GPU each copy to the host
+    waits for the work queued before it."""
+    if _BOUNDS[0] is not cu:
+        _BOUNDS[:] = [cu, cu.tolist()]
+    return _BOUNDS[1]
 
 
 def zigzag_causal_attention(sdpa, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -134,7 +143,7 @@ class TorchSDPAttention(MegatronModule):
             raise NotImplementedError("packed sequences are not split for context parallelism (SFT runs at "
                                       "parallel.context=1)")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = cu.tolist()
+        bounds = _sample_bounds(cu)
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end > start:

@@ -34,3 +34,15 @@ def test_packed_equals_one_by_one(cpu_parallel_state, hf_cfg):
         crossing = model(tokens, torch.arange(tokens.shape[1])[None], None, labels=labels)[0]
     torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=0)
     assert (crossing[lengths[0]:] - torch.cat(alone)[lengths[0]:]).abs().max() > 1e-3
+
+
+def test_sample_bounds_are_read_once_per_cu_tensor():
+    """Every layer of a microbatch gets the same cu_seqlens tensor: read once; the next microbatch's (another
+    tensor, other bounds) is read again, not taken from the last."""
+    from megatron_ext.attention import _sample_bounds
+
+    first = packed_params([50, 90, 30]).cu_seqlens_q
+    assert _sample_bounds(first) == [0, 50, 140, 170]
+    first[1] = 7  # not read again: the values come from the first call
+    assert _sample_bounds(first) == [0, 50, 140, 170]
+    assert _sample_bounds(packed_params([20, 10]).cu_seqlens_q) == [0, 20, 30]
