@@ -26,7 +26,7 @@ from megatron_ext.context_parallel import cp_chunk_ids, unshard
 
 class _AllGatherSeq(torch.autograd.Function):
     """All-gather along dim 0 over a group; backward reduce-scatters: the sum over ranks of the gradient of our
-    part (half the bytes of an all-reduce, and no full-sequence buffer kept)."""
+    part (on NCCL half the bytes of an all-reduce; gloo, since torch 2.2, does it with one)."""
 
     @staticmethod
     def forward(ctx, x, group):
