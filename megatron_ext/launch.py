@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -36,9 +37,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
-from megatron_ext.recipe import Recipe, RecipeError, load_recipe
+from megatron_ext.recipe import Recipe, RecipeError, load_recipe, parse_override
 from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -87,15 +90,23 @@ def chain_sft_stage(before: Recipe, recipe: Recipe, stage: Stage) -> bool:
     `checkpoint.dir` (an override added to `stage`, so the job runs with it) unless the user set init_from for it.
     Without this, `--stages cpt_4m,sft` would fine-tune sft.yaml's own init_from, the 1M model. True if added."""
     written = before.checkpoint.dir
-    given = any(o.split("=", 1)[0].strip() == "checkpoint.init_from" for o in stage.overrides)
+    # Only `STAGE:checkpoint.init_from=...` counts: one given for every stage names the first stage's start.
+    given = any(_sets_init_from(*parse_override(o)) for o in stage.own)
     init = recipe.checkpoint.init_from
     if recipe.train.stage != "sft" or written is None or given or (
             init is not None and Path(init).absolute() == Path(written).absolute()):
         return False
-    stage.overrides.append(f"checkpoint.init_from={written}")
+    quoted = written if yaml.safe_load(written) == written else json.dumps(written)  # `2024`, `null`: a path
+    stage.overrides.append(f"checkpoint.init_from={quoted}")
     print(f"stage {stage.name} starts from {written!r}, which stage {before.name} writes (its recipe's "
           f"checkpoint.init_from is {init!r})", file=sys.stderr)
     return True
+
+
+def _sets_init_from(keys: list[str], value) -> bool:
+    """Whether the override `keys=value` sets checkpoint.init_from (`checkpoint.init_from=X`, `checkpoint={...}`)."""
+    return keys == ["checkpoint", "init_from"] or (keys == ["checkpoint"] and isinstance(value, dict)
+                                                    and "init_from" in value)
 
 
 def check_stage_follows(before: Recipe, stage: Recipe) -> None:
@@ -141,6 +152,7 @@ class Stage:
     name: str
     recipe: str
     overrides: list[str] = field(default_factory=list)
+    own: list[str] = field(default_factory=list)  # the `STAGE:key=value` ones, also in `overrides`
 
 
 def stage_recipe(base: str, name: str) -> str:
@@ -164,6 +176,7 @@ def plan_stages(recipe: str, stages: str | None, overrides: list[str]) -> list[S
             for s in plan:
                 if s.name == m.group(1):
                     s.overrides.append(m.group(2))
+                    s.own.append(m.group(2))
         else:
             for s in plan:
                 s.overrides.append(text)

@@ -131,22 +131,22 @@ def serve() -> None:
         readable, _, _ = select.select([stdin], [], [], 0.02)
         if readable:
             chunk = os.read(stdin, 1 << 16)
-            pending += chunk
-            if not chunk or pending.startswith(b"quit\n"):  # the client is gone or done: so are its ranks
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line == b"quit":
+                    break
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(json.loads(line))
+                children.add(pid)
+                send({"pid": pid})
+            if not chunk or b"quit" in lines:  # the client is gone or done: so are its ranks
                 for pid in children:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                 return
-            while b"\n" in pending and not pending.startswith(b"quit\n"):
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _run_child(request)
-                children.add(pid)
-                send({"pid": pid})
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:

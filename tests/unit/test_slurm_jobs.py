@@ -209,6 +209,17 @@ def test_stages_chain_from_each_others_checkpoint_and_an_sft_keeps_its_rope(caps
     assert code == 0 and err == ("stage sft starts from '/scratch/run1', which stage cpt_1m writes (its recipe's "
                                  "checkpoint.init_from is 'checkpoints/cpt_1m')\n")
     assert "checkpoint.init_from=/scratch/run1" in out.split("stage 2/2 sft")[1]
+    # an init_from for every stage names where the first starts (the converted model): the SFT still chains
+    code, err, out = run("cpt_1m,sft", "checkpoint.init_from=/lustre/llama31")
+    assert code == 0 and err == ("stage sft starts from 'checkpoints/cpt_1m', which stage cpt_1m writes (its recipe's "
+                                 "checkpoint.init_from is '/lustre/llama31')\n")
+    assert out.split("stage 2/2 sft")[1].split("\n  run per task: ")[1].split("\n")[0].endswith(
+        "checkpoint.init_from=/lustre/llama31 checkpoint.init_from=checkpoints/cpt_1m")  # the last one wins
+    # the stage's own init_from, also as a section, is kept; a folder YAML would read as a number stays a path
+    code, err, _ = run("cpt_4m,sft", "sft:checkpoint={init_from: checkpoints/cpt_1m, dir: checkpoints/sft_x}")
+    assert code == 0 and err.startswith("warning: stage sft starts from checkpoint.init_from = 'checkpoints/cpt_1m'")
+    code, err, out = run("cpt_4m,sft_4m", "cpt_4m:checkpoint.dir=\"2024\"")
+    assert code == 0 and "checkpoint.init_from=\"2024\"" in out.split("stage 2/2 sft_4m")[1], out
     assert run("cpt_4m,sft_4m")[:2] == (0, "")
     code, err, _ = run("cpt_1m,cpt_4m", "cpt_4m:checkpoint.init_from=checkpoints/cpt_1m")
     assert code == 0 and "positions change from those it was trained with" in err
