@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--claim", action="store_true", help="--check: record this Slurm job as the one writing "
                    "checkpoint.dir; fails while another queued or running job holds it (slurm/*.sh do this)")
     p.add_argument("--get", metavar="KEY", help="print one resolved recipe field (e.g. checkpoint.dir) and exit")
+    p.add_argument("--check-data", action="store_true", help="only check the recipe's data.prefix datasets (complete, "
+                   "ids within model.vocab_size) and exit (slurm/pipeline.sh does before it submits)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
     return p
 
@@ -393,10 +395,18 @@ def submit(args, plan: list[Stage]) -> int:
     size += [f"cluster.gpus_per_node={args.gpus_per_node}"] if args.gpus_per_node else []
     jobs_params = []
     for i, stage in enumerate(plan):
-        # Later stages read what earlier ones write: their paths are checked when they start.
+        # Later stages read what earlier ones write: their checkpoint paths are checked when they start, their data
+        # now (rather than after the stages before them ran).
         recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
         if i and chain_sft_stage(jobs_params[-1][0], recipe, stage):
             recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
+        if i and not args.dry_run:
+            from megatron_ext.train_setup import check_data
+
+            try:
+                check_data(recipe)
+            except RecipeError as e:
+                raise RecipeError(f"stage {stage.name}: {e}") from None
         if i:
             check_stage_follows(jobs_params[-1][0], recipe)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
@@ -465,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_check(args)
         if args.get:
             return print_field(args)
+        if args.check_data:
+            from megatron_ext.train_setup import check_data
+
+            check_data(load_recipe(args.recipe, args.overrides))
+            return 0
         return submit(args, plan_stages(args.recipe, args.stages, args.overrides))
     except (RecipeError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr)

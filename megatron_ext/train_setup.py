@@ -18,9 +18,6 @@ def check_setup(recipe: Recipe) -> None:
     import re
 
     from megatron_ext.checkpoint_index import METADATA_FILE
-    from megatron_ext.data import DataError
-    from megatron_ext.data.dataset_files import (check_complete, check_sft_masks, check_token_ids, missing_file,
-                                                 read_manifest)
 
     if recipe.checkpoint.dir is None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
@@ -41,18 +38,7 @@ def check_setup(recipe: Recipe) -> None:
         raise RecipeError(f"model.tokenizer = {tok!r} makes token ids up to {largest}, but model.vocab_size = "
                           f"{recipe.model.vocab_size} has rows for ids 0..{recipe.model.vocab_size - 1}: it is not this "
                           "model's tokenizer; give the one the model was trained with")
-    if recipe.data.prefix is None:
-        raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
-    for prefix in recipe.data.prefixes:
-        for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                raise RecipeError(f"data.prefix = {prefix!r}: {missing_file(prefix, suffix)}")
-        try:
-            check_token_ids(prefix, read_manifest(prefix, recipe.train.stage), recipe.model.vocab_size)
-            # a truncated .bin/.idx (or SFT loss mask) fails here, not mid-training
-            check_sft_masks(prefix) if recipe.train.stage == "sft" else check_complete(prefix)
-        except DataError as e:
-            raise RecipeError(str(e)) from None
+    check_data(recipe)
     init = recipe.checkpoint.init_from
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
@@ -87,6 +73,27 @@ def check_setup(recipe: Recipe) -> None:
             raise RecipeError(f"checkpoint.init_from = {init!r} holds another model ({'; '.join(changed)}): set the "
                               "recipe's model.* to the checkpoint's (or model.hf_config to its HF folder), or start "
                               "from another checkpoint")
+
+
+def check_data(recipe: Recipe) -> None:
+    """Every `data.prefix` is a complete dataset of this stage's kind with no token id beyond model.vocab_size
+    (RecipeError naming the prefix and the fix). Reads each manifest and index with numpy alone."""
+    from megatron_ext.data import DataError
+    from megatron_ext.data.dataset_files import (check_complete, check_sft_masks, check_token_ids, missing_file,
+                                                 read_manifest)
+
+    if recipe.data.prefix is None:
+        raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
+    for prefix in recipe.data.prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise RecipeError(f"data.prefix = {prefix!r}: {missing_file(prefix, suffix)}")
+        try:
+            check_token_ids(prefix, read_manifest(prefix, recipe.train.stage), recipe.model.vocab_size)
+            # a truncated .bin/.idx (or SFT loss mask) fails here, not mid-training
+            check_sft_masks(prefix) if recipe.train.stage == "sft" else check_complete(prefix)
+        except DataError as e:
+            raise RecipeError(str(e)) from None
 
 
 def _largest_token_id(tokenizer_json: Path) -> int | None:

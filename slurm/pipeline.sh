@@ -136,6 +136,12 @@ if ((SFT)); then
   LAST_RECIPE=("$SFT_RECIPE" "checkpoint.init_from=$CPT_DIR")
   LAST_DIR=$(field "${LAST_RECIPE[@]:0:1}" checkpoint.dir "${LAST_RECIPE[@]:1}")
 fi
+# The stages' data, before anything is submitted (not on --dry-run): a job would find it missing only after its
+# queue wait and the jobs before it.
+if ((!DRY)); then
+  "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-data || exit 1
+  if ((SFT)); then "$PYTHON" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data || exit 1; fi
+fi
 # lengths: a list, within the last stage's model.max_position_embeddings
 [[ -n $NIAH ]] && { "$PYTHON" -m megatron_ext.launch_eval --niah "$NIAH" "${LAST_RECIPE[@]}" || exit 1; }
 [[ -n $RULER ]] && { "$PYTHON" -m megatron_ext.launch_eval --ruler "$RULER" "${LAST_RECIPE[@]}" || exit 1; }

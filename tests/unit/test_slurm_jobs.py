@@ -223,3 +223,19 @@ def test_stages_chain_from_each_others_checkpoint_and_an_sft_keeps_its_rope(caps
     assert run("cpt_4m,sft_4m")[:2] == (0, "")
     code, err, _ = run("cpt_1m,cpt_4m", "cpt_4m:checkpoint.init_from=checkpoints/cpt_1m")
     assert code == 0 and "positions change from those it was trained with" in err
+
+
+def test_every_stages_data_is_checked_before_submitting(tmp_path, capsys, monkeypatch, token_data):
+    """The SFT stage's data was first read by its job, after the queue and the CPT stage; now the chain is refused
+    before anything is submitted (the dry run leaves it, as it leaves the first stage's paths)."""
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    args = ["--recipe", "recipes/tiny/cpt.yaml", "--stages", "cpt,sft", f"cpt:data.prefix={token_data}",
+            f"cpt:checkpoint.dir={tmp_path / 'cpt'}", f"sft:checkpoint.dir={tmp_path / 'sft'}",
+            "sft:data.prefix=/nonexistent/sft"]
+    assert launch.main(args) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == ("error: stage sft: data.prefix = '/nonexistent/sft': "
+                                                        "/nonexistent/sft.bin not found; run tools/prepare_data.py "
+                                                        "first")
+    assert launch.main([*args, "--dry-run"]) == 0

@@ -175,12 +175,14 @@ def test_a_python_without_the_dependencies_is_named(job, python, message):
     assert "training exited" not in proc.stdout
 
 
-def test_pipeline_sft_recipe_path_with_a_comma(tmp_path):
+def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     """pipeline.sh gave the SFT job its recipe as `--export=ALL,RECIPE=PATH`, which sbatch splits at commas: a path
     with one lost its tail. Now RECIPE is in sbatch's own environment (the job inherits it with --export=ALL);
-    sbatch is a stub that records what it got."""
+    sbatch is a stub that records what it got. Each stage's data is checked before the first submission."""
     recipes = tmp_path / "runs,v2" / "recipes"
     shutil.copytree(ROOT / "recipes", recipes)
+    sft_recipe = recipes / "sft.yaml"
+    sft_recipe.write_text(sft_recipe.read_text().replace("prefix: data/sft ", f"prefix: {sft_data} "))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
@@ -190,8 +192,21 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, PYTHONPATH=str(ROOT),
                PYTHONWARNINGS="ignore", FAKE_CALLS=str(calls))
     env.pop("RECIPE", None)
-    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--sft-recipe", str(recipes / "sft.yaml")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    def pipeline(*overrides):
+        return subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--sft-recipe", str(sft_recipe), *overrides],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    # no CPT data: one line, nothing submitted; the SFT's data missing alike
+    proc = pipeline("data.prefix=/nonexistent/cpt")
+    assert proc.returncode == 1 and not calls.exists(), proc.stderr
+    assert proc.stderr == ("error: data.prefix = '/nonexistent/cpt': /nonexistent/cpt.bin not found; run "
+                           "tools/prepare_data.py first\n")
+    good = sft_recipe.read_text()
+    sft_recipe.write_text(good.replace(sft_data, "/nonexistent/sft"))
+    proc = pipeline(f"data.prefix={token_data}")
+    assert proc.returncode == 1 and not calls.exists() and "'/nonexistent/sft'" in proc.stderr, proc.stderr
+    sft_recipe.write_text(good)
+    proc = pipeline(f"data.prefix={token_data}")
     assert proc.returncode == 0, proc.stderr
     cpt, sft = calls.read_text().splitlines()
     assert cpt.startswith("RECIPE= ARGS=--parsable slurm/cpt_1m.sh")
