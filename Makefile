@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
-	@# The bytecode pip would compile one file at a time, on every core at once (2 cores: 90 s instead of 135 s
-	@# for the whole install); files of the packages' own tests that this Python cannot parse are skipped, as by pip.
+	@# The bytecode pip would compile one file at a time, on every core at once (2 cores: `make venv` 108 s instead
+	@# of ~165 s); files of the packages' own tests that this Python cannot parse are skipped, as by pip.
 	$(PY) -c "import compileall, sysconfig; p = sysconfig.get_paths(); \
 	  [compileall.compile_dir(d, quiet=2, workers=0) for d in {p['purelib'], p['platlib']}]"
 	touch $@
