@@ -18,7 +18,8 @@
 #   --ruler    the same for the RULER-style tasks (tools/niah.py ruler --tasks all), e.g. 128K,512K,1M; results in
 #              <checkpoint.dir>_ruler/
 #   --dry-run  print the sbatch commands instead of submitting
-# Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>.
+# Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>. Both stages' data
+# (the recipes' data.prefix: data/cpt, data/sft) is checked before the first job is submitted.
 # SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
 # The jobs run in the project root; --hf, --export and --sft-recipe are taken relative to the folder this is run
 # from, the recipes' own paths and overrides relative to the project root. PYTHON selects the python (default: python).
