@@ -43,18 +43,30 @@ def human_bytes(n: float) -> str:
 
 def memory_note(config, length: int, batch: int = 1, dtype_bytes: int = 2, n_params: int | None = None,
                 free_bytes: int | None = None) -> str:
-    """One paragraph on the memory a `length`-token prompt needs: KV cache, weights, and what is free."""
+    """One paragraph on the memory a `length`-token prompt needs: KV cache, weights, the transient of a chunked
+    prefill, and what is free."""
+    from megatron_ext.evaluate.generate import auto_prefill_chunk
+
     cfg = _config_dict(config)
     per_tok = kv_cache_bytes_per_token(cfg, dtype_bytes)
     kv = per_tok * length * batch
     heads = cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
     parts = (f"memory note: KV cache {human_bytes(per_tok)}/token (2 x {cfg['num_hidden_layers']} layers x "
-             f"{cfg.get('num_key_value_heads') or heads} KV heads x {cfg.get('head_dim') or cfg['hidden_size'] // heads}"
-             f" head_dim x {dtype_bytes} bytes); {length:,} tokens x batch {batch} = {human_bytes(kv)}")
+             f"{kv_heads} KV heads x {head_dim} head_dim x {dtype_bytes} bytes); {length:,} tokens x batch {batch} = "
+             f"{human_bytes(kv)}")
     if n_params is not None:
         parts += f" + weights {human_bytes(n_params * dtype_bytes)}"
+    chunk, transient = auto_prefill_chunk(length, batch), 0
+    if chunk < length:
+        # A chunk after the first attends to the cache through a [batch, chunk, length] mask, and with a mask
+        # transformers hands SDPA the KV heads repeated to the query heads (one layer's keys and values at a time).
+        transient = batch * chunk * length + (2 * batch * heads * length * head_dim * dtype_bytes
+                                              if kv_heads < heads else 0)
+        parts += (f" + up to {human_bytes(transient)} while a layer runs a prefill chunk (its mask"
+                  f"{f', keys and values repeated to {heads} heads' if kv_heads < heads else ''})")
     if free_bytes is not None:
-        need = kv + (n_params or 0) * dtype_bytes
+        need = kv + (n_params or 0) * dtype_bytes + transient
         parts += f"; device has {human_bytes(free_bytes)} free"
         if need > free_bytes:
             parts += (" -- this will NOT fit: lower the largest length or the batch (--batch-tokens), use a "

@@ -131,6 +131,12 @@ def test_kv_cache_bytes_from_config():
     assert "128.0 KiB/token" in note and "128.0 GiB" in note and "NOT fit" in note  # 128 + 15 GiB > 140 GiB
     assert "--engine megatron" in note  # the way to evaluate it anyway
     assert "NOT fit" not in memory_note(LLAMA31_8B, 1 << 19, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
+    # a chunked prefill (beyond 32K tokens) repeats the 8 KV heads to 32 for SDPA with its mask: 2 x 32 x 128 x 2 B
+    # = 16 KiB per token, plus the [chunk, length] boolean mask (1024 x 896K); 112 + 15 GiB alone would fit 140 GiB
+    note = memory_note(LLAMA31_8B, 7 << 17, 1, 2, n_params=8_030_261_248, free_bytes=140 << 30)
+    assert "+ up to 14.9 GiB while a layer runs a prefill chunk (its mask, keys and values repeated to 32 heads)" in \
+        note and "NOT fit" in note, note
+    assert "prefill chunk" not in memory_note(LLAMA31_8B, 32768, 1, 2)  # one pass: no mask, SDPA does the GQA
 
 
 def test_auto_prefill_chunk():
