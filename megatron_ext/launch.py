@@ -43,6 +43,7 @@ from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe, parse_override
 from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
+from megatron_ext.train_setup import check_data, check_setup
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The trainer's SIGUSR1 handler saves and exits with EXIT_REQUEUE; submitit reads this variable
@@ -74,8 +75,6 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
                           "PYTHON=/path/to/venv/bin/python)")
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
-        from megatron_ext.train_setup import check_setup
-
         check_setup(recipe)
     if recipe.runtime.device == "cuda" and gpus_per_node is not None and tasks_per_node is not None:
         if gpus_per_node < tasks_per_node:
@@ -401,8 +400,6 @@ def submit(args, plan: list[Stage]) -> int:
         if i and chain_sft_stage(jobs_params[-1][0], recipe, stage):
             recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
         if i and not args.dry_run:
-            from megatron_ext.train_setup import check_data
-
             try:
                 check_data(recipe)
             except RecipeError as e:
@@ -476,8 +473,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.get:
             return print_field(args)
         if args.check_data:
-            from megatron_ext.train_setup import check_data
-
             check_data(load_recipe(args.recipe, args.overrides))
             return 0
         return submit(args, plan_stages(args.recipe, args.stages, args.overrides))

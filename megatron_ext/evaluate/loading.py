@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.evaluate.generate import auto_prefill_chunk
 from megatron_ext.evaluate.io import not_there
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,6 @@ def memory_note(config, length: int, batch: int = 1, dtype_bytes: int = 2, n_par
                 free_bytes: int | None = None) -> str:
     """One paragraph on the memory a `length`-token prompt needs: KV cache, weights, the transient of a chunked
     prefill, and what is free."""
-    from megatron_ext.evaluate.generate import auto_prefill_chunk
-
     cfg = _config_dict(config)
     per_tok = kv_cache_bytes_per_token(cfg, dtype_bytes)
     kv = per_tok * length * batch
