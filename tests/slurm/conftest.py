@@ -108,7 +108,7 @@ class RequeueNow:
     """Background loop that lets requeued jobs start at once.
 
     Slurm holds a requeued job for 121 s (`PENDING BeginTime`); setting its StartTime to now once
-    it is in that state starts it within a second (slurm_local.md). Test-only: production jobs
+    it is in that state starts it within a second (measured on this test cluster). Test-only: production jobs
     simply wait.
     """
 

@@ -18,8 +18,11 @@
 #   SLURM_LOCAL_NODES=2                       number of nodes
 #   SLURM_LOCAL_CPUS=4                        CPUs each node advertises (may exceed the real cores)
 #   SLURM_LOCAL_TIMEOUT=60                    seconds allowed for each readiness wait
-# Facts behind the settings: ../../../shared/research/slurm_local.md (MinJobAge=4 makes
-# `sbatch --wait` poll every 2 s; the SchedulerParameters start jobs in well under a second).
+# Why the less usual settings: `sbatch --wait` polls every MinJobAge/2 s (Slurm's default 300 makes it
+# poll every 32 s), so MinJobAge=4 polls every 2 s; batch_sched_delay=0,sched_min_interval=0 start a
+# job in well under a second instead of ~3 s; UnkillableStepTimeout=180 (default 60) because on a
+# loaded 2-core host a torch job can take over a minute to die, and Slurm then drains the node
+# ("Kill task failed") until someone resumes it; `start` resumes such nodes.
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/megatron_ext_slurm}
@@ -120,6 +123,7 @@ SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
 MinJobAge=4
 KillWait=5
+UnkillableStepTimeout=180
 ReturnToService=2
 MailProg=/bin/true
 StateSaveLocation=$DIR/state
@@ -203,6 +207,16 @@ start_mariadb() {
     fail "could not create the slurm database user" "$DIR/log/mariadb.log"
 }
 
+# resume_drained_nodes: a node drained by an earlier run (a "Kill task failed" under load) takes no
+# jobs until resumed; ReturnToService=2 brings back only DOWN nodes (on their next registration).
+resume_drained_nodes() {
+  local nodes
+  nodes=$(sinfo -h -N -t drain -o "%N" 2>/dev/null | sort -u | paste -sd, -)
+  [[ -n $nodes ]] || return 0
+  say "resuming $nodes (drained: $(sinfo -h -R -o '%E' 2>/dev/null | sort -u | paste -sd';' -))"
+  scontrol update nodename="$nodes" state=resume 2>/dev/null || true
+}
+
 node_states_idle() {
   local out
   out=$(sinfo -h -N -o "%N %t") || return 1
@@ -239,6 +253,8 @@ start() {
       restarted=1
     fi
   done
+  wait_until "node registration" "$DIR/log/slurmctld.log" sinfo -h -N
+  resume_drained_nodes
   wait_until "nodes" "$DIR/log/slurmctld.log" node_states_idle
   if ((restarted)); then
     local out
