@@ -91,7 +91,7 @@ def pseudo_words(rng: random.Random, n: int, taken: set[str] | None = None) -> l
     taken = set() if taken is None else taken
     if len(taken) + n > _WORDS:  # the rejection loop below would never end
         raise EvalError(f"RULER: {n} more distinct words asked with {len(taken)} taken, of the {_WORDS} there are (a "
-                        "haystack of that many distinct keys); use a shorter length for this task")
+                        "list of that many distinct words); use a shorter length for this task")
     out: list[str] = []
     while len(out) < n:
         w = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(3))
@@ -165,9 +165,18 @@ class SampleBuilder:
                                  task.name)
 
     def _key(self, kind: str, rng: random.Random, taken: set[str]) -> str:
-        if kind == "uuid":
-            return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-        return "-".join(pseudo_words(rng, 2, taken))
+        """A key no other needle of the prompt has (`taken`, which it joins): a uuid, or two pseudo-words joined by
+        a hyphen (`bolami-tuveko`). Words may recur across keys, pairs do not, like RULER's adjective-noun keys: the
+        614,125^2 pairs never run out, where distinct words ran out after 307,062 keys (niah_multikey_2 at 4M
+        tokens holds about 260,000 needles)."""
+        while True:
+            if kind == "uuid":
+                key = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+            else:
+                key = "-".join(pseudo_words(rng, 2))
+            if key not in taken:
+                taken.add(key)
+                return key
 
     def _value(self, kind: str, rng: random.Random) -> str:
         if kind == "uuid":

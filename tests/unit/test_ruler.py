@@ -20,6 +20,7 @@ import torch
 
 from megatron_ext.evaluate import EvalError
 from megatron_ext.evaluate.haystack import builtin_haystack
+from megatron_ext.evaluate import ruler_tasks
 from megatron_ext.evaluate.ruler import RulerResult, run_ruler
 from megatron_ext.evaluate.ruler_tasks import (TASKS, SampleBuilder, match_all, noise_haystack, pseudo_words,
                                                task_names, zipf_counts)
@@ -141,7 +142,7 @@ def test_scoring_pieces():
     assert zipf_counts(36, 2.0) == [36, 9, 4, 2, 1, 1]
     words = pseudo_words(random.Random(0), 500)
     assert len(set(words)) == 500 and all(re.fullmatch(r"([bdfghjklmnprstvwz][aeiou]){3}", w) for w in words)
-    # every word is taken: an error, not an endless search (niah_multikey_2 near 4M tokens, short key lines)
+    # every word is taken: an error, not an endless search
     every = {"".join(c) for c in itertools.product(*[[a + b for a in "bdfghjklmnprstvwz" for b in "aeiou"]] * 3)}
     assert pseudo_words(random.Random(0), 1, set(list(every)[1:]))  # the last free word is found
     with pytest.raises(EvalError, match="1 more distinct words asked with 614125 taken, of the 614125"):
@@ -166,6 +167,20 @@ def test_lengths_too_short_are_user_errors(builder, name, length, message):
 def test_cwe_lowers_the_common_count_only_when_it_must(builder):
     assert builder.build(TASKS["cwe"], 12000, random.Random(0)).details["common_word_count"] == 30
     assert 3 < builder.build(TASKS["cwe"], 1536, random.Random(0)).details["common_word_count"] < 30
+
+
+def test_word_keys_outnumber_the_distinct_words(tok, monkeypatch):
+    """niah_multikey_2 at 4M tokens holds about 260,000 needles, each with its own key, and there are 614,125 words:
+    two fresh words a key ran out at 307,062 keys. Constructed case: 8 syllables (512 words, 256 such keys) and a
+    12,000-token prompt of 342 needles. Keys are distinct word pairs, so it builds (with the old rule, EvalError)."""
+    monkeypatch.setattr(ruler_tasks, "_CONSONANTS", "bdfg")
+    monkeypatch.setattr(ruler_tasks, "_VOWELS", "ae")
+    monkeypatch.setattr(ruler_tasks, "_WORDS", 8 ** 3)
+    sample = SampleBuilder(tok, {}).build(TASKS["niah_multikey_2"], 12000, random.Random(0))
+    text = tok.decode(sample.ids, skip_special_tokens=True)
+    keys = re.findall(r"The secret number of ([a-z]+-[a-z]+) is", text.rsplit("\n\n", 1)[0])  # not the answer prefix
+    assert len(keys) == len(set(keys)) > 256 and len({w for k in keys for w in k.split("-")}) <= 512
+    assert match_all(read_answer(text), sample.answers) == 1.0
 
 
 def oracle_generate(tok):
