@@ -373,18 +373,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
 
+    # A mistake found before the ranks meet comes from the recipe and the files it names, alike on every rank of a
+    # node: said by each node's first rank, not once per GPU (a node that alone cannot see a file still says so).
+    said_once_per_node = process_env().local_rank == 0
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=process_env().world_size)
         check_setup(recipe)
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    p = recipe.parallel
-    try:
+        p = recipe.parallel
         init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, context=p.context,
                          hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
-    except DeviceError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (RecipeError, DeviceError) as e:
+        if said_once_per_node:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         from megatron_ext.checkpoint import CheckpointError

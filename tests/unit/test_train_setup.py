@@ -137,8 +137,8 @@ def test_init_from_a_root_or_one_of_its_iteration_folders(tmp_path, token_data):
         check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={tmp_path}"))
 
 
-def train_cli(*overrides):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def train_cli(*overrides, **environ):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **environ)
     return subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), *TINY, *overrides],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
@@ -155,3 +155,15 @@ def test_cli_one_line_before_the_model_is_built(tmp_path, token_data):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
         assert not (tmp_path / "run").exists()
+
+
+def test_a_mistake_before_the_ranks_meet_is_said_once_per_node(tmp_path):
+    """Under torchrun or srun every rank finds a recipe mistake alike: the first rank of each node says it (rank 2 of
+    a 2-GPU-per-node job below), the others exit 1 without a word (else 256 copies of the line in a 256-GPU log)."""
+    for rank, local_rank, said in ((1, 1, False), (2, 0, True)):
+        proc = train_cli(f"checkpoint.dir={tmp_path}", "train.lerning_rate=1", RANK=str(rank), LOCAL_RANK=str(local_rank),
+                         WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == said and all(e.startswith("error: train.lerning_rate: unknown key") for e in errors), \
+            proc.stderr
