@@ -128,7 +128,7 @@ def test_init_from_a_root_or_one_of_its_iteration_folders(tmp_path, token_data):
     root = checkpoint_root(tmp_path / "ckpt", [2, 4])
     check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}"))
     with pytest.raises(RecipeError, match=r"checkpoint\.init_from = '.*iter_0000002': an iteration folder without "
-                                          rf"megatron_ext\.json, so not one a finished save wrote"):
+                                          r"megatron_ext\.json, so not one a finished save wrote"):
         check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}/iter_0000002"))
     (root / "iter_0000002/megatron_ext.json").write_text("{}")
     check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}/iter_0000002"))  # not the latest
