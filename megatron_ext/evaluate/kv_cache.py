@@ -177,12 +177,15 @@ class ContextParallelKVCache:
         n = max(0, min(first, self.prefill_valid))
         return common_prefix(ids[:n], self.ids[:n])
 
-    def reusable_prefix(self, ids: list[int], first: int, max_new: int) -> int | None:
+    def reusable_prefix(self, ids: list[int], first: int, max_new: int, known_same: int = 0) -> int | None:
         """Cached positions a pass over `ids` that predicts from position `first` can reuse, or None (prefill):
-        the common prefix with the cached ids, at most `first`, leaving at most `max_new` tokens to run."""
+        the common prefix with the cached ids, at most `first`, leaving at most `max_new` tokens to run.
+        `known_same`: leading positions the caller knows hold the cached ids (not compared again)."""
         lowest = max(1, len(ids) - max_new)  # fewer reusable positions leave too many tokens for a decode step
         start = min(first, len(self.ids))
-        if start < lowest or ids[:lowest] != self.ids[:lowest]:  # list comparisons: C speed at millions of ids
+        skip = min(known_same, lowest)
+        # list slices compare at C speed, but a slice of millions of ids still costs ~75 ms a copy
+        if start < lowest or (skip < lowest and ids[skip:lowest] != self.ids[skip:lowest]):
             return None
         for i in range(lowest, start):  # at most `max_new` ids left to compare
             if ids[i] != self.ids[i]:

@@ -91,21 +91,24 @@ class MegatronGreedy:
         self.passes = self.extensions = self.shared_tokens = self.decode_steps = 0
 
     @torch.no_grad()
-    def predict(self, ids: list[int], first: int) -> list[int]:
+    def predict(self, ids: list[int], first: int, known_same: int = 0) -> list[int]:
         """Greedy next token after positions `first .. len(ids) - 1`: a decode step over the tokens after the
         cached ones where the cache holds the sequence up to `first`, an extension pass where it holds enough of
-        its start, else a pass over the whole sequence."""
+        its start, else a pass over the whole sequence. `known_same`: leading positions the caller knows are those
+        of the last call's `ids` (a row's prompt after its first pass)."""
         if self.cache is None:
             return self._prefill(ids, first)
-        start = self.cache.reusable_prefix(ids, first, self.max_decode_tokens)
+        start = self.cache.reusable_prefix(ids, first, self.max_decode_tokens, known_same)
         if start is not None:
             preds = self._decode(ids, first, start)
-        else:
-            shared = self.cache.shared_prefix(ids, first)
-            if shared < self.min_shared * len(ids):
-                self.cache.clear()  # before the pass: the old cache would sit beside the new one
-                shared = 0
-            preds = self._prefill(ids, first, shared)
+            del self.cache.ids[start:]  # in place: a copy of a 4M-token list costs more than the GPU's decode step
+            self.cache.ids += ids[start:]
+            return preds
+        shared = self.cache.shared_prefix(ids, first)
+        if shared < self.min_shared * len(ids):
+            self.cache.clear()  # before the pass: the old cache would sit beside the new one
+            shared = 0
+        preds = self._prefill(ids, first, shared)
         self.cache.ids = list(ids)
         return preds
 
@@ -172,8 +175,16 @@ class MegatronGreedy:
         return (preds - 1).tolist()
 
     def _greedy_row(self, prompt: list[int], draft: Sequence[int]) -> list[int]:
+        passes = 0
+
+        def predict(ids: list[int], first: int) -> list[int]:  # after the row's first pass its prompt is cached
+            nonlocal passes
+            preds = self.predict(ids, first, known_same=len(prompt) if passes else 0)
+            passes += 1
+            return preds
+
         try:
-            return speculative_greedy(self.predict, prompt, draft, self.max_new_tokens, self.eos, self.settled)[0]
+            return speculative_greedy(predict, prompt, draft, self.max_new_tokens, self.eos, self.settled)[0]
         except torch.OutOfMemoryError:
             # Not retried in smaller batches (run_niah's answer to OOM on one device): the other ranks are inside
             # this pass's collectives. The job ends, the launcher stops the other ranks.

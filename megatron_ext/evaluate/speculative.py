@@ -11,7 +11,9 @@ import re
 from typing import Callable, Sequence
 
 PredictFn = Callable[[list[int], int], list[int]]
-"""(token ids, first) -> the greedy next token after each position first .. len(ids) - 1."""
+"""(token ids, first) -> the greedy next token after each position first .. len(ids) - 1. `speculative_greedy`
+gives it one list for all its passes, changed in place between them (at 4M tokens a new list per pass costs more
+than the GPU's decode step): it must not keep the list."""
 
 
 def number_settled(text: str) -> bool:
@@ -31,12 +33,15 @@ def speculative_greedy(predict: PredictFn, prompt: Sequence[int], draft: Sequenc
     for any draft: cut after the first EOS (included), at `max_new_tokens`, or once `settled(new ids)`.
     """
     eos = set(eos_token_ids)
+    ids, n_prompt = list(prompt), len(prompt)  # each pass: prompt + out + rest, the tail rewritten in place
     out: list[int] = []
     rest = list(draft)
     passes = 0
     while len(out) < max_new_tokens:
-        ids = list(prompt) + out + rest
-        preds = predict(ids, len(prompt) + len(out) - 1)
+        del ids[n_prompt:]
+        ids += out
+        ids += rest
+        preds = predict(ids, n_prompt + len(out) - 1)
         passes += 1
         accepted = [preds[0]]
         for proposed, predicted_next in zip(rest, preds[1:]):

@@ -259,7 +259,7 @@ def test_out_of_memory_on_one_rank_ends_the_run(checkpoints):
     from megatron_ext.evaluate.parallel import MegatronGreedy
     from tests.unit.test_evaluate import make_tokenizer
 
-    def oom(ids, first):
+    def oom(ids, first, known_same=0):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     gen = MegatronGreedy(model=None, vocab_size=512, max_new_tokens=4, kv_cache=False)

@@ -114,6 +114,10 @@ def test_reusable_prefix():
     assert cache.reusable_prefix(list(range(200)), 199, 64) is None  # 100 new tokens: a full pass
     assert cache.reusable_prefix([5] + list(range(1, 101)), 100, 64) is None  # another prompt
     assert cache.reusable_prefix(list(range(20)) + [0] * 81, 100, 90) == 20
+    # positions the caller vouches for (a row's prompt after its first pass) are not compared, the others are
+    assert cache.reusable_prefix([5] + list(range(1, 101)), 100, 64, known_same=1) == 100
+    assert cache.reusable_prefix([5] + list(range(1, 30)) + [0] + list(range(31, 101)), 100, 64, known_same=1) is None
+    assert cache.reusable_prefix(list(range(95)) + [7, 8], 96, 64, known_same=96) == 95  # the tail still is
     cache.ids = []
     assert cache.reusable_prefix([1, 2, 3], 2, 64) is None  # nothing cached
 
