@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.presets import PRESETS, ROPE_PRESETS
-from megatron_ext.recipe_schema import RecipeError, bad_value, build, unknown_key
+from megatron_ext.recipe_schema import RecipeError, bad_value, build, load_yaml_mapping, unknown_key
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -268,9 +268,7 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found; give the path to a .yaml recipe (see recipes/)")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raw = load_yaml_mapping(path.read_text(encoding="utf-8"), f"recipe file {str(path)!r}")
     except UnicodeDecodeError as e:
         raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text (byte {e.start}); give a .yaml recipe") \
             from None

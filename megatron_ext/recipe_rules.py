@@ -22,10 +22,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _require(world_size is None or world_size >= 1,
              f"world size = {world_size}: a run has at least 1 process; give --world-size N with N >= 1")
     for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-        _require(
-            getattr(m, name) is not None,
-            f"model.{name}: missing required field; set it, or set model.preset ({sorted(PRESETS)}) or model.hf_config",
-        )
+        source = (f"model.hf_config = {m.hf_config!r} has no {name} in its config.json; set model.{name}"
+                  if m.hf_config is not None else
+                  f"set it, or set model.preset ({sorted(PRESETS)}) or model.hf_config")
+        _require(getattr(m, name) is not None, f"model.{name}: missing required field; {source}")
     for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
         v = getattr(m, name)

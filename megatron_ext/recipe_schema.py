@@ -2,7 +2,8 @@
 
 `build(cls, raw)` checks every key of `raw` against the dataclass fields (unknown keys name the closest valid
 one), coerces each value to the field's type (Literal, Optional, tuple, bool, int, float, str, nested
-dataclasses) and reports missing required fields with their docstring (`metadata["doc"]`).
+dataclasses) and reports missing required fields with their docstring (`metadata["doc"]`). `load_yaml_mapping`
+reads the YAML itself: safe, and a key given twice in one mapping is an error (PyYAML keeps the last silently).
 """
 
 from __future__ import annotations
@@ -14,9 +15,43 @@ import typing
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin
 
+import yaml
+
 
 class RecipeError(ValueError):
     """A user mistake in a recipe or override: the message names the field, the value and the fix."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be given again here
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # the parent's own error: "found unhashable key"
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first on line {seen[key] + 1}); keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_mapping(text: str, what: str) -> Any:
+    """`text` parsed as YAML (safe, no key twice in a mapping); a mistake is a RecipeError naming `what`, the line and
+    column, and the problem."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        raise RecipeError(f"{what}{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
 
 
 def type_name(tp: Any) -> str:

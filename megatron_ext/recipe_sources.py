@@ -21,9 +21,13 @@ def _hf_config_file(path: str) -> dict:
     if not p.is_file():
         raise RecipeError(f"model.hf_config = {path!r}: no config.json there; give an HF model folder or config.json")
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"model.hf_config = {path!r}: not valid JSON ({e})") from None
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RecipeError(f"model.hf_config = {path!r}: {p} is not valid JSON ({e}); give an HF model folder or "
+                          "its config.json") from None
+    if not isinstance(cfg, dict):
+        raise RecipeError(f"model.hf_config = {path!r}: {p} holds a {type(cfg).__name__}, not an HF config mapping")
+    return cfg
 
 
 def _architecture_source(model: dict) -> dict | None:

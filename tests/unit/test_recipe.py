@@ -204,8 +204,18 @@ def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(RecipeError, match=r"recipe file '.*nope\.yaml' not found"):
         load_recipe(tmp_path / "nope.yaml")
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
-    with pytest.raises(RecipeError, match="is not valid YAML"):
+    with pytest.raises(RecipeError, match=r"'.*bad\.yaml' line 2 column 1: not valid YAML: expected ',' or ']'"):
         load_recipe(tmp_path / "bad.yaml")
+    # PyYAML alone keeps the last of two equal keys: lr would be 2e-5 without a word
+    (tmp_path / "twice.yaml").write_text("extends: " + str(ROOT / "recipes/tiny/cpt.yaml") + "\ntrain:\n  lr: 1.0e-5\n"
+                                         "  steps: 3\n  lr: 2.0e-5\n")
+    with pytest.raises(RecipeError, match=r"line 5 column 3: not valid YAML: key 'lr' given twice \(first on line 3\)"):
+        load_recipe(tmp_path / "twice.yaml")
+    from megatron_ext.recipe_schema import load_yaml_mapping
+
+    # a merge key's keys may be given again (that is what merging is for)
+    assert load_yaml_mapping("b: &b {x: 1, y: 2}\nc:\n  <<: *b\n  y: 3\n", "t") == {"b": {"x": 1, "y": 2},
+                                                                                    "c": {"x": 1, "y": 3}}
 
 
 def test_hf_config_source(tmp_path):
@@ -222,6 +232,14 @@ def test_hf_config_source(tmp_path):
     assert r.model.num_hidden_layers == 2 and r.rope.rope_type == "yarn" and r.rope.factor == 4.0
     with pytest.raises(RecipeError, match=r"model\.hf_config = '.*missing': no config\.json there"):
         load(raw={**BASE, "model": {"hf_config": str(tmp_path / "missing")}})
+    del cfg["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RecipeError, match=r"model\.num_hidden_layers: missing required field; model\.hf_config = "
+                                          r"'.*' has no num_hidden_layers in its config\.json"):
+        load(raw=raw)
+    (tmp_path / "config.json").write_text("{bad")
+    with pytest.raises(RecipeError, match=r"model\.hf_config = '.*': .*config\.json is not valid JSON"):
+        load(raw=raw)
 
 
 @pytest.mark.parametrize("how", ["yaml null", "yaml {}", "override null", "override {}"])
