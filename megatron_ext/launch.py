@@ -37,7 +37,7 @@ from pathlib import Path
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
-from megatron_ext.launch_stages import Stage, chain_sft_stage, check_stage_follows, plan_stages
+from megatron_ext.launch_stages import Stage, chain_sft_stage, check_stage_follows, check_stage_order, plan_stages
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
 from megatron_ext.train_setup import check_data, check_setup
@@ -298,8 +298,11 @@ def submit(args, plan: list[Stage]) -> int:
     """Validate every stage, then print (dry run) or submit the chain."""
     check_warning_fits(args.time, parse_time(args.time), args.signal_delay_s)
     # --nodes/--gpus-per-node override the recipe's cluster block, which sizes the job.
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:  # an int, not _count: --check takes 0 (CPU jobs)
+        raise RecipeError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1 (tasks, one per GPU, on each node)")
     size = [f"cluster.nodes={args.nodes}"] if args.nodes else []
     size += [f"cluster.gpus_per_node={args.gpus_per_node}"] if args.gpus_per_node else []
+    check_stage_order([s.name for s in plan], [check(s.recipe, s.overrides + size, None, paths=False) for s in plan])
     jobs_params = []
     for i, stage in enumerate(plan):
         # Later stages read what earlier ones write: their checkpoint paths are checked when they start, their data

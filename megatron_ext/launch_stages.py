@@ -36,6 +36,12 @@ def plan_stages(recipe: str, stages: str | None, overrides: list[str]) -> list[S
     """Stages in order with their overrides (`STAGE:key=value` only for STAGE)."""
     names = [s.strip() for s in stages.split(",") if s.strip()] if stages else [Path(recipe).stem]
     plan = [Stage(Path(n).stem, stage_recipe(recipe, n) if stages else recipe) for n in names]
+    missing = [s for s in plan if not Path(s.recipe).is_file()]
+    if stages and missing:
+        folder = Path(recipe) if Path(recipe).is_dir() else Path(recipe).parent
+        names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
+        raise RecipeError(f"--stages {stages}: stage {missing[0].name!r} has no recipe {missing[0].recipe!r}; a stage "
+                          f"is a recipe name of {str(folder)!r} without .yaml ({names}), or a path to a .yaml file")
     known = {s.name for s in plan}
     for text in overrides:
         m = re.match(r"^([A-Za-z0-9_.-]+):(.+)$", text)
@@ -100,3 +106,15 @@ def check_stage_follows(before: Recipe, stage: Recipe) -> None:
         raise RecipeError(f"{what}; an SFT keeps the RoPE its checkpoint was trained with: use the SFT recipe of that "
                           "model (recipes/sft_2m.yaml, sft_4m.yaml) or set its rope.* and model.max_position_embeddings")
     print(f"warning: {what}: positions change from those it was trained with", file=sys.stderr)
+
+
+def check_stage_order(names: list[str], recipes: list[Recipe]) -> None:
+    """No stage starts from the checkpoint a later stage writes (`--stages sft,cpt_1m`: the SFT would wait for a
+    folder that does not exist yet, and fail after its queue wait)."""
+    for i, recipe in enumerate(recipes):
+        init = recipe.checkpoint.init_from
+        for name, later in zip(names[i + 1:], recipes[i + 1:]):
+            if init is not None and later.checkpoint.dir is not None and \
+                    Path(init).absolute() == Path(later.checkpoint.dir).absolute():
+                raise RecipeError(f"stage {names[i]} starts from {init!r}, which stage {name} writes after it: list "
+                                  f"{name} before {names[i]} in --stages")

@@ -239,3 +239,26 @@ def test_every_stages_data_is_checked_before_submitting(tmp_path, capsys, monkey
                                                         "/nonexistent/sft.bin not found; run tools/prepare_data.py "
                                                         "first")
     assert launch.main([*args, "--dry-run"]) == 0
+
+
+def test_stage_names_order_and_sizes_are_checked(capsys, monkeypatch):
+    """A mistyped stage lists the recipes there; a stage that starts from what a later one writes is refused (it
+    would fail after its queue wait); --gpus-per-node 0 is refused, not dropped (control: the right order passes)."""
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+
+    def error(*argv):
+        code = launch.main(["--recipe", "recipes/cpt_1m.yaml", *argv, "--dry-run"])
+        err = capsys.readouterr().err
+        return code, err.splitlines()[-1] if err else ""
+
+    assert error("--stages", "cpt_1m,sftt") == (1, "error: --stages cpt_1m,sftt: stage 'sftt' has no recipe "
+                                                   "'recipes/sftt.yaml'; a stage is a recipe name of 'recipes' without "
+                                                   ".yaml (cpt_1m, cpt_2m, cpt_4m, sft, sft_2m, sft_4m), or a path to a "
+                                                   ".yaml file")
+    assert error("--stages", "sft,cpt_1m") == (1, "error: stage sft starts from 'checkpoints/cpt_1m', which stage "
+                                                  "cpt_1m writes after it: list cpt_1m before sft in --stages")
+    assert error("--gpus-per-node", "0") == (1, "error: --gpus-per-node 0: must be >= 1 (tasks, one per GPU, on each "
+                                                "node)")
+    assert error("--stages", "cpt_1m,sft")[0] == 0
