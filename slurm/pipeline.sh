@@ -17,7 +17,7 @@
 #              chat prompts after SFT; results in <checkpoint.dir>_niah/
 #   --ruler    the same for the RULER-style tasks (tools/niah.py ruler --tasks all), e.g. 128K,512K,1M; results in
 #              <checkpoint.dir>_ruler/
-#   --dry-run  print the sbatch commands instead of submitting
+#   --dry-run  print the sbatch commands instead of submitting (without checking paths and data)
 # Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>. Both stages' data
 # (the recipes' data.prefix: data/cpt, data/sft) is checked before the first job is submitted.
 # SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
@@ -140,6 +140,20 @@ fi
 # The stages' data, before anything is submitted (not on --dry-run): a job would find it missing only after its
 # queue wait and the jobs before it.
 if ((!DRY)); then
+  # the convert and export jobs would find these only after their queue wait (export: after the whole training)
+  if [[ -n $HF && ! -f $HF/config.json ]]; then
+    echo "error: --hf $HF: no config.json there; give the Hugging Face model folder to convert" >&2
+    exit 1
+  fi
+  if [[ -n $HF && -e $INIT ]]; then
+    echo "error: --hf: the CPT recipe's checkpoint.init_from $INIT exists, and the convert job writes it; leave out" \
+      "--hf to start from it, or give checkpoint.init_from=NEW_FOLDER" >&2
+    exit 1
+  fi
+  if [[ -n $EXPORT && -e $EXPORT ]]; then
+    echo "error: --export $EXPORT: exists, and the export job does not overwrite; give a new folder" >&2
+    exit 1
+  fi
   "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-data || exit 1
   if ((SFT)); then "$PYTHON" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data || exit 1; fi
 fi

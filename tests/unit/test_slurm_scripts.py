@@ -206,6 +206,19 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     proc = pipeline(f"data.prefix={token_data}")
     assert proc.returncode == 1 and not calls.exists() and "'/nonexistent/sft'" in proc.stderr, proc.stderr
     sft_recipe.write_text(good)
+    # the convert and export jobs' paths alike (they would fail after the queue, export after all the training)
+    (tmp_path / "hf").mkdir()
+    proc = pipeline("--hf", "hf", f"data.prefix={token_data}")
+    assert proc.returncode == 1 and not calls.exists(), proc.stderr
+    assert proc.stderr == (f"error: --hf {tmp_path}/hf: no config.json there; give the Hugging Face model folder to "
+                           "convert\n")
+    (tmp_path / "hf/config.json").write_text("{}")
+    proc = pipeline("--hf", "hf", f"data.prefix={token_data}", f"checkpoint.init_from={tmp_path}")
+    assert proc.returncode == 1 and not calls.exists() and f"checkpoint.init_from {tmp_path} exists" in proc.stderr
+    proc = pipeline("--export", ".", f"data.prefix={token_data}")
+    assert proc.returncode == 1 and not calls.exists(), proc.stderr
+    assert proc.stderr == (f"error: --export {tmp_path}/.: exists, and the export job does not overwrite; give a new "
+                           "folder\n")
     proc = pipeline(f"data.prefix={token_data}")
     assert proc.returncode == 0, proc.stderr
     cpt, sft = calls.read_text().splitlines()
