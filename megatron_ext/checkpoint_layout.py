@@ -65,6 +65,9 @@ def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tup
     """(iteration, directory) of a checkpoint root (`iteration=None`: its latest), or of one of its `iter_*`
     folders given itself (an earlier iteration, e.g. to start SFT or an evaluation from)."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} is a file; give the folder that holds iter_* (or one "
+                              "iter_* folder)")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist; check the path")
     named = re.fullmatch(r"iter_(\d+)", root.name)
@@ -75,6 +78,9 @@ def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tup
         return int(named[1]), root
     if iteration is None:
         iteration = latest_iteration(root)
+        if iteration is None and (root / "config.json").is_file() and not available_iterations(root):
+            raise CheckpointError(f"{root} is a Hugging Face model folder (config.json), not a Megatron checkpoint "
+                                  "(no iter_* folders)")
         if iteration is None:
             raise CheckpointError(f"{root} has no {LATEST_FILE}: it is not a Megatron checkpoint root "
                                   f"(found iterations: {available_iterations(root) or 'none'}); "

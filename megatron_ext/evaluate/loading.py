@@ -202,8 +202,13 @@ def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
     megatron_dir, out_dir = Path(megatron_dir), Path(out_dir)
     hint = (f"convert it first with `python tools/convert.py to-hf --megatron {megatron_dir} --out HF_DIR` "
             "and pass --model HF_DIR")
+    if megatron_dir.exists() and not megatron_dir.is_dir():
+        raise EvalError(f"--megatron {megatron_dir} is a file, not a Megatron checkpoint folder")
     if not megatron_dir.is_dir():
         raise EvalError(f"Megatron checkpoint directory {megatron_dir} does not exist")
+    if (megatron_dir / "config.json").is_file() and not any(megatron_dir.glob("iter_*")):
+        raise EvalError(f"--megatron {megatron_dir} is a Hugging Face model folder (config.json), not a Megatron "
+                        f"checkpoint: pass --model {megatron_dir}")
     script = ROOT / "tools" / "convert.py"
     if importlib.util.find_spec("megatron_ext.convert") is None or not script.is_file():
         raise EvalError(f"--megatron needs the converter (megatron_ext.convert), which this installation lacks: {hint}")

@@ -132,6 +132,13 @@ def test_errors(tmp_path, cpu_parallel_state):
     model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope", [model])
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"a\.txt is a file; give the folder that holds iter_\*"):
+        load_checkpoint(tmp_path / "a.txt", [model])
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"hf is a Hugging Face model folder \(config\.json\), not a Megatron"):
+        load_checkpoint(tmp_path / "hf", [model])
     with pytest.raises(CheckpointError, match="must contain 'hf_config'"):
         save_checkpoint(root, 1, [model], metadata={})
     save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})

@@ -260,6 +260,21 @@ def test_haystack_file_too_short_says_by_how_much(tok, tmp_path):
         file_haystack(tok, tmp_path / "missing.txt", 10)
 
 
+def test_megatron_paths_that_are_not_checkpoints(tmp_path):
+    """--megatron given a file or an HF model folder: said before the converter runs (it advised converting the HF
+    folder to HF)."""
+    from megatron_ext.evaluate.loading import convert_megatron
+
+    f = tmp_path / "a.txt"
+    f.write_text("x")
+    with pytest.raises(EvalError, match=r"--megatron .*a\.txt is a file, not a Megatron checkpoint folder"):
+        convert_megatron(f, tmp_path / "out")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text("{}")
+    with pytest.raises(EvalError, match=r"--megatron .*hf is a Hugging Face model folder .*: pass --model .*hf$"):
+        convert_megatron(tmp_path / "hf", tmp_path / "out")
+
+
 # ---------------------------------------------------------------------------------------------- NIAH grid
 
 
