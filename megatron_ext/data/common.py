@@ -33,7 +33,8 @@ def load_tokenizer(spec: str) -> Any:
 
         tok = AutoTokenizer.from_pretrained(spec)
     except Exception as e:  # noqa: BLE001 - transformers raises many types; report one line
-        raise DataError(f"--tokenizer {spec}: cannot load a tokenizer ({type(e).__name__}: "
+        where = "" if path.exists() else f"no local folder {spec!r}, and as a hub name: "
+        raise DataError(f"--tokenizer {spec}: cannot load a tokenizer ({where}{type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not getattr(tok, "is_fast", False):
         raise DataError(f"--tokenizer {spec}: not a fast (Rust) tokenizer; a tokenizer.json is needed")

@@ -122,6 +122,8 @@ def load_tokenizer(location: str | Path, what: str, fix: str):
         return AutoTokenizer.from_pretrained(location)
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())  # transformers' messages span lines; tools/niah.py prints one
+        if not Path(location).exists():  # a mistyped folder is looked up on the hub (retried for ~50 s offline)
+            reason = f"no local folder {str(location)!r}, and as a hub name: {reason}"
         raise EvalError(f"{what}: cannot load its tokenizer ({reason}); {fix}") from None
 
 

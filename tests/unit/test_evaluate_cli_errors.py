@@ -134,7 +134,8 @@ def test_megatron_checkpoint_without_a_tokenizer(no_tokenizer, tmp_path):
     msg = _error(run + ["--out", str(out), "--tokenizer", str(no_tokenizer / "big_tok")])
     assert f"--tokenizer {no_tokenizer / 'big_tok'} has {TINY['vocab_size'] + 10} tokens but the model's " \
            f"vocab_size is {TINY['vocab_size']}" in msg
-    assert "cannot load its tokenizer" in _error(run + ["--out", str(out), "--tokenizer", str(tmp_path / "none")])
+    assert f"cannot load its tokenizer (no local folder '{tmp_path / 'none'}', and as a hub name: " in \
+        _error(run + ["--out", str(out), "--tokenizer", str(tmp_path / "none")])
     assert main(run + ["--out", str(out), "--tokenizer", str(no_tokenizer / "tok")]) == 0
     assert json.loads((out / "results.json").read_text())["cells"]
     assert sorted(p.name for p in out.iterdir()) == ["heatmap.png", "results.json"]
