@@ -33,10 +33,12 @@ def _buckets_of(meta: dict) -> str:
     return " (one gradient bucket)" if size is None else f" (gradient buckets of {size:,} parameters)"
 
 
-def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, dict]:
-    """Printable lines about `root`'s checkpoint `iteration` (latest if None), that iteration and its metadata."""
+def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, dict, bool]:
+    """Printable lines about `root`'s checkpoint `iteration` (latest if None), that iteration, its metadata and
+    whether it is complete."""
     iteration, path = resolve_iteration_dir(root, iteration)
     meta = read_metadata(path)
+    complete = True
     try:
         check_complete(path)
         files = sorted(p for p in path.iterdir() if p.is_file())
@@ -44,6 +46,7 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
         state = f"complete ({len(files)} files, " + (f"{size / 1e9:.2f} GB)" if size >= 1e8 else f"{size / 1e6:.1f} MB)")
     except CheckpointError as e:
         state = f"INCOMPLETE: {str(e).split('incomplete checkpoint: ', 1)[-1]}"
+        complete = False
     recipe, hf = meta.get("recipe") or {}, meta.get("hf_config") or {}
     train, versions = recipe.get("train") or {}, meta.get("versions") or {}
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -68,7 +71,7 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
     if train:
         lines.append(f"  recipe {recipe.get('name', '?')}: stage {train.get('stage')}, seq {train.get('seq_length')}, "
                      f"global batch {train.get('global_batch_size')}, steps {train.get('steps')}, lr {train.get('lr')}")
-    return lines, iteration, meta
+    return lines, iteration, meta, complete
 
 
 def verdict(r: Resume, steps: int) -> list[str]:
@@ -92,12 +95,24 @@ def verdict(r: Resume, steps: int) -> list[str]:
     return out
 
 
+def _iteration(text: str) -> int:
+    """argparse type of --iteration: a step number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: an iteration is a step number >= 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/checkpoint.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="describe a checkpoint; with --recipe, what a run would do with it")
+    info = sub.add_parser("info", help="describe a checkpoint; with --recipe, what a run would do with it (exit 1 when "
+                          "the iteration is incomplete)")
     info.add_argument("dir", help="checkpoint.dir of a run (the folder with iter_* and latest_checkpointed_iteration.txt)")
-    info.add_argument("--iteration", type=int, default=None, help="an iteration other than the latest")
+    info.add_argument("--iteration", type=_iteration, default=None, help="an iteration other than the latest")
     info.add_argument("--recipe", help="recipe YAML of the run that would resume from DIR")
     info.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="dotted recipe override (repeatable)")
@@ -107,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                              "processes")
     reshard.add_argument("dir", help="checkpoint.dir of a run, or one of its iter_* folders")
     reshard.add_argument("--out", required=True, help="a new folder: the checkpoint.dir to resume from afterwards")
-    reshard.add_argument("--iteration", type=int, default=None, help="an iteration other than the latest")
+    reshard.add_argument("--iteration", type=_iteration, default=None, help="an iteration other than the latest")
     args = parser.parse_args(argv)
     if args.command == "reshard":
         return _reshard(args)
@@ -115,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --set and --world-size describe the run of --recipe; give --recipe FILE too", file=sys.stderr)
         return 1
     try:
-        lines, iteration, meta = describe(Path(args.dir), args.iteration)
+        lines, iteration, meta, complete = describe(Path(args.dir), args.iteration)
         if args.recipe:
             recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
             p = recipe.parallel
@@ -127,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("\n".join(lines))
+    if not complete:  # for scripts: a checkpoint not to load
+        print(f"error: {args.dir}: iteration {iteration} is incomplete (above); no run can load it", file=sys.stderr)
+        return 1
     return 0
 
 

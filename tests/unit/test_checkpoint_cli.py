@@ -124,12 +124,16 @@ def test_reshard_refuses(ckpt, capsys, tmp_path, edit, out, message):
 def test_incomplete_and_missing(ckpt, capsys, tmp_path):
     shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[0]
     shard.write_bytes(b"x")
-    code, out, _ = _info(capsys, ckpt)
-    assert code == 0 and f"iter_0000002: INCOMPLETE: {shard.name} has 1 bytes" in out
+    code, out, err = _info(capsys, ckpt)
+    assert code == 1 and f"iter_0000002: INCOMPLETE: {shard.name} has 1 bytes" in out
+    assert err == f"error: {ckpt}: iteration 2 is incomplete (above); no run can load it\n"
     code, _, err = _info(capsys, tmp_path / "nope")
     assert code == 1 and err.startswith("error: checkpoint directory") and "does not exist" in err
     code, _, err = _info(capsys, ckpt, "--iteration", 5)
     assert code == 1 and "has no iteration 5" in err and "available: [2]" in err
+    with pytest.raises(SystemExit):
+        main(["info", str(ckpt), "--iteration", "-1"])
+    assert "argument --iteration: -1: an iteration is a step number >= 0" in capsys.readouterr().err
 
 
 def test_prelaunch_check_reports_the_resume(ckpt, capsys, token_data):
