@@ -75,12 +75,20 @@ def run(args: argparse.Namespace) -> int:
     for flag, limit in (("--max-ppl-increase", args.max_ppl_increase), ("--max-logits-rel-err", args.max_logits_rel_err)):
         if not limit >= 0:  # nan too
             raise QuantizeError(f"{flag} {limit}: a limit of the --check comparison, a number >= 0")
-    hf_cfg = fp8.read_hf_config(args.hf)
-    version, mtq, _ = fp8.modelopt()
-    fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading
+    defaults = parser().parse_args(["--hf", "-", "--out", "-", "--calib", "-"])
+    unused = [flag for flag, name in (("--no-niah", "no_niah"), ("--check-samples", "check_samples"),
+                                      ("--max-ppl-increase", "max_ppl_increase"),
+                                      ("--max-logits-rel-err", "max_logits_rel_err"))
+              if getattr(args, name) != getattr(defaults, name)]
+    if unused and not args.check:
+        raise QuantizeError(f"{unused[0]} sets the accuracy check, which runs with --check only: add --check")
+    # before ModelOpt's import (~20 s)
     if Path(args.out).exists():
         raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
     _check_out_parent(Path(args.out))
+    hf_cfg = fp8.read_hf_config(args.hf)
+    version, mtq, _ = fp8.modelopt()
+    fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading
     _check_device(args.device)
     seq = args.calib_seq_length or min(int(hf_cfg.get("max_position_embeddings") or DEFAULT_SEQ_CAP), DEFAULT_SEQ_CAP)
     t0 = time.time()

@@ -328,6 +328,13 @@ def test_existing_output_refused(tmp_path, hf_dir, token_prefix):
     assert code == 2 and "exists" in stderr
 
 
+@pytest.mark.parametrize("flag", [["--no-niah"], ["--check-samples", "3"], ["--max-logits-rel-err", "0.5"]])
+def test_check_options_need_check(tmp_path, hf_dir, token_prefix, flag):
+    """They were ignored without a word: the export went out unchecked."""
+    assert f"{flag[0]} sets the accuracy check, which runs with --check only: add --check" in _bad(
+        tmp_path, hf_dir, token_prefix, *flag)
+
+
 # ------------------------------------------------------------------------------- calibration data
 
 
