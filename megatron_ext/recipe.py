@@ -266,7 +266,8 @@ _REQUIRED = frozenset({"train.seq_length", "train.steps", "train.lr"})
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} not found; give the path to a .yaml recipe (see recipes/)")
+        what = "is a folder" if path.is_dir() else "not found"
+        raise RecipeError(f"recipe file {str(path)!r} {what}; give the path to a .yaml recipe (see recipes/)")
     try:
         raw = load_yaml_mapping(path.read_text(encoding="utf-8"), f"recipe file {str(path)!r}")
     except UnicodeDecodeError as e:

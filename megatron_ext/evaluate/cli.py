@@ -231,7 +231,8 @@ def _run_ppl(args) -> None:
         if missing:
             raise EvalError(f"--text: {', '.join(missing)}: give UTF-8 text files (one document each)")
         for t in args.text:  # before the model is loaded
-            read_utf8(t, "--text")
+            if not read_utf8(t, "--text").strip():
+                raise EvalError(f"--text {t}: the file is empty; give text files of one document each")
     docs = (indexed_documents(args.indexed, args.documents or 8, vocab_size=_model_vocab_size(args))
             if args.indexed else None)
     if _megatron_engine(args):

@@ -11,6 +11,7 @@ import numpy as np
 
 from megatron_ext.evaluate.errors import EvalError
 
+DTYPE_NAMES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")  # loading._DTYPES' keys (tested)
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _LENGTH_HELP = "use e.g. 4096, 32K, 1M (K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11"
 
@@ -77,7 +78,8 @@ def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub name (default: the model's own; "
                    "for --megatron the one the checkpoint records), e.g. for a checkpoint saved without one")
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, metavar="DTYPE",
+                   help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--chunk", type=_chunk, default="auto", help="prefill chunk in tokens, 0 for one pass, or auto "
                    "(one pass up to 32K tokens, then chunks whose attention mask stays under 1 GiB); hf engine only")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -174,7 +176,7 @@ def _check_out(out: Path | None) -> None:
     FileExistsError of mkdir otherwise comes after the model has loaded, as a traceback)."""
     if out is None:
         return
-    for p in (out, *out.absolute().parents):
+    for p in (out.absolute(), *out.absolute().parents):
         if p.exists():
             if not p.is_dir():
                 where = "is a file" if p == out.absolute() else f"lies under {p}, which is a file"

@@ -86,7 +86,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise EvalError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        raise EvalError(f"--dtype {dtype}: not one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 

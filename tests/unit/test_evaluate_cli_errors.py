@@ -65,6 +65,7 @@ def _error(argv) -> str:
     (["ppl", "--text", "{doc}", "--per-octave", "0"], "--per-octave 0: must be >= 1"),
     (["--out", "{file}"], "--out {file} is a file: give a directory path"),
     (["--out", "{file}/sub"], "--out {file}/sub lies under {file}, which is a file"),
+    (["--out", "a_file"], "--out a_file is a file: give a directory path"),  # relative: said "lies under a_file"
     (["generate", "--question", "q", "--out", "{file}/x"], "--out {file}/x lies under {file}, which is a file"),
     (["--device", "tpu"], "--device tpu: not a device this tool runs on; give cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "--device cuda:99: " + ("this process sees" if torch.cuda.is_available() else
@@ -75,11 +76,15 @@ def _error(argv) -> str:
     (["--haystack", "{binary}"], "--haystack {binary}: not UTF-8 text (invalid start byte at byte 128)"),
     (["ruler", "--haystack", "{binary}"], "--haystack {binary}: not UTF-8 text"),
     (["ppl", "--text", "{binary}"], "--text {binary}: not UTF-8 text"),
+    (["ppl", "--text", "{doc}", "{empty}"], "--text {empty}: the file is empty"),  # "got no document", no file named
     (["generate", "--document", "{binary}"], "--document {binary}: not UTF-8 text"),
 ])
-def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys, argv, message):
-    files = {"doc": tmp_path / "doc.txt", "file": tmp_path / "a_file", "binary": tmp_path / "bin.txt"}
+def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    files = {"doc": tmp_path / "doc.txt", "file": tmp_path / "a_file", "binary": tmp_path / "bin.txt",
+             "empty": tmp_path / "empty.txt"}
     files["doc"].write_text("The old river passes the garden near the hill. " * 10)
+    files["empty"].write_text("\n")
     files["file"].write_text("not a directory")
     files["binary"].write_bytes(BINARY)
     argv = [a.format(**files) for a in argv]
@@ -90,6 +95,16 @@ def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys
     assert message.format(**files) in msg
     assert "memory note" not in capsys.readouterr().out  # found before the model loaded
     assert not (tmp_path / "o").exists()
+
+
+def test_dtype_is_one_of_the_loaders(capsys):
+    from megatron_ext.evaluate.cli_args import DTYPE_NAMES
+    from megatron_ext.evaluate.loading import _DTYPES
+
+    assert sorted(DTYPE_NAMES) == sorted(_DTYPES)
+    with pytest.raises(SystemExit):
+        main(["--model", "m", "--out", "o", "--dtype", "abc"])
+    assert "argument --dtype: invalid choice: 'abc'" in capsys.readouterr().err
 
 
 def test_seq_len_takes_token_counts(tiny_dir, tmp_path):

@@ -203,6 +203,8 @@ def test_extends_cycle(tmp_path):
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(RecipeError, match=r"recipe file '.*nope\.yaml' not found"):
         load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match=r"recipe file '.*' is a folder; give the path to a \.yaml recipe"):
+        load_recipe(tmp_path)
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
     with pytest.raises(RecipeError, match=r"'.*bad\.yaml' line 2 column 1: not valid YAML: expected ',' or ']'"):
         load_recipe(tmp_path / "bad.yaml")
