@@ -302,12 +302,11 @@ def submit(args, plan: list[Stage]) -> int:
         raise RecipeError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1 (tasks, one per GPU, on each node)")
     size = [f"cluster.nodes={args.nodes}"] if args.nodes else []
     size += [f"cluster.gpus_per_node={args.gpus_per_node}"] if args.gpus_per_node else []
-    check_stage_order([s.name for s in plan], [check(s.recipe, s.overrides + size, None, paths=False) for s in plan])
     jobs_params = []
     for i, stage in enumerate(plan):
         # Later stages read what earlier ones write: their checkpoint paths are checked when they start, their data
-        # now (rather than after the stages before them ran).
-        recipe = check(stage.recipe, stage.overrides + size, None, paths=not args.dry_run and i == 0)
+        # now (rather than after the stages before them ran); the first stage's paths after the loop.
+        recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
         if i and chain_sft_stage(jobs_params[-1][0], recipe, stage):
             recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
         if i and not args.dry_run:
@@ -318,6 +317,9 @@ def submit(args, plan: list[Stage]) -> int:
         if i:
             check_stage_follows(jobs_params[-1][0], recipe)
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
+    check_stage_order([s.name for s in plan], [r for r, _ in jobs_params])
+    if not args.dry_run:
+        check_setup(jobs_params[0][0])
     evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 
     if args.dry_run:

@@ -109,12 +109,13 @@ def check_stage_follows(before: Recipe, stage: Recipe) -> None:
 
 
 def check_stage_order(names: list[str], recipes: list[Recipe]) -> None:
-    """No stage starts from the checkpoint a later stage writes (`--stages sft,cpt_1m`: the SFT would wait for a
-    folder that does not exist yet, and fail after its queue wait)."""
+    """No stage starts from a checkpoint that only a later stage writes (`--stages sft,cpt_1m` before any CPT: the
+    SFT job would find no checkpoint after its queue wait). One that exists already may be started from."""
     for i, recipe in enumerate(recipes):
         init = recipe.checkpoint.init_from
+        if init is None or Path(init).exists():
+            continue
         for name, later in zip(names[i + 1:], recipes[i + 1:]):
-            if init is not None and later.checkpoint.dir is not None and \
-                    Path(init).absolute() == Path(later.checkpoint.dir).absolute():
+            if later.checkpoint.dir is not None and Path(init).absolute() == Path(later.checkpoint.dir).absolute():
                 raise RecipeError(f"stage {names[i]} starts from {init!r}, which stage {name} writes after it: list "
                                   f"{name} before {names[i]} in --stages")

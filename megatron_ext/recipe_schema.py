@@ -25,20 +25,24 @@ class RecipeError(ValueError):
 class _StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping."""
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be given again here
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, typing.Hashable):
-                continue  # the parent's own error: "found unhashable key"
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice (first on line {seen[key] + 1}); keep one",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node):
+        # Checked here, once per mapping and before its `<<` merges are copied in: a merged mapping may be flattened
+        # (its merged keys added to it) as part of another before its own turn comes.
+        if not getattr(node, "keys_checked", False):
+            node.keys_checked = True
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be given again here
+                    continue
+                key = "=" if key_node.tag == "tag:yaml.org,2002:value" else self.construct_object(key_node)
+                if not isinstance(key, typing.Hashable):
+                    continue  # the constructor's own error: "found unhashable key"
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (first on line {seen[key] + 1}); keep one",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        super().flatten_mapping(node)
 
 
 def load_yaml_mapping(text: str, what: str) -> Any:

@@ -373,18 +373,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
 
-    # A mistake found before the ranks meet comes from the recipe and the files it names, alike on every rank of a
-    # node: said by each node's first rank, not once per GPU (a node that alone cannot see a file still says so).
-    said_once_per_node = process_env().local_rank == 0
+    env = process_env()
     try:
-        recipe = load_recipe(args.recipe, args.overrides, world_size=process_env().world_size)
+        recipe = load_recipe(args.recipe, args.overrides, world_size=env.world_size)
         check_setup(recipe)
-        p = recipe.parallel
+    except RecipeError as e:
+        # from the recipe and the files it names, alike on every rank of a node: said by each node's first rank, not
+        # once per GPU (a node that alone cannot see a file still says so)
+        if env.local_rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    p = recipe.parallel
+    try:
         init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, context=p.context,
                          hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
-    except (RecipeError, DeviceError) as e:
-        if said_once_per_node:
-            print(f"error: {e}", file=sys.stderr)
+    except DeviceError as e:  # may be one task's alone (its CUDA_VISIBLE_DEVICES): every rank says its own
+        print(f"error: rank {env.rank}: {e}" if env.world_size > 1 else f"error: {e}", file=sys.stderr)
         return 1
     try:
         from megatron_ext.checkpoint import CheckpointError

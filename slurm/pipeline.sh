@@ -7,9 +7,9 @@
 #                          [--no-sft] [--niah LENGTHS] [--ruler LENGTHS] [--dry-run] [dotted.key=value ...]
 #
 #   --cpt      CPT stage script/recipe (default cpt_1m)
-#   --hf       HF model folder to convert first (default: no conversion job; the CPT recipe's
-#              checkpoint.init_from must then exist)
-#   --export   HF folder to write from the last stage's checkpoint (default: no export job)
+#   --hf       HF model folder to convert first into the CPT recipe's checkpoint.init_from, a folder that must
+#              not exist yet (default: no conversion job; checkpoint.init_from must then exist)
+#   --export   a new HF folder to write from the last stage's checkpoint (default: no export job)
 #   --sft-recipe  SFT recipe (default: the one with the CPT stage's RoPE, recipes/sft.yaml after cpt_1m,
 #              recipes/sft_2m.yaml and sft_4m.yaml after cpt_2m and cpt_4m)
 #   --niah     evaluate the last stage's checkpoint at these lengths (e.g. 128K:1M:4) with slurm/niah.sh on the
@@ -143,6 +143,11 @@ if ((!DRY)); then
   # the convert and export jobs would find these only after their queue wait (export: after the whole training)
   if [[ -n $HF && ! -f $HF/config.json ]]; then
     echo "error: --hf $HF: no config.json there; give the Hugging Face model folder to convert" >&2
+    exit 1
+  fi
+  if [[ -n $HF && -z $INIT ]]; then
+    echo "error: --hf: the CPT recipe sets no checkpoint.init_from, the folder the convert job writes; give" \
+      "checkpoint.init_from=NEW_FOLDER" >&2
     exit 1
   fi
   if [[ -n $HF && -e $INIT ]]; then

@@ -167,7 +167,7 @@ class SampleBuilder:
     def _key(self, kind: str, rng: random.Random, taken: set[str]) -> str:
         """A key no other needle of the prompt has (`taken`, which it joins): a uuid, or two pseudo-words joined by
         a hyphen (`bolami-tuveko`). Words may recur across keys, pairs do not, like RULER's adjective-noun keys: the
-        614,125^2 pairs never run out, where distinct words ran out after 307,062 keys (niah_multikey_2 at 4M
+        614,125 x 614,124 pairs never run out, where distinct words ran out after 307,062 keys (niah_multikey_2 at 4M
         tokens holds about 260,000 needles)."""
         while True:
             if kind == "uuid":

@@ -18,8 +18,8 @@
 #   SLURM_LOCAL_NODES=2                       number of nodes
 #   SLURM_LOCAL_CPUS=4                        CPUs each node advertises (may exceed the real cores)
 #   SLURM_LOCAL_TIMEOUT=60                    seconds allowed for each readiness wait
-# Why the less usual settings: `sbatch --wait` polls every MinJobAge/2 s (Slurm's default 300 makes it
-# poll every 32 s), so MinJobAge=4 polls every 2 s; batch_sched_delay=0,sched_min_interval=0 start a
+# Why the less usual settings: `sbatch --wait` polls after 2 s, then doubles the wait while it is below
+# MinJobAge/2, up to 32 s (Slurm's default MinJobAge=300: 2, 4, 8, 16, 32, 32 ... s); MinJobAge=4 polls every 2 s; batch_sched_delay=0,sched_min_interval=0 start a
 # job in well under a second instead of ~3 s; UnkillableStepTimeout=180 (default 60) because on a
 # loaded 2-core host a torch job can take over a minute to die, and Slurm then drains the node
 # ("Kill task failed") until someone resumes it; `start` resumes such nodes.

@@ -215,9 +215,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_recipe(tmp_path / "twice.yaml")
     from megatron_ext.recipe_schema import load_yaml_mapping
 
-    # a merge key's keys may be given again (that is what merging is for)
-    assert load_yaml_mapping("b: &b {x: 1, y: 2}\nc:\n  <<: *b\n  y: 3\n", "t") == {"b": {"x": 1, "y": 2},
-                                                                                    "c": {"x": 1, "y": 3}}
+    # a merge key's keys may be given again (that is what merging is for), also where the merged mapping is itself
+    # merged (flattened) before its own turn; what yaml.safe_load reads, as yaml.safe_load reads it
+    for text in ("b: &b {x: 1, y: 2}\nc:\n  <<: *b\n  y: 3\n", "=: 1\n",
+                 "a: &a {x: 1}\nholder:\n  b: &b\n    <<: *a\n    x: 2\nc:\n  <<: *b\n"):
+        assert load_yaml_mapping(text, "t") == yaml.safe_load(text)
 
 
 def test_hf_config_source(tmp_path):

@@ -241,9 +241,10 @@ def test_every_stages_data_is_checked_before_submitting(tmp_path, capsys, monkey
     assert launch.main([*args, "--dry-run"]) == 0
 
 
-def test_stage_names_order_and_sizes_are_checked(capsys, monkeypatch):
-    """A mistyped stage lists the recipes there; a stage that starts from what a later one writes is refused (it
-    would fail after its queue wait); --gpus-per-node 0 is refused, not dropped (control: the right order passes)."""
+def test_stage_names_order_and_sizes_are_checked(capsys, monkeypatch, tmp_path):
+    """A mistyped stage lists the recipes there; a stage that starts from what only a later one writes is refused
+    (it would fail after its queue wait), not one that exists already; --gpus-per-node 0 is refused, not dropped
+    (control: the right order passes)."""
     from tests.conftest import ROOT
 
     monkeypatch.chdir(ROOT)
@@ -262,3 +263,5 @@ def test_stage_names_order_and_sizes_are_checked(capsys, monkeypatch):
     assert error("--gpus-per-node", "0") == (1, "error: --gpus-per-node 0: must be >= 1 (tasks, one per GPU, on each "
                                                 "node)")
     assert error("--stages", "cpt_1m,sft")[0] == 0
+    assert error("--stages", "sft,cpt_1m", f"sft:checkpoint.init_from={tmp_path}", f"cpt_1m:checkpoint.dir={tmp_path}"
+                 )[0] == 0  # an SFT of the CPT run's checkpoint so far, then the CPT goes on

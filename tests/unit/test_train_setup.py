@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.train_setup import check_setup
@@ -157,7 +158,7 @@ def test_cli_one_line_before_the_model_is_built(tmp_path, token_data):
         assert not (tmp_path / "run").exists()
 
 
-def test_a_mistake_before_the_ranks_meet_is_said_once_per_node(tmp_path):
+def test_a_mistake_before_the_ranks_meet_is_said_once_per_node(tmp_path, token_data):
     """Under torchrun or srun every rank finds a recipe mistake alike: the first rank of each node says it (rank 2 of
     a 2-GPU-per-node job below), the others exit 1 without a word (else 256 copies of the line in a 256-GPU log)."""
     for rank, local_rank, said in ((1, 1, False), (2, 0, True)):
@@ -167,3 +168,8 @@ def test_a_mistake_before_the_ranks_meet_is_said_once_per_node(tmp_path):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == said and all(e.startswith("error: train.lerning_rate: unknown key") for e in errors), \
             proc.stderr
+    if not torch.cuda.is_available():  # a device mistake may be one task's alone: every rank says its own
+        proc = train_cli(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "runtime.device=cuda", RANK="1",
+                         LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        assert proc.returncode == 1 and [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+            "error: rank 1: runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu"], proc.stderr
