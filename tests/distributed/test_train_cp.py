@@ -14,9 +14,18 @@ STEPS = 3
 
 
 def run_train(torchrun, out, nproc, data, *overrides):
-    torchrun("megatron_ext.train", nproc, "--recipe", str(RECIPE), f"checkpoint.dir={out}", f"data.prefix={data}",
-             f"train.steps={STEPS}", "train.seq_length=256", "train.global_batch_size=2", "train.lr=1e-2", *overrides, module=True)
+    log = torchrun("megatron_ext.train", nproc, "--recipe", str(RECIPE), f"checkpoint.dir={out}", f"data.prefix={data}",
+                   f"train.steps={STEPS}", "train.seq_length=256", "train.global_batch_size=2", "train.lr=1e-2",
+                   *overrides, module=True)
+    (out / "log.txt").write_text(log)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def layout_line(out) -> str:
+    """The trainer's `TP.. PP.. CP.. DP..` words: DP is the size of Megatron's own data-parallel group, so CP2 DP1
+    on 2 processes shows the context split really happened (a CP the trainer ignored would be DP2)."""
+    line = next(x for x in (out / "log.txt").read_text().splitlines() if x.startswith("[train]") and " TP" in x)
+    return " ".join(w for w in line.replace(",", "").split() if w[:2] in ("TP", "PP", "CP", "DP") and w[2:].isdigit())
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +45,9 @@ def losses(metrics):
 ])
 def test_cp_losses_equal_cp1(tmp_path, torchrun, token_data, cp1, nproc, layout):
     metrics = run_train(torchrun, tmp_path, nproc, token_data, *layout)
+    tp = 2 if "parallel.tensor=2" in layout else 1
+    cp = int(next(o for o in layout if o.startswith("parallel.context=")).split("=")[1])
+    assert layout_line(tmp_path) == f"TP{tp} PP1 CP{cp} DP{nproc // (tp * cp)}"
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert losses(metrics)[0] > 5.0  # untrained tiny model on random tokens: about ln(512)
     np.testing.assert_allclose(losses(metrics), losses(cp1), atol=1e-5, rtol=0)
@@ -59,5 +71,6 @@ def test_blend_of_two_datasets_at_cp2_equals_cp1(tmp_path, torchrun, token_data,
     blend = [f"data.prefix=[{token_data}, {second_token_data}]", "data.weights=[3, 1]"]  # after run_train's prefix
     one = run_train(torchrun, tmp_path / "cp1", 1, token_data, "parallel.context=1", *blend)
     two = run_train(torchrun, tmp_path / "cp2", 2, token_data, "parallel.context=2", *blend)
+    assert layout_line(tmp_path / "cp2") == "TP1 PP1 CP2 DP1"
     np.testing.assert_allclose(losses(two), losses(one), atol=1e-5, rtol=0)
     assert abs(losses(one)[0] - losses(cp1)[0]) > 1e-4  # control: the blend reads other samples than token_data

@@ -13,14 +13,16 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.distributed.test_train_cp import layout_line
 
 STEPS, BATCH, EVAL_ITERS, SPLIT = 4, 2, 2, "80,20,0"
 
 
 def run_train(torchrun, out, nproc, data, *overrides, recipe="cpt"):
-    torchrun("megatron_ext.train", nproc, "--recipe", str(ROOT / f"recipes/tiny/{recipe}.yaml"),
-             f"checkpoint.dir={out}", f"data.prefix={data}", f"train.steps={STEPS}", "train.seq_length=256",
-             f"train.global_batch_size={BATCH}", "train.lr=1e-2", f"data.split={SPLIT}", *overrides, module=True)
+    log = torchrun("megatron_ext.train", nproc, "--recipe", str(ROOT / f"recipes/tiny/{recipe}.yaml"),
+                   f"checkpoint.dir={out}", f"data.prefix={data}", f"train.steps={STEPS}", "train.seq_length=256",
+                   f"train.global_batch_size={BATCH}", "train.lr=1e-2", f"data.split={SPLIT}", *overrides, module=True)
+    (out / "log.txt").write_text(log)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -101,6 +103,7 @@ def test_validation_loss_is_the_same_on_any_layout(cp1, tmp_path, torchrun, toke
     _, reference = cp1
     metrics = run_train(torchrun, tmp_path, 2, token_data, "train.eval_interval=2", f"train.eval_iters={EVAL_ITERS}",
                         *layout)
+    assert layout_line(tmp_path) == ("TP1 PP1 CP2 DP1" if "parallel.context=2" in layout else "TP1 PP1 CP1 DP2")
     got, expect = validations(metrics), validations(reference)
     assert sorted(got) == sorted(expect)
     np.testing.assert_allclose([got[s] for s in sorted(got)], [expect[s] for s in sorted(expect)], rtol=1e-5)
