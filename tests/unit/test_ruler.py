@@ -78,6 +78,8 @@ def test_every_prompt_holds_its_answer_and_no_other(tok, builder, name, length):
         assert len(sample.ids) == length if exact else 0.97 * length <= len(sample.ids) <= length
         text = tok.decode(sample.ids, skip_special_tokens=True)
         assert match_all(read_answer(text), sample.answers) == 1.0, (name, length, sample_no)
+        # and no other: the reader finds exactly the expected strings (a distractor with an asked key would add one)
+        assert sorted(read_answer(text).split(", ")) == sorted(sample.answers), (name, length, sample_no)
         for at in sample.needle_tokens:  # recorded needle positions are where the needle sentences start
             assert re.match(r" ?(The secret|VAR )", tok.decode(sample.ids[at:at + 8])), at
         needles = task.keys - task.queries + task.queries * task.values  # distractors + the asked keys' values
