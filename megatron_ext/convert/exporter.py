@@ -145,12 +145,13 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
             report["warning"] = (f"no tokenizer files copied (tokenizer location {tok_dir}); "
                                  "pass --tokenizer DIR to include them")
         if verify:
-            from megatron_ext.convert.verify import compare_logits
+            from megatron_ext.convert.verify import check_rope_far_out, compare_logits
 
             # the oracle is the checkpoint rounded to the exported dtype (every HF tensor is written in it)
             report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration, round_megatron=target)
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g} between the "
                                    f"exported model and {path}; nothing written")
+            report["rope_checked_at"] = check_rope_far_out(tmp, cfg, "the exported config")
     report.update(seconds=round(time.time() - start, 2), peak_rss_bytes=peak_rss_bytes())
     return report

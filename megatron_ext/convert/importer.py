@@ -150,7 +150,7 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
         report = {"direction": "to-megatron", "out": str(out), "dtype": dtype_name(target)}
         if verify:
             from megatron_ext.checkpoint_layout import iter_dir_name
-            from megatron_ext.convert.verify import compare_logits, stored_hf_dtypes
+            from megatron_ext.convert.verify import check_rope_far_out, compare_logits, stored_hf_dtypes
 
             # the oracle is the source rounded to what was stored (bf16 of an fp32 model is not a mapping error)
             stored = stored_hf_dtypes(tmp / iter_dir_name(0), cfg)
@@ -158,5 +158,6 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g}; "
                                    f"conversion of {hf_dir} is wrong, nothing written")
+            report["rope_checked_at"] = check_rope_far_out(hf_dir, cfg, str(hf_dir))
     report.update(seconds=round(time.time() - start, 2), peak_rss_bytes=peak_rss_bytes())
     return report

@@ -120,3 +120,37 @@ def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int
     print(f"verify: max |logit diff| HF vs Megatron = {diff:.3e} (fp32 compute, source rounded to the stored "
           f"dtype, {batch}x{seq_len} random tokens)")
     return diff
+
+
+def check_rope_far_out(hf_dir: str | Path, checkpoint_hf_config: dict, what: str) -> int:
+    """The rotary table transformers derives from the HF folder's config equals the checkpoint's own (the rope the
+    Megatron model is built with, megatron_ext.rope) at twice the longer of max_position_embeddings and the rope's
+    original length; returns that length. The logit check sees 32 positions, where a dynamic rope is still plain
+    RoPE: a rope block lost or changed on the way shows only further out. ConvertError naming both ropes otherwise."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_ext.hf_config import normalize_hf_config
+    from megatron_ext.rope import rope_frequencies
+
+    ours_cfg = normalize_hf_config(checkpoint_hf_config)
+    original = (ours_cfg.get("rope_scaling") or {}).get("original_max_position_embeddings") or 0
+    length = 2 * max(int(ours_cfg.get("max_position_embeddings") or 0), int(original), 32)
+    config = LlamaConfig.from_pretrained(str(hf_dir))
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default" and kind not in ROPE_INIT_FUNCTIONS:  # transformers 5 moved it into the model
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        theirs, their_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        theirs, their_factor = ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=length)
+    ours, our_factor = rope_frequencies(ours_cfg, length)
+    gap = ((theirs.double() - ours.double()).abs() / ours.double()).max().item() if theirs.shape == ours.shape else 1.0
+    if gap > 1e-6 or abs(float(their_factor) - float(our_factor)) > 1e-6:
+        ours_rope = f"{ours_cfg.get('rope_scaling')}, theta {ours_cfg.get('rope_theta')}"
+        raise ConvertError(f"--verify: at {length:,} tokens the rope transformers reads from {what} ({kind}) differs "
+                           f"from the checkpoint's ({ours_rope}): "
+                           f"inverse frequencies {gap:.1e} apart, attention factor {float(their_factor):.4g} vs "
+                           f"{float(our_factor):.4g}; nothing written")
+    return length

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from megatron_ext.checkpoint_layout import read_metadata
 from megatron_ext.convert import ConvertError, hf_io, mapping, to_hf, to_megatron
 from megatron_ext.convert.verify import hf_logits, megatron_logits, random_tokens
-from tests.unit.test_convert_fixtures import VARIANTS, make_hf_model, rope_fields, rope_supported
+from tests.unit.test_convert_fixtures import VARIANTS, make_hf_model, rope_fields
 
 to_megatron_mod = importlib.import_module("megatron_ext.convert.importer")
 TOL = 1e-4  # issue 4: fp32 logits within 1e-4
@@ -67,8 +67,6 @@ def test_round_trip_bit_exact(converted):
 
 def test_megatron_logits_equal_hf(converted):
     name, src, tmp = converted
-    if not rope_supported(name):
-        pytest.skip(f"megatron_ext.rope cannot build {name} yet (issue 3); the test turns on after that merge")
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     tokens = random_tokens(vocab, batch=2, seq_len=48)  # longer than llama3/yarn's original 32 positions
     ref = hf_logits(src, tokens)
@@ -130,7 +128,11 @@ def test_scrambled_qkv_fails_logit_check(bad_merge, tiny_src, tmp_path, cpu_para
     assert not (tmp_path / "bad2").exists() and not list(tmp_path.glob(".bad2*"))  # nothing half-written
 
 
-def test_dropped_rope_block_fails_logit_check(tiny_src, tmp_path, cpu_parallel_state, monkeypatch):
+@pytest.mark.parametrize("variant", ["llama3-gqa2", "dynamic-gqa2", "longrope-gqa2"])
+def test_dropped_rope_block_fails_logit_check(variant, tmp_path, cpu_parallel_state, monkeypatch):
+    """Each rope's scaled branch is what the logit checks see at their 48 tokens (dynamic: beyond its 32 positions;
+    longrope: its long factors), so a converter that lost the block fails them."""
+    tiny_src = make_hf_model(tmp_path / "hf", **VARIANTS[variant])
     real = to_megatron_mod.read_hf_config
     monkeypatch.setattr(to_megatron_mod, "read_hf_config", lambda d: dict(real(d), rope_scaling=None))
     to_megatron(tiny_src, tmp_path / "norope", progress=False)
@@ -141,7 +143,9 @@ def test_dropped_rope_block_fails_logit_check(tiny_src, tmp_path, cpu_parallel_s
     real_export = hf_io.export_config
     monkeypatch.setattr("megatron_ext.convert.exporter.export_config",
                         lambda *a: dict(real_export(*a), rope_scaling=None))
-    with pytest.raises(ConvertError, match="--verify"):
+    # the logits see 32 tokens, within dynamic's 32 positions: its loss shows in the rope check at 64
+    match = "--verify: at 64 tokens the rope transformers reads" if variant == "dynamic-gqa2" else "--verify"
+    with pytest.raises(ConvertError, match=match):
         to_hf(tmp_path / "good", tmp_path / "back", verify=True, progress=False)
     assert not (tmp_path / "back").exists()
 
@@ -180,8 +184,6 @@ def test_yarn_trained_checkpoint_exports_with_preset(tmp_path, cpu_parallel_stat
     """A model whose metadata rope is UltraLong-1M exports with that preset and verifies; 4M does not."""
     from megatron_ext.presets import ROPE_PRESETS
 
-    if not rope_supported("yarn-gqa2"):
-        pytest.skip("megatron_ext.rope cannot build yarn yet (issue 3)")
     rope = {k: v for k, v in ROPE_PRESETS["ultralong-1m"].items() if k != "rope_theta"}
     src = make_hf_model(tmp_path / "hf", rope_theta=500000.0, rope_scaling=rope, max_position_embeddings=2**20)
     to_megatron(src, tmp_path / "m", progress=False)
@@ -209,8 +211,6 @@ def test_max_position_embeddings_refused_where_rope_reads_it(variant, tmp_path, 
 def test_max_position_embeddings_pins_implicit_original_length(tmp_path, cpu_parallel_state):
     """yarn without original_max_position_embeddings: transformers takes max_position_embeddings, so the
     export writes the old value explicitly; --verify (Megatron model from the checkpoint's rope) agrees."""
-    if not rope_supported("yarn-gqa2"):
-        pytest.skip("megatron_ext.rope cannot build yarn yet (issue 3)")
     src = make_hf_model(tmp_path / "hf", rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_theta=500000.0)
     cfg = json.loads((src / "config.json").read_text())
     del cfg["rope_parameters"]["original_max_position_embeddings"]  # transformers 5 writes it; a v4 config may not
