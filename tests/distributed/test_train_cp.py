@@ -33,6 +33,22 @@ def cp1(tmp_path_factory, torchrun, token_data):
     return run_train(torchrun, tmp_path_factory.mktemp("cp1"), 1, token_data, "parallel.context=1")
 
 
+def check_throughput(metrics, world: int) -> None:
+    """tokens/s and TFLOP/s per device as the trainer logs them: a global batch of 2 x 256 tokens per step, and the
+    cost model's training FLOPs per token (checked against perf.md's formula and NVIDIA's tables in test_plan.py)
+    spread over every process."""
+    from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
+    from megatron_ext.hf_config import hf_config_from_recipe
+    from megatron_ext.recipe import load_recipe
+
+    shape = shape_from_hf_config(hf_config_from_recipe(load_recipe(RECIPE, ["train.seq_length=256"])))
+    per_token = train_flops_per_token(shape, 256)
+    for m in metrics:
+        assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(2 * 256)
+        assert m["tflops_per_device"] == pytest.approx(per_token * 2 * 256 / m["step_time_s"] / world / 1e12)
+        assert "mfu" not in m  # no GPU peak on a CPU
+
+
 def losses(metrics):
     return [m["loss"] for m in metrics]
 
@@ -52,6 +68,7 @@ def test_cp_losses_equal_cp1(tmp_path, torchrun, token_data, cp1, nproc, layout)
     assert losses(metrics)[0] > 5.0  # untrained tiny model on random tokens: about ln(512)
     np.testing.assert_allclose(losses(metrics), losses(cp1), atol=1e-5, rtol=0)
     np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in cp1], rtol=1e-4)
+    check_throughput(metrics, nproc)
     if "profile.steps=[2,3]" in layout:  # each CP rank's trace of steps 2 and 3 (tests/unit/test_train_profile.py)
         for rank in (0, 1):
             check_trace(tmp_path / "profile", rank, 2, 3, STEPS)

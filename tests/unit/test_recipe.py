@@ -33,7 +33,9 @@ def test_valid_recipe_resolves_preset_and_rope():
 
 def test_recipe_is_frozen():
     r = load()
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.train.lr = 1.0
 
 
