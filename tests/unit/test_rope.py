@@ -135,6 +135,13 @@ def test_dynamic_and_longrope_depend_on_length():
     cfg = {**LLAMA31_8B, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
     assert torch.equal(rope_frequencies(cfg)[0], rope_frequencies(cfg, 1000)[0])  # below max: unscaled
     assert not torch.equal(rope_frequencies(cfg)[0], rope_frequencies(cfg, 200000)[0])
+    half = LLAMA31_8B["hidden_size"] // LLAMA31_8B["num_attention_heads"] // 2  # 64 frequencies
+    long = {**LLAMA31_8B, "max_position_embeddings": 32768,
+            "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 8192,
+                             "short_factor": [1.0] * half, "long_factor": [4.0] * half}}
+    # short factors up to the original length, long factors beyond it
+    assert torch.equal(rope_frequencies(long, 8192)[0], rope_frequencies(long, 4096)[0])
+    assert torch.allclose(rope_frequencies(long, 8193)[0], rope_frequencies(long, 8192)[0] / 4)
 
 
 def test_ultralong_presets():
