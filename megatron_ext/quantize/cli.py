@@ -75,11 +75,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, limit in (("--max-ppl-increase", args.max_ppl_increase), ("--max-logits-rel-err", args.max_logits_rel_err)):
         if not limit >= 0:  # nan too
             raise QuantizeError(f"{flag} {limit}: a limit of the --check comparison, a number >= 0")
-    defaults = parser().parse_args(["--hf", "-", "--out", "-", "--calib", "-"])
-    unused = [flag for flag, name in (("--no-niah", "no_niah"), ("--check-samples", "check_samples"),
-                                      ("--max-ppl-increase", "max_ppl_increase"),
-                                      ("--max-logits-rel-err", "max_logits_rel_err"))
-              if getattr(args, name) != getattr(defaults, name)]
+    defaults = parser()
+    unused = [flag for flag in ("--no-niah", "--check-samples", "--max-ppl-increase", "--max-logits-rel-err")
+              if getattr(args, flag[2:].replace("-", "_")) != defaults.get_default(flag[2:].replace("-", "_"))]
     if unused and not args.check:
         raise QuantizeError(f"{unused[0]} sets the accuracy check, which runs with --check only: add --check")
     # before ModelOpt's import (~20 s)
