@@ -24,12 +24,16 @@ class Stage:
     own: list[str] = field(default_factory=list)  # the `STAGE:key=value` ones, also in `overrides`
 
 
+def _stage_folder(base: str) -> Path:
+    """Where stage names are looked up: `base` if it is a folder, else the folder of the recipe `base`."""
+    return Path(base) if Path(base).is_dir() else Path(base).parent
+
+
 def stage_recipe(base: str, name: str) -> str:
     """`sft` -> `<folder of base>/sft.yaml` (base: a recipe, or its folder); a name ending in .yaml/.yml is a path."""
     if name.endswith((".yaml", ".yml")):
         return name
-    folder = Path(base) if Path(base).is_dir() else Path(base).parent
-    return str(folder / f"{name}.yaml")
+    return str(_stage_folder(base) / f"{name}.yaml")
 
 
 def plan_stages(recipe: str, stages: str | None, overrides: list[str]) -> list[Stage]:
@@ -38,10 +42,10 @@ def plan_stages(recipe: str, stages: str | None, overrides: list[str]) -> list[S
     plan = [Stage(Path(n).stem, stage_recipe(recipe, n) if stages else recipe) for n in names]
     missing = [s for s in plan if not Path(s.recipe).is_file()]
     if stages and missing:
-        folder = Path(recipe) if Path(recipe).is_dir() else Path(recipe).parent
-        names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
+        folder = _stage_folder(recipe)
+        available = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
         raise RecipeError(f"--stages {stages}: stage {missing[0].name!r} has no recipe {missing[0].recipe!r}; a stage "
-                          f"is a recipe name of {str(folder)!r} without .yaml ({names}), or a path to a .yaml file")
+                          f"is a recipe name of {str(folder)!r} without .yaml ({available}), or a path to a .yaml file")
     known = {s.name for s in plan}
     for text in overrides:
         m = re.match(r"^([A-Za-z0-9_.-]+):(.+)$", text)
