@@ -43,6 +43,7 @@ import math
 import torch
 
 from megatron_ext.context_parallel import cp_positions
+from megatron_ext.rope_angles import rope_angles
 from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.rope_spec import ROPE_TYPES, ULTRALONG_ROPE, RopeConfigError, RopeSpec, rope_spec
 
@@ -149,17 +150,6 @@ def cp_local_positions(seq_len: int, cp_size: int = 1, cp_rank: int = 0) -> torc
     if cp_size == 1:  # any length (inference, HF parity), not only multiples of 2
         return torch.arange(seq_len, dtype=torch.int64)
     return cp_positions(seq_len, cp_size, cp_rank)  # the same split the batch gets
-
-
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Angles `[n, rot_dim/2]` float32 = positions x inv_freq, reduced to [-pi, pi] in float64.
-
-    Below pi this is bit-identical to transformers' float32 product (the float64 product of a
-    position < 2^24 and a float32 is exact, so the cast is the one rounding fp32 does).
-    """
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [n, rot_dim/2]
-    turns = torch.round(angles / (2 * math.pi))  # 0 for angles <= pi, so those are left untouched
-    return angles.sub_(turns.mul_(2 * math.pi)).to(torch.float32)
 
 
 def _concentration_attrs(spec: RopeSpec, factor: float) -> dict:

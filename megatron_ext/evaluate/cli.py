@@ -232,7 +232,7 @@ def _run_ppl(args) -> None:
             raise EvalError(f"--text: {', '.join(missing)}: give UTF-8 text files (one document each)")
         for t in args.text:  # before the model is loaded
             if not read_utf8(t, "--text").strip():
-                raise EvalError(f"--text {t}: the file is empty; give text files of one document each")
+                raise EvalError(f"--text {t}: no text in the file; give text files of one document each")
     docs = (indexed_documents(args.indexed, args.documents or 8, vocab_size=_model_vocab_size(args))
             if args.indexed else None)
     if _megatron_engine(args):

@@ -501,3 +501,40 @@ def test_perplexity_on_a_megatron_indexed_dataset(tiny, tmp_path):
     assert sum(b["tokens"] for b in res.buckets) == 119 + 49
     with pytest.raises(EvalError, match="prepare_data"):
         indexed_documents(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                         "beta_fast": 4.0, "beta_slow": 1.0},
+                                  {"rope_type": "dynamic", "factor": 2.0}])
+def test_hf_engine_rope_angles_are_exact_far_out(rope):
+    """Near 4M tokens transformers' float32 product of position and frequency is off by up to 0.125 rad (the
+    control); the engine's rotary module gives the float64 cos/sin there, and transformers' own values where the
+    angles are below pi (within float32 spacing up to 300 rad, where the engine tests compare it with generate)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_ext.evaluate.hf_rope import Float64RotaryAngles, exact_rope_angles
+    from megatron_ext.presets import TINY
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY, rope_scaling=rope, max_position_embeddings=512)))
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, 1)
+
+    def cos_sin(module, positions):
+        cos, sin = module(x, positions[None])
+        return torch.cat([cos, sin], -1)[0].double()
+
+    far = torch.arange(4_194_304 - 300, 4_194_304)
+    near = torch.arange(0, 300)
+    theirs_far, theirs_near = cos_sin(rotary, far), cos_sin(rotary, near)  # dynamic: inv_freq set for 4M first
+    assert exact_rope_angles(model) and isinstance(model.model.rotary_emb, Float64RotaryAngles)
+    assert exact_rope_angles(model) and model.model.rotary_emb.inner is rotary  # wrapped once
+    ours_far = cos_sin(model.model.rotary_emb, far)
+    angles = far.double()[:, None] * rotary.inv_freq.double()[None]  # dynamic: the frequencies set for 4M
+    emb = torch.cat([angles, angles], -1)  # Llama's half-split layout
+    exact = torch.cat([emb.cos(), emb.sin()], -1) * rotary.attention_scaling
+    assert (ours_far - exact).abs().max() < 1e-5
+    assert (theirs_far - exact).abs().max() > 1e-2  # transformers' own float32 angles
+    ours_near = cos_sin(model.model.rotary_emb, near)
+    assert torch.equal(ours_near[:4], theirs_near[:4])  # angles below pi: the same float32 values
+    np.testing.assert_allclose(ours_near, theirs_near, atol=2e-5)  # up to 300 rad: float32 spacing 3e-5

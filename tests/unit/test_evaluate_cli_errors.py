@@ -76,7 +76,7 @@ def _error(argv) -> str:
     (["--haystack", "{binary}"], "--haystack {binary}: not UTF-8 text (invalid start byte at byte 128)"),
     (["ruler", "--haystack", "{binary}"], "--haystack {binary}: not UTF-8 text"),
     (["ppl", "--text", "{binary}"], "--text {binary}: not UTF-8 text"),
-    (["ppl", "--text", "{doc}", "{empty}"], "--text {empty}: the file is empty"),  # "got no document", no file named
+    (["ppl", "--text", "{doc}", "{empty}"], "--text {empty}: no text in the file"),  # "got no document", no file named
     (["generate", "--document", "{binary}"], "--document {binary}: not UTF-8 text"),
 ])
 def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, argv, message):
