@@ -11,6 +11,7 @@ from pathlib import Path
 from megatron_ext.checkpoint_index import CheckpointError, check_complete, saved_bucket_size, saved_fully_reshardable
 from megatron_ext.checkpoint_layout import (available_iterations, latest_iteration, read_metadata,
                                             resolve_iteration_dir, unfinished_saves)
+from megatron_ext.cli_types import whole_number
 from megatron_ext.recipe import RecipeError, load_recipe
 from megatron_ext.resume import Resume, plan_resume
 
@@ -95,15 +96,7 @@ def verdict(r: Resume, steps: int) -> list[str]:
     return out
 
 
-def _iteration(text: str) -> int:
-    """argparse type of --iteration: a step number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: an iteration is a step number >= 0")
-    return value
+_ITERATION = whole_number(0, "an iteration is a step number")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="describe a checkpoint; with --recipe, what a run would do with it (exit 1 when "
                           "the iteration is incomplete)")
     info.add_argument("dir", help="checkpoint.dir of a run (the folder with iter_* and latest_checkpointed_iteration.txt)")
-    info.add_argument("--iteration", type=_iteration, default=None, help="an iteration other than the latest")
+    info.add_argument("--iteration", type=_ITERATION, default=None, help="an iteration other than the latest")
     info.add_argument("--recipe", help="recipe YAML of the run that would resume from DIR")
     info.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="dotted recipe override (repeatable)")
@@ -122,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                              "processes")
     reshard.add_argument("dir", help="checkpoint.dir of a run, or one of its iter_* folders")
     reshard.add_argument("--out", required=True, help="a new folder: the checkpoint.dir to resume from afterwards")
-    reshard.add_argument("--iteration", type=_iteration, default=None, help="an iteration other than the latest")
+    reshard.add_argument("--iteration", type=_ITERATION, default=None, help="an iteration other than the latest")
     args = parser.parse_args(argv)
     if args.command == "reshard":
         return _reshard(args)

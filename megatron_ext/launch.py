@@ -35,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ext.cli_types import whole_number
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.launch_stages import Stage, chain_sft_stage, check_stage_follows, check_stage_order, plan_stages
@@ -195,15 +196,7 @@ def after(params: dict, job: str) -> dict:
     return dict(params, additional_parameters=extra)
 
 
-def _count(text: str) -> int:
-    """argparse type of a count of nodes, tasks or CPUs: an integer >= 1 (0 used to be dropped unseen)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
-    return value
+_count = whole_number(1)  # nodes, tasks or CPUs
 
 
 def build_parser() -> argparse.ArgumentParser:
