@@ -75,6 +75,18 @@ def check_setup(recipe: Recipe) -> None:
                               "from another checkpoint")
 
 
+def positions_warning(recipe: Recipe) -> str | None:
+    """A warning when the run trains beyond `model.max_position_embeddings`: the checkpoint, its export and the
+    evaluation's length check then claim a shorter context than the one trained (usually an override of
+    train.seq_length without the model's length and RoPE); None otherwise."""
+    seq, positions = recipe.train.seq_length, recipe.max_position_embeddings
+    if seq <= positions:
+        return None
+    return (f"train.seq_length = {seq:,} is beyond model.max_position_embeddings = {positions:,}: the checkpoint and "
+            f"its export will claim {positions:,} positions; set model.max_position_embeddings (and the rope block) "
+            "for the trained length, e.g. the recipe of that length")
+
+
 def check_data(recipe: Recipe) -> None:
     """Every `data.prefix` is a complete dataset of this stage's kind with no token id beyond model.vocab_size
     (RecipeError naming the prefix and the fix). Reads each manifest and index with numpy alone."""

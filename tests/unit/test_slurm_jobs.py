@@ -114,6 +114,25 @@ def test_check_claims_only_when_asked(monkeypatch, tmp_path, capsys):
     assert (tmp_path / "r" / OWNER_FILE).read_text() == "9\n"
 
 
+def test_check_warns_of_training_beyond_the_models_positions(monkeypatch, capsys):
+    """An override of train.seq_length alone trains past model.max_position_embeddings: the checkpoint and its
+    export would claim the shorter context. The sbatch preflight (and the trainer's log) says so; not when within."""
+    from megatron_ext.train_setup import positions_warning
+
+    def run(*overrides):
+        monkeypatch.setattr(launch, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
+                                                                                 world_size=2))
+        assert launch.main(["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", *overrides]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+
+    assert run("checkpoint.dir=/nonexistent/r", "train.seq_length=4096") == [
+        "warning: train.seq_length = 4,096 is beyond model.max_position_embeddings = 2,048: the checkpoint and its "
+        "export will claim 2,048 positions; set model.max_position_embeddings (and the rope block) for the trained "
+        "length, e.g. the recipe of that length"]
+    assert run("checkpoint.dir=/nonexistent/r", "train.seq_length=2048") == []
+    assert positions_warning(launch.load_recipe("recipes/cpt_4m.yaml")) is None  # the paper's recipes train at it
+
+
 class _Submitit:
     """Stands in for submitit's USR1 handler (`checkpoint_and_try_requeue`): on rank 0 it requeues the job and raises
     SystemExit(-1); on other ranks it returns; when it may not requeue it raises (UncompletedJobError)."""
