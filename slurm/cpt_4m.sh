@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # UltraLong CPT to 4M tokens (recipes/cpt_4m.yaml): 256 H100, TP 8 x CP 16, ~13 h (perf.md).
+# The time-limit warning comes 20 minutes ahead (10 in the other stages): a step takes ~5 minutes, then the save.
 #   sbatch slurm/cpt_4m.sh [dotted.key=value ...]       (submit from the project root)
 # Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
 # recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.
@@ -11,7 +12,7 @@
 #SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time=16:00:00
-#SBATCH --signal=B:USR1@600
+#SBATCH --signal=B:USR1@1200
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
