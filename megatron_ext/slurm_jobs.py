@@ -22,15 +22,22 @@ _ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED
           "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED")
 
 
+UNKNOWN = "UNKNOWN"  # job_state's answer when squeue cannot be asked: not taken for an ended job
+
+
 def job_state(job_id: str) -> str | None:
-    """The state squeue shows for `job_id` (`RUNNING`, `PENDING`, ...), or None when Slurm no longer lists it
-    (or squeue cannot be asked)."""
+    """The state squeue shows for `job_id` (`RUNNING`, `PENDING`, ...), None when Slurm no longer lists it, or
+    `UNKNOWN (why)` when squeue cannot be asked (not installed, as in many containers; timed out; failed)."""
     try:
         proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    state = proc.stdout.strip().split("\n")[0].strip() if proc.returncode == 0 else ""
-    return state or None
+    except OSError as e:
+        return f"{UNKNOWN} (squeue: {e.strerror or e})"
+    except subprocess.TimeoutExpired:
+        return f"{UNKNOWN} (squeue did not answer in 60 s)"
+    if proc.returncode != 0:  # a job Slurm has forgotten: "Invalid job id specified"
+        why = " ".join(proc.stderr.split())
+        return None if "invalid job id" in why.lower() else f"{UNKNOWN} (squeue: {why or f'exit {proc.returncode}'})"
+    return proc.stdout.strip().split("\n")[0].strip() or None
 
 
 def claim_checkpoint_dir(checkpoint_dir: str, job_id: str,
@@ -70,6 +77,11 @@ def claim_checkpoint_dir(checkpoint_dir: str, job_id: str,
 def _refuse_if_live(checkpoint_dir: str, owner: str, state_of: Callable[[str], str | None] | None) -> None:
     """RecipeError when job `owner`, which holds `checkpoint_dir`, is still queued or running."""
     state = (state_of or job_state)(owner)
+    if state is not None and state.startswith(UNKNOWN):
+        raise RecipeError(
+            f"checkpoint.dir = {checkpoint_dir!r} is held by Slurm job {owner}, and whether it still runs is "
+            f"{state}: two runs in one folder overwrite each other's checkpoints. If job {owner} has ended, delete "
+            f"{Path(checkpoint_dir) / OWNER_FILE}; else wait for it, cancel it, or give this run another checkpoint.dir")
     if state is not None and state.split()[0] not in _ENDED:
         raise RecipeError(
             f"checkpoint.dir = {checkpoint_dir!r} is being written by Slurm job {owner} ({state}); two runs "

@@ -35,6 +35,30 @@ def test_claim_takes_over_from_a_job_that_ended(tmp_path, state):
     assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE]
 
 
+@pytest.mark.parametrize("script, state", [
+    ("echo RUNNING", "RUNNING"),
+    ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", None),  # Slurm has forgotten it: ended
+    ("echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1",
+     "UNKNOWN (squeue: slurm_load_jobs error: Unable to contact slurm controller)"),
+    (None, "UNKNOWN (squeue: No such file or directory)"),  # no squeue, as in many containers
+])
+def test_job_state_tells_an_ended_job_from_one_it_cannot_ask_about(tmp_path, monkeypatch, script, state):
+    """A live job's folder was taken over where squeue could not be asked (a container without Slurm's commands,
+    a controller that did not answer): that counted as "ended". Now only Slurm's own "Invalid job id" does."""
+    from megatron_ext.slurm_jobs import job_state
+
+    if script is not None:
+        (tmp_path / "squeue").write_text(f"#!/bin/sh\n{script}\n")
+        (tmp_path / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert job_state("100") == state
+    claim_checkpoint_dir(str(tmp_path / "run"), "100", state_of=lambda job: None)
+    if state is not None and state.startswith("UNKNOWN"):
+        with pytest.raises(RecipeError, match=rf"held by Slurm job 100, and whether it still runs is UNKNOWN .*If job "
+                                              rf"100 has ended, delete .*run/{OWNER_FILE}"):
+            claim_checkpoint_dir(str(tmp_path / "run"), "101")
+
+
 def test_other_tasks_only_check_the_claim(tmp_path):
     """Under submitit every task checks (each stops by itself) and rank 0 alone writes: tasks of one job writing
     one temporary name at once made a rank's rename fail."""
