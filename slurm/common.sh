@@ -119,7 +119,14 @@ preflight() {
 # A MASTER_ADDR exported in the submitting shell (sbatch passes the environment on; torchrun habits) wins over the
 # job's first node in megatron_ext.runtime. A loopback one on several nodes leaves the ranks of every other node
 # waiting for a rendezvous on themselves until the 30-minute timeout: stop now instead.
+# RANK, WORLD_SIZE, ... from a submitting shell that itself ran under torchrun or submitit would win over Slurm's
+# too (torchrun inside a job), and every task would be the same rank: a silent hang. The tasks here are srun's.
 check_rendezvous() {
+  local v leaked=()
+  for v in RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK; do
+    if [[ -n ${!v+x} ]]; then leaked+=("$v"); unset "$v"; fi
+  done
+  ((${#leaked[@]} == 0)) || echo "note: unset ${leaked[*]} from the submitting shell; each task's rank comes from Slurm" >&2
   if [[ ${MASTER_ADDR:-} =~ ^(localhost|127\.|::1$) ]] && ((${SLURM_JOB_NUM_NODES:-1} > 1)); then
     die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) on a ${SLURM_JOB_NUM_NODES}-node job: the other nodes" \
       "cannot reach it; unset MASTER_ADDR before sbatch (the job's first node is used)"

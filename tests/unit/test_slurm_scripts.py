@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
-    "srun": '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n'
+    "srun": '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
             '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
@@ -161,6 +161,19 @@ def test_loopback_master_addr_from_the_login_shell_stops_a_multi_node_job(job):
     assert "training exited" not in proc.stdout
     proc, _ = job(MASTER_ADDR="localhost", SLURM_JOB_NUM_NODES="1", FAKE_RC="0")  # one node: loopback is right
     assert proc.returncode == 0 and "training exited with 0" in proc.stdout, proc.stderr
+
+
+def test_torchrun_variables_from_the_submitting_shell_do_not_reach_the_tasks(job, tmp_path):
+    """sbatch exports the submitting shell; RANK etc. from a shell inside torchrun or submitit would win over each
+    task's SLURM_PROCID (megatron_ext.runtime reads torchrun's first), making every task the same rank."""
+    env_file = tmp_path / "task_env"
+    proc, _ = job(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3", FAKE_RC="0", FAKE_ENV=str(env_file))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: unset RANK WORLD_SIZE LOCAL_RANK from the submitting shell" in proc.stderr
+    names = {line.split("=", 1)[0] for line in env_file.read_text().splitlines()}
+    assert not names & {"RANK", "WORLD_SIZE", "LOCAL_RANK"} and "SLURM_JOB_ID" in names
+    proc, _ = job(FAKE_RC="0", FAKE_ENV=str(env_file))  # control: nothing to unset, nothing said
+    assert proc.returncode == 0 and "note: unset" not in proc.stderr
 
 
 @pytest.mark.parametrize("python, message", [
