@@ -340,7 +340,9 @@ def submit(args, plan: list[Stage]) -> int:
             print(f"  run per task: {shlex.join(['python', 'tools/niah.py', *stage.argv])}")
         return 0
 
-    os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", PREEMPT_SIGNAL)
+    # Not setdefault: the tasks get USR1 (the job setup above), so Slurm must be asked for USR1 too; another
+    # signal from the user's shell (USR2) would kill every rank unsaved at the time limit.
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL
     import submitit
 
     jobs = []
