@@ -117,10 +117,14 @@ def slurm_parameters(args, recipe: Recipe, stage: Stage) -> dict:
         "setup": [f"export PYTHONPATH={shlex.quote(str(PROJECT_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
                   f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
                   # the NCCL/IB defaults of the sbatch scripts, overridable in the environment
-                  f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults"],
+                  f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults",
+                  # since Slurm 22.05 srun does not pass the job's --cpus-per-task on: one CPU per rank otherwise
+                  'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi'],
+        # as slurm/common.sh: a rank that died ends the others 120 s later, not at the 30-minute NCCL timeout
+        "srun_args": ["--wait=120"],
     }
     if recipe.runtime.device == "cuda":
-        params.update(gpus_per_node=per_node, exclusive=True, cpus_per_task=GPU_CPUS_PER_TASK)
+        params.update(gpus_per_node=per_node, exclusive=True, cpus_per_task=GPU_CPUS_PER_TASK, mem="0")
     if args.cpus_per_task:
         params["cpus_per_task"] = args.cpus_per_task
     if args.partition:
