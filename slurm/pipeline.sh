@@ -170,7 +170,8 @@ if [[ -n $HF ]]; then
   need_convert_tool --hf
   tool_job convert tools/convert.py to-megatron --hf "$HF" --out "$INIT"
 fi
-submit "$CPT" "slurm/$CPT.sh" "${OVERRIDES[@]}"
+# RECIPE: the one checked above, not one exported in the submitting shell (the job would run that)
+submit "$CPT" "RECIPE=$CPT_RECIPE" "slurm/$CPT.sh" "${OVERRIDES[@]}"
 ((SFT)) && submit sft "RECIPE=$SFT_RECIPE" --export=ALL slurm/sft.sh "checkpoint.init_from=$CPT_DIR"
 # eval_job NAME COMMAND [tools/niah.py arguments]: slurm/niah.sh [COMMAND] on the last stage's checkpoint at the CPT
 # layout, results in <checkpoint.dir>_NAME/, chat prompts after SFT.

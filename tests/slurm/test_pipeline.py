@@ -21,8 +21,10 @@ def test_dry_run_chains_four_jobs_with_afterok():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     convert, cpt, sft, export = lines
-    assert all(line.startswith("sbatch --parsable --account=proj") for line in (convert, cpt, export))
-    assert sft.startswith("RECIPE=recipes/sft.yaml sbatch --parsable --account=proj")  # in sbatch's environment
+    assert all(line.startswith("sbatch --parsable --account=proj") for line in (convert, export))
+    # in sbatch's environment: the recipes checked here, not a RECIPE the submitting shell exported
+    assert cpt.startswith("RECIPE=recipes/cpt_1m.yaml sbatch --parsable --account=proj")
+    assert sft.startswith("RECIPE=recipes/sft.yaml sbatch --parsable --account=proj")
     assert "--dependency" not in convert and "to-megatron" in convert
     assert "checkpoints/llama31_8b_instruct" in convert  # cpt_1m's checkpoint.init_from (from the recipe)
     assert "--dependency=afterok:\\<convert\\>" in cpt and "slurm/cpt_1m.sh train.steps=10" in cpt

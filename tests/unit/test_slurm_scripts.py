@@ -235,7 +235,7 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     proc = pipeline(f"data.prefix={token_data}")
     assert proc.returncode == 0, proc.stderr
     cpt, sft = calls.read_text().splitlines()
-    assert cpt.startswith("RECIPE= ARGS=--parsable slurm/cpt_1m.sh")
+    assert cpt.startswith("RECIPE=recipes/cpt_1m.yaml ARGS=--parsable slurm/cpt_1m.sh")
     assert sft.startswith(f"RECIPE={recipes}/sft.yaml ARGS=--parsable --dependency=afterok:7 ")
     assert "--export=ALL slurm/sft.sh checkpoint.init_from=checkpoints/cpt_1m" in sft
 
