@@ -80,7 +80,8 @@ def process_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
-            master_port=int(env.get("MASTER_PORT") or 15000 + job_id % 20000),
+            # per job (jobs may share a node), below Linux's ephemeral ports (32768-60999) as free_port's
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 12000),
             launcher="slurm",
         )
     return ProcessEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
