@@ -74,6 +74,11 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
         check_setup(recipe)
+    if recipe.runtime.device == "cuda" and tasks_per_node is not None and tasks_per_node % recipe.parallel.tensor:
+        # Megatron puts TP on consecutive ranks: with whole groups per node they stay on NVLink
+        raise RecipeError(f"parallel.tensor = {recipe.parallel.tensor} with {tasks_per_node} tasks per node: tensor "
+                          "parallel groups would span nodes (their all-reduce over the network in every layer); give "
+                          "a number of tasks per node that parallel.tensor divides, or a smaller parallel.tensor")
     if recipe.runtime.device == "cuda" and gpus_per_node is not None and tasks_per_node is not None:
         if gpus_per_node < tasks_per_node:
             raise RecipeError(

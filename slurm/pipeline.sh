@@ -113,8 +113,9 @@ tool_job() {
   shift
   local wrap
   wrap=$(printf '%q ' "$PYTHON" "$@")
-  submit "$name" --job-name="$name" --nodes=1 --ntasks=1 --time=04:00:00 --output="slurm-%x-%j.out" \
-    --wrap="$wrap"
+  # an 8B conversion holds the model (16 GB in bf16) and more: not the site's default memory
+  submit "$name" --job-name="$name" --nodes=1 --ntasks=1 --cpus-per-task=8 --mem=64G --time=04:00:00 \
+    --output="slurm-%x-%j.out" --wrap="$wrap"
 }
 
 need_convert_tool() {

@@ -308,3 +308,15 @@ def test_stage_names_order_and_sizes_are_checked(capsys, monkeypatch, tmp_path):
     assert error("--stages", "cpt_1m,sft")[0] == 0
     assert error("--stages", "sft,cpt_1m", f"sft:checkpoint.init_from={tmp_path}", f"cpt_1m:checkpoint.dir={tmp_path}"
                  )[0] == 0  # an SFT of the CPT run's checkpoint so far, then the CPT goes on
+
+
+def test_tensor_parallel_groups_stay_within_a_node(monkeypatch):
+    """On 4-GPU nodes TP 8 would put every layer's all-reduces on the network, silently slow: the preflight
+    refuses it (control: 8 tasks per node)."""
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(RecipeError, match=r"parallel\.tensor = 8 with 4 tasks per node: tensor parallel groups "
+                                          r"would span nodes"):
+        launch.check("recipes/cpt_1m.yaml", [], 256, tasks_per_node=4, gpus_per_node=4, paths=False)
+    assert launch.check("recipes/cpt_1m.yaml", [], 256, tasks_per_node=8, gpus_per_node=8, paths=False)
