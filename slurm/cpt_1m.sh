@@ -16,11 +16,12 @@
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 
-# sbatch runs a spool copy of this file: find the project from MEGATRON_EXT_ROOT, the submit folder, or else the
-# path this script was submitted by (Slurm keeps it), so that `sbatch /path/to/project/slurm/X.sh` works anywhere.
-root=${MEGATRON_EXT_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}
-[[ -f $root/slurm/common.sh ]] || root=$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null |
-  sed -n 's|^ *Command=\(.*\)/slurm/[^/]*\.sh.*|\1|p')
+# sbatch runs a spool copy of this file: find the project from MEGATRON_EXT_ROOT, else the path this script was
+# submitted by (Slurm keeps it: `sbatch /path/to/project/slurm/X.sh` from another checkout runs this one's code),
+# else the submit folder.
+root=${MEGATRON_EXT_ROOT:-$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null |
+  sed -n 's|^ *Command=\(/.*\)/slurm/[^/]*\.sh.*|\1|p')}
+[[ -f $root/slurm/common.sh ]] || root=${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}
 [[ -f $root/slurm/common.sh ]] || { echo "error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>" >&2; exit 1; }
 # shellcheck source=slurm/common.sh
 source "$root/slurm/common.sh"

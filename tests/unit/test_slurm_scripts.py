@@ -71,6 +71,18 @@ def test_found_from_another_folder_and_a_normal_requeue(job):
     assert calls == "requeue 42\n"
 
 
+def test_the_submitted_checkout_runs_not_the_one_submitted_from(job, tmp_path):
+    """`cd ~/checkoutB && sbatch ~/checkoutA/slurm/cpt_1m.sh` ran B's common.sh, code and recipes without a word:
+    the submit folder came first. The path of the submitted script does now (the submit folder is the fallback)."""
+    other = tmp_path / "elsewhere/slurm"
+    other.mkdir(parents=True)
+    (other / "common.sh").write_text('stage_main() { echo "the other checkout ran" >&2; exit 7; }\n')
+    proc, _ = job(FAKE_RC="0")
+    assert proc.returncode == 0 and "the other checkout ran" not in proc.stderr, proc.stderr
+    proc, _ = job(FAKE_RC="0", FAKE_COMMAND="")  # no Command= path from Slurm: the submit folder's
+    assert proc.returncode == 7 and "the other checkout ran" in proc.stderr
+
+
 def test_scancel_is_not_undone_by_a_requeue(job):
     """scancel sends TERM; the trainer saves and exits 3. Before the fix the script requeued the cancelled job."""
     proc, calls = job(FAKE_SIGNAL="TERM", FAKE_RC="3", FAKE_REASON="None", FAKE_STATE="CANCELLED by 0")
