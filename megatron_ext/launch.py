@@ -61,7 +61,7 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     Raises `RecipeError` with one line.
     `paths`: also require the data files and `checkpoint.init_from` (false for a stage whose input
     an earlier stage of the same chain writes). `gpus_per_node`: GPUs Slurm gave each node; a cuda
-    recipe needs one per task.
+    recipe needs one per task, and `tasks_per_node` a multiple of its tensor-parallel size (TP within a node).
     """
     if not Path(recipe_path).is_file():
         raise RecipeError(f"recipe {recipe_path!r}: file not found; give a recipe YAML, e.g. recipes/cpt_1m.yaml")
