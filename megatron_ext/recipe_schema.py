@@ -3,7 +3,7 @@
 `build(cls, raw)` checks every key of `raw` against the dataclass fields (unknown keys name the closest valid
 one), coerces each value to the field's type (Literal, Optional, tuple, bool, int, float, str, nested
 dataclasses) and reports missing required fields with their docstring (`metadata["doc"]`). `load_yaml_mapping`
-reads the YAML itself: safe, and a key given twice in one mapping is an error (PyYAML keeps the last silently).
+reads the YAML itself with yaml.safe_load, and a key given twice in one mapping is an error (PyYAML keeps the last silently).
 """
 
 from __future__ import annotations
@@ -22,40 +22,46 @@ class RecipeError(ValueError):
     """A user mistake in a recipe or override: the message names the field, the value and the fix."""
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping."""
-
-    def flatten_mapping(self, node):
-        # Checked here, once per mapping and before its `<<` merges are copied in: a merged mapping may be flattened
-        # (its merged keys added to it) as part of another before its own turn comes.
-        if not getattr(node, "keys_checked", False):
-            node.keys_checked = True
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be given again here
-                    continue
-                key = "=" if key_node.tag == "tag:yaml.org,2002:value" else self.construct_object(key_node)
-                if not isinstance(key, typing.Hashable):
-                    continue  # the constructor's own error: "found unhashable key"
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} given twice (first on line {seen[key] + 1}); keep one",
-                        key_node.start_mark)
-                seen[key] = key_node.start_mark.line
-        super().flatten_mapping(node)
+def _repeated_key(node: yaml.Node | None, seen_nodes: set[int]) -> tuple[str, yaml.Mark, int] | None:
+    """The first key given twice in one mapping of a composed YAML document: (key, where, line of the first), or None.
+    Read from the node tree as written, before `<<` merges (whose keys a mapping may give again) are applied."""
+    if node is None or id(node) in seen_nodes:  # an alias is the anchored node again
+        return None
+    seen_nodes.add(id(node))
+    children: list = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if (key.tag, key.value) in first:
+                    return key.value, key.start_mark, first[key.tag, key.value]
+                first[key.tag, key.value] = key.start_mark.line
+            children += [key, value]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    for child in children:
+        found = _repeated_key(child, seen_nodes)
+        if found:
+            return found
+    return None
 
 
 def load_yaml_mapping(text: str, what: str) -> Any:
-    """`text` parsed as YAML (safe, no key twice in a mapping); a mistake is a RecipeError naming `what`, the line and
-    column, and the problem."""
+    """`text` parsed with yaml.safe_load, refusing a key given twice in one mapping (PyYAML keeps the last silently);
+    a mistake is a RecipeError naming `what`, the line and column, and the problem."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+        repeated = _repeated_key(yaml.compose(text, Loader=yaml.SafeLoader), set())
+        if repeated is None:
+            return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         raise RecipeError(f"{what}{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
+    key, mark, first_line = repeated
+    raise RecipeError(f"{what} line {mark.line + 1} column {mark.column + 1}: not valid YAML: key {key!r} given twice "
+                      f"(first on line {first_line + 1}); keep one")
 
 
 def type_name(tp: Any) -> str:
