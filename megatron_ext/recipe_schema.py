@@ -3,7 +3,8 @@
 `build(cls, raw)` checks every key of `raw` against the dataclass fields (unknown keys name the closest valid
 one), coerces each value to the field's type (Literal, Optional, tuple, bool, int, float, str, nested
 dataclasses) and reports missing required fields with their docstring (`metadata["doc"]`). `load_yaml_mapping`
-reads the YAML itself with yaml.safe_load, and a key given twice in one mapping is an error (PyYAML keeps the last silently).
+reads the YAML itself with yaml.safe_load, and a key given twice in one mapping is an error (PyYAML keeps the last
+silently).
 """
 
 from __future__ import annotations
