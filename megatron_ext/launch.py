@@ -275,8 +275,8 @@ def run_check(args) -> int:
     world = args.world_size if args.world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
     report = resume_report(recipe, world)  # before "ok": a checkpoint the run cannot resume is an error
     print(f"ok: {describe(recipe, world)}", flush=True)
-    if positions_warning(recipe):
-        print(f"warning: {positions_warning(recipe)}", flush=True)
+    if warning := positions_warning(recipe):
+        print(f"warning: {warning}", flush=True)
     for line in report:
         print(f"checkpoint: {line}", flush=True)
     if args.claim:  # last: a job that fails a check above leaves no folder behind

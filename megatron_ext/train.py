@@ -289,8 +289,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     forward_backward = get_forward_backward_func()
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
-    if positions_warning(recipe):
-        log(f"[train] warning: {positions_warning(recipe)}")
+    if warning := positions_warning(recipe):
+        log(f"[train] warning: {warning}")
 
     profiler = StepProfiler(recipe.profile, torch.distributed.get_rank(),
                             Path(recipe.profile.dir or root / "profile"), recipe.runtime.device)

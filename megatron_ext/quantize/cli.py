@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
         if not limit >= 0:  # nan too
             raise QuantizeError(f"{flag} {limit}: a limit of the --check comparison, a number >= 0")
     defaults = parser()
-    unused = [flag for flag in ("--no-niah", "--check-samples", "--max-ppl-increase", "--max-logits-rel-err")
-              if getattr(args, flag[2:].replace("-", "_")) != defaults.get_default(flag[2:].replace("-", "_"))]
+    check_only = {flag: flag[2:].replace("-", "_") for flag in ("--no-niah", "--check-samples", "--max-ppl-increase",
+                                                                 "--max-logits-rel-err")}
+    unused = [flag for flag, dest in check_only.items() if getattr(args, dest) != defaults.get_default(dest)]
     if unused and not args.check:
         raise QuantizeError(f"{unused[0]} sets the accuracy check, which runs with --check only: add --check")
     # before ModelOpt's import (~20 s)
