@@ -92,7 +92,8 @@ def reshard(src: str | Path, out: str | Path, iteration: int | None = None) -> P
     path, saved, overrides = reshard_plan(src, out, iteration, world)
     recipe = load_recipe(raw=saved["recipe"], overrides=overrides, world_size=world)
     p = recipe.parallel
-    init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, seed=recipe.train.seed)
+    init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, seed=recipe.train.seed,
+                     timeout_minutes=recipe.runtime.timeout_minutes)
     try:
         model = build_model_from_recipe(recipe)
         ddp_model = wrap_ddp(recipe, model)

@@ -207,6 +207,10 @@ class RuntimeConfig:
     fp8_attention: bool = _f(False, "FP8 dot-product attention (TE FusedAttention; needs fp8).")
     fp8_recipe: Literal["delayed", "tensorwise"] = _f(
         "delayed", "FP8 scaling: delayed (amax history) or tensorwise (current scaling, TE >= 2.2).")
+    timeout_minutes: int = _f(
+        30, "How long a collective waits for the slowest rank before the job fails with a timeout instead of "
+        "hanging (the default group and Megatron's TP/PP/CP/DP groups). Raise it when a checkpoint save or load on "
+        "a slow shared filesystem, or the first step's kernel autotuning on hundreds of GPUs, takes longer.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _require(t.adam_eps >= 0, f"train.adam_eps = {t.adam_eps}: must be >= 0 (e.g. 1e-8)")
     _require(t.clip_grad >= 0, f"train.clip_grad = {t.clip_grad}: must be >= 0 (0 = no clipping)")
     _require(0 <= t.seed < 2**32, f"train.seed = {t.seed}: must be between 0 and 2**32 - 1 = {2**32 - 1}")
+    _require(r.timeout_minutes >= 1, f"runtime.timeout_minutes = {r.timeout_minutes}: must be >= 1 (default 30)")
     _require(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps}: must be >= 0 (0 = no warmup)")
     _require(t.warmup_steps < t.steps or t.warmup_steps == 0,
              f"train.warmup_steps = {t.warmup_steps}: must be below train.steps = {t.steps}")

@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     p = recipe.parallel
     try:
         init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, context=p.context,
-                         hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed)
+                         hierarchical_context_sizes=p.hierarchical_context_sizes, seed=recipe.train.seed,
+                         timeout_minutes=recipe.runtime.timeout_minutes)
     except DeviceError as e:  # may be one task's alone (its CUDA_VISIBLE_DEVICES): every rank says its own
         print(f"error: rank {env.rank}: {e}" if env.world_size > 1 else f"error: {e}", file=sys.stderr)
         return 1

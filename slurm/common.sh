@@ -116,9 +116,11 @@ preflight() {
   fi
 }
 
-# A MASTER_ADDR exported in the submitting shell (sbatch passes the environment on; torchrun habits) wins over the
-# job's first node in megatron_ext.runtime. A loopback one on several nodes leaves the ranks of every other node
-# waiting for a rendezvous on themselves until the 30-minute timeout: stop now instead.
+# A MASTER_ADDR exported in the submitting shell (sbatch passes the environment on; torchrun habits, or one left
+# from an earlier interactive job) wins over the job's first node in megatron_ext.runtime. Rank 0 (on the job's
+# first node) listens for the rendezvous; any other address leaves every rank waiting on a host where nobody
+# listens until the process-group timeout (runtime.timeout_minutes, 30): stop now instead. Accepted: loopback on one node, and the first node by
+# its name, a name it starts (gpu004-ib0, gpu004.cluster) or one of its addresses.
 # RANK, WORLD_SIZE, ... from a submitting shell that itself ran under torchrun or submitit would win over Slurm's
 # too (torchrun inside a job), and every task would be the same rank: a silent hang. The tasks here are srun's.
 check_rendezvous() {
@@ -127,11 +129,20 @@ check_rendezvous() {
     if [[ -n ${!v+x} ]]; then leaked+=("$v"); unset "$v"; fi
   done
   ((${#leaked[@]} == 0)) || echo "note: unset ${leaked[*]} from the submitting shell; each task's rank comes from Slurm" >&2
-  if [[ ${MASTER_ADDR:-} =~ ^(localhost|127\.|::1$) ]] && ((${SLURM_JOB_NUM_NODES:-1} > 1)); then
-    die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) on a ${SLURM_JOB_NUM_NODES}-node job: the other nodes" \
-      "cannot reach it; unset MASTER_ADDR before sbatch (the job's first node is used)"
+  [[ -n ${MASTER_ADDR:-} ]] || return 0
+  if [[ $MASTER_ADDR =~ ^(localhost|127\.|::1$) ]]; then
+    ((${SLURM_JOB_NUM_NODES:-1} == 1)) ||
+      die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) on a ${SLURM_JOB_NUM_NODES}-node job: the other" \
+        "nodes cannot reach it; unset MASTER_ADDR before sbatch (the job's first node is used)"
+    return 0
   fi
-  return 0
+  local first
+  first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1) || true
+  [[ -n $first ]] || return 0 # cannot tell
+  case $MASTER_ADDR in "$first" | "$first".* | "$first"-*) return 0 ;; esac
+  if getent ahosts "$first" 2>/dev/null | awk '{print $1}' | grep -qxF -- "$MASTER_ADDR"; then return 0; fi
+  die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) is not this job's first node $first, where rank 0" \
+    "listens for the other ranks; unset MASTER_ADDR before sbatch (the first node is used)"
 }
 
 # wait_step PID: wait for the srun step PID; its exit status in STEP_RC. `wait` returns early (> 128) when a

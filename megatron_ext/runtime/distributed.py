@@ -64,6 +64,7 @@ def init_distributed(
         pipeline_model_parallel_size=pipeline,
         context_parallel_size=context,
         hierarchical_context_parallel_sizes=list(hierarchical_context_sizes) if hierarchical_context_sizes else None,
+        distributed_timeout_minutes=timeout_minutes,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -28,15 +28,14 @@ class ProcessEnv:
 
 
 def first_host(nodelist: str) -> str:
-    """First host name of a Slurm node list: `gpu[003-010,012],cpu1` -> `gpu003`."""
+    """First host name of a Slurm node list, where Slurm puts rank 0: `gpu[003-010,012],cpu1` -> `gpu003`,
+    `rack[1-2]-n[01-04]` -> `rack1-n01`, `n[1-2]-ib` -> `n1-ib` (each bracket gives its first value)."""
     nodelist = nodelist.strip()
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not m or not m.group(1):
+    entry = re.match(r"(?:[^,\[\]]|\[[^\[\]]*\])*", nodelist).group(0)  # up to the first comma outside brackets
+    host = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], entry)
+    if not host or nodelist[len(entry):len(entry) + 1] not in ("", ","):
         raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return host
 
 
 def free_port(low: int = 20000, high: int = 32000) -> int:

@@ -145,6 +145,7 @@ def test_cross_field_rules(override, world, message):
     (["train.seed=4294967296"], r"train\.seed = 4294967296: must be between 0 and"),
     (["train.warmup_steps=-1"], r"train\.warmup_steps = -1: must be >= 0"),
     (["train.clip_grad=-1"], r"train\.clip_grad = -1\.0: must be >= 0 \(0 = no clipping\)"),
+    (["runtime.timeout_minutes=0"], r"runtime\.timeout_minutes = 0: must be >= 1 \(default 30\)"),
     # 0 kept every checkpoint, -1 kept only the newest
     (["checkpoint.keep_last=0"], r"checkpoint\.keep_last = 0: must be a positive number of checkpoints, or null"),
     (["checkpoint.keep_last=-1"], r"checkpoint\.keep_last = -1: must be a positive number"),

@@ -11,9 +11,18 @@ from megatron_ext.runtime import first_host, process_env
     ("gpu[7],cpu1", "gpu7"),
     ("a-b-[01-02]", "a-b-01"),
     ("h100-n12,h100-n13", "h100-n12"),
+    # several brackets, text after a bracket (the old parser gave rack1, n1)
+    ("rack[1-2]-n[01-04],x", "rack1-n01"),
+    ("n[1-2]-ib", "n1-ib"),
 ])
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("nodelist", ["", "a[1-2", "a]1", "[]", "a[[1]]", ",a"])
+def test_first_host_refuses_what_is_no_node_list(nodelist):
+    with pytest.raises(ValueError, match="cannot parse Slurm node list"):
+        first_host(nodelist)
 
 
 def test_torchrun_env():
@@ -58,3 +67,31 @@ def test_cuda_device_max_connections_before_cuda_starts(monkeypatch, tensor, con
     with pytest.raises(DeviceError):
         init_distributed("cuda", tensor=tensor, context=context)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+def test_timeout_reaches_every_group(tmp_path):
+    """runtime.timeout_minutes is the default group's timeout and that of Megatron's TP/PP/CP/DP groups (their own
+    default is 30 minutes, so a save that outlasts it would still fail on them)."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from megatron.core import parallel_state as ps
+from megatron_ext.runtime import destroy_distributed, init_distributed
+
+def minutes(group):
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds() / 60
+
+for value in (7, 30):
+    init_distributed("cpu", timeout_minutes=value)
+    groups = [torch.distributed.group.WORLD, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+              ps.get_context_parallel_group(), ps.get_data_parallel_group()]
+    print(value, [minutes(g) for g in groups])
+    destroy_distributed()
+"""
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561", "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-3:-1] == ["7 [7.0, 7.0, 7.0, 7.0, 7.0]", "30 [30.0, 30.0, 30.0, 30.0, 30.0]"]

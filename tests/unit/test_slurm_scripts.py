@@ -24,9 +24,11 @@ STUBS = {
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
               '*) echo RUNNING ;; esac',
     "sacct": 'echo "${FAKE_STATE:-RUNNING}"',
-    "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; else '
+    "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; '
+                'elif [[ $2 == hostnames ]]; then printf "%s\\n" ${FAKE_HOSTS:-node1}; else '
                 'echo "   Command=$FAKE_COMMAND"; fi',
     "scancel": "exit 0",
+    "getent": 'printf "10.0.0.4 STREAM %s\\n10.0.0.4 DGRAM\\n" "$2"',  # every host is 10.0.0.4
     # the preflight (megatron_ext.launch --check) passes and prints FAKE_CHECK_OUT
     "python": '[[ -n ${FAKE_CHECK_OUT:-} ]] && echo "$FAKE_CHECK_OUT"\nexit 0',
 }
@@ -173,6 +175,30 @@ def test_loopback_master_addr_from_the_login_shell_stops_a_multi_node_job(job):
     assert "training exited" not in proc.stdout
     proc, _ = job(MASTER_ADDR="localhost", SLURM_JOB_NUM_NODES="1", FAKE_RC="0")  # one node: loopback is right
     assert proc.returncode == 0 and "training exited with 0" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"])
+def test_a_master_addr_left_from_another_job_stops_the_job(job, nodes):
+    """A MASTER_ADDR exported in the login shell (from an earlier interactive job) sent every rank to a host where
+    nobody listens, until the 30-minute timeout. Rank 0 is on the job's first node: it, a name it starts (an
+    interface's host name) or one of its addresses is accepted; anything else stops the job at once."""
+    hosts = "gpu004 gpu005" if nodes == "2" else "gpu004"
+    for addr in ("gpu017", "gpu0040", "gpu005"):
+        proc, _ = job(MASTER_ADDR=addr, SLURM_JOB_NUM_NODES=nodes, FAKE_HOSTS=hosts, FAKE_RC="0")
+        assert proc.returncode == 1 and "training exited" not in proc.stdout, (addr, proc.stderr)
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: MASTER_ADDR={addr} (from the submitting shell) is not this job's first node gpu004, where "
+            "rank 0 listens for the other ranks; unset MASTER_ADDR before sbatch (the first node is used)")
+    for addr in ("gpu004", "gpu004-ib0", "gpu004.cluster.local"):
+        proc, _ = job(MASTER_ADDR=addr, SLURM_JOB_NUM_NODES=nodes, FAKE_HOSTS=hosts, FAKE_RC="0")
+        assert proc.returncode == 0 and "training exited with 0" in proc.stdout, (addr, proc.stderr)
+
+
+def test_the_first_nodes_address_is_a_good_master_addr(job):
+    proc, _ = job(MASTER_ADDR="10.0.0.4", SLURM_JOB_NUM_NODES="2", FAKE_HOSTS="gpu004 gpu005", FAKE_RC="0")
+    assert proc.returncode == 0 and "training exited with 0" in proc.stdout, proc.stderr
+    proc, _ = job(MASTER_ADDR="10.0.0.40", SLURM_JOB_NUM_NODES="2", FAKE_HOSTS="gpu004 gpu005", FAKE_RC="0")
+    assert proc.returncode == 1 and "MASTER_ADDR=10.0.0.40 (from the submitting shell) is not" in proc.stderr
 
 
 def test_torchrun_variables_from_the_submitting_shell_do_not_reach_the_tasks(job, tmp_path):
