@@ -305,7 +305,9 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
                     fully_parallel: bool = False) -> tuple[int, dict | None]:
     """Load `root`'s checkpoint (latest, or `iteration`) into unwrapped model chunks (+ optimizer, scheduler).
 
-    Works at any TP/PP. `weights_only=True` loads the model only (starting a new run from it).
+    Works at any TP/PP. `weights_only=True` loads the model only (starting a new run from it); an `optimizer`
+    given then takes its main copies of the weights from them: a bf16 run's optimizer keeps fp32 copies, made
+    when it was built, and its first step would otherwise write those (the random initial weights) back.
     `fully_parallel=True` (`checkpoint.fully_parallel_load`) spreads the reading of replicated tensors over the
     DP x CP replicas, which then exchange them; otherwise each replica reads them all.
     Returns (iteration, extra) where `extra` is what `save_checkpoint` was given (None if nothing).
@@ -334,6 +336,8 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict({**loaded[key], **dict.fromkeys(skipped.get(key, ()))})
+    if optimizer is not None and weights_only:
+        optimizer.reload_model_params()
     if load_optim:
         if md.get("distrib_optim_sharding_type") == "fully_reshardable":
             from megatron_ext.runtime.cpu_backend import keep_torch_adam_step_on_reshardable_load

@@ -234,7 +234,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 f" (parallel layout {resume.saved_layout} -> {resume.layout})"
                 if resume.saved_layout != resume.layout else ""))
         else:
-            start, _ = load_checkpoint(root, [model], weights_only=True,
+            start, _ = load_checkpoint(root, [model], optimizer=optimizer, weights_only=True,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
             scheduler.step(increment=start)
             log(f"[train] resumed weights from {root} at step {start} ({time.time() - began:.1f} s) with a fresh "
@@ -257,7 +257,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 " the run goes on with positions its weights were not trained with so far")
     elif recipe.checkpoint.init_from:
         began = time.time()
-        load_checkpoint(Path(recipe.checkpoint.init_from), [model], weights_only=True,
+        load_checkpoint(Path(recipe.checkpoint.init_from), [model], optimizer=optimizer, weights_only=True,
                         fully_parallel=recipe.checkpoint.fully_parallel_load)
         try:
             source = read_metadata(recipe.checkpoint.init_from)

@@ -114,17 +114,42 @@ def test_signal_to_every_process_after_an_earlier_save(tmp_path, token_data, sav
     check_complete(out / f"iter_{last:07d}")
 
 
-def test_resume_in_another_precision_starts_a_fresh_optimizer_state(tmp_path, token_data, straight):
-    """The optimizer state is keyed by the parameters' dtype: fp32 -> bf16 failed with a KeyError traceback."""
+def weights_far_from(a, b) -> list[str]:
+    """Names of the weights of checkpoints `a` and `b` (iteration folders) that differ by more than bf16's rounding."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    x, y = load_plain_tensors(str(a)), load_plain_tensors(str(b))
+    names = [k for k in x if not k.startswith("optimizer") and "_extra_state" not in k and hasattr(x[k], "dtype")]
+    assert names and set(names) <= set(y)
+    return [k for k in names if not ((x[k].float() - y[k].float()).abs() <= 2**-8 * y[k].float().abs() + 1e-6).all()]
+
+
+def test_resume_in_another_precision_starts_a_fresh_optimizer_state(tmp_path, token_data, straight,
+                                                                  cpu_parallel_state):
+    """The optimizer state is keyed by the parameters' dtype: fp32 -> bf16 failed with a KeyError traceback. Then the
+    first step (at a learning rate too small to move a bf16 weight) wrote back the bf16 optimizer's fp32 copies of
+    the weights, made when it was built: the random initial ones, not the checkpoint's."""
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(straight, run)
-    out = subprocess.run(train_cmd(run, token_data, "train.steps=7", "train.precision=bf16"), env=env(),
-                         capture_output=True, text=True)
+    out = subprocess.run(train_cmd(run, token_data, "train.steps=7", "train.precision=bf16", "train.lr=1e-9"),
+                         env=env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed weights from" in out.stdout and "train.precision was fp32, now bf16" in out.stdout
     assert latest(run) == 7
+    assert weights_far_from(run / "iter_0000007", straight / "iter_0000006") == []
+
+
+def test_init_from_in_bf16_trains_the_loaded_weights(tmp_path, token_data, straight, cpu_parallel_state):
+    """Every paper stage starts from checkpoint.init_from in bf16: its first step put the random initial weights
+    back (the bf16 optimizer's fp32 copies), silently, from step 2 on training a random model."""
+    out = subprocess.run(train_cmd(tmp_path / "run", token_data, f"checkpoint.init_from={straight}", "train.steps=2",
+                                   "train.precision=bf16", "train.lr=1e-9"), env=env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert weights_far_from(tmp_path / "run/iter_0000002", straight / "iter_0000006") == []
+    first, second = (m["loss"] for m in metrics(tmp_path / "run"))
+    assert abs(second - first) < 0.05 * first, (first, second)  # the same weights, the next batch
 
 
 def test_finished_run_started_again_trains_nothing(tmp_path, token_data, straight):
