@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.recipe import load_recipe
 
     argv = sys.argv[1:] if argv is None else argv
+    asked = argv[:1] in (["-h"], ["--help"])
+    if asked or len(argv) < 2:
+        print("usage: python -m megatron_ext.launch_eval OPTION LENGTHS [RECIPE [dotted.key=value ...]]",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     option, spec, rest = argv[0], argv[1], argv[2:]
     try:
         check_lengths(option, spec, load_recipe(rest[0], rest[1:]) if rest else None)

@@ -60,6 +60,8 @@ build_launcher() {
   [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && LAUNCH+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     local mounts="$PROJECT_ROOT:$PROJECT_ROOT"
+    # the tasks run in the submit folder (relative recipe paths are read from there): mounted too when outside
+    [[ $PWD == "$PROJECT_ROOT" || $PWD == "$PROJECT_ROOT"/* ]] || mounts+=",$PWD:$PWD"
     [[ -n ${CONTAINER_MOUNTS:-} ]] && mounts+=",$CONTAINER_MOUNTS"
     LAUNCH+=("--container-image=$CONTAINER_IMAGE" "--container-mounts=$mounts"
       "--container-workdir=$PWD")

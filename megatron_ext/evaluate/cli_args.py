@@ -72,7 +72,8 @@ def _chunk(text: str) -> int | str:
 def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
-    src.add_argument("--megatron", type=Path, help="Megatron checkpoint; converted with tools/convert.py to-hf first")
+    src.add_argument("--megatron", type=Path, help="Megatron checkpoint; the hf engine converts it with tools/convert.py to-hf first "
+                     "(into a hidden folder of --out), the megatron engine runs it as it is")
     p.add_argument("--out", type=Path, required=out_required,
                    help="output directory (created; files written atomically)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
@@ -203,4 +204,9 @@ def validate_args(command: str, args: argparse.Namespace) -> None:
         if args.seq_len is not None:
             args.seq_len = _token_count(args.seq_len, "--seq-len", "use e.g. 65536, 64K, 1M (K=1024), at least 2")
             _at_least("--seq-len", args.seq_len, 2, "a loss needs a token and the one before it")
+    if command == "generate" and args.megatron is not None and args.engine == "hf" and args.out is None:
+        # the conversion is a full copy of the weights (16 GB at 8B): not into the system's temporary folder
+        raise EvalError(f"generate --megatron {args.megatron}: the transformers engine converts the checkpoint "
+                        "into a hidden folder of --out first; give --out DIR on a file system with room for the "
+                        "model's weights, or use --engine megatron (no conversion)")
     _check_out(args.out)

@@ -32,7 +32,7 @@ def run_tool(*argv: str) -> tuple[str, str]:
     ("tools/niah.py", "--help"), ("tools/niah.py", "ruler", "--help"), ("tools/niah.py", "ppl", "--help"),
     ("tools/niah.py", "generate", "--help"), ("tools/quantize.py", "--help"), ("tools/plan.py", "--help"),
     ("tools/checkpoint.py", "info", "--help"), ("tools/prepare_data.py", "cpt", "--help"),
-    ("megatron_ext/launch.py", "--help"),
+    ("megatron_ext/launch.py", "--help"), ("megatron_ext/launch_eval.py", "--help"),
 ], ids=" ".join)
 def test_help_without_torch(argv):
     last, err = run_tool(*argv)

@@ -202,3 +202,17 @@ def test_sigterm_handlers_of_others_stay(tmp_path):
         assert signal.getsignal(signal.SIGTERM) is theirs
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_generate_from_a_megatron_checkpoint_needs_out_for_the_conversion(no_tokenizer, tmp_path, capsys):
+    """Without --out the conversion (a full copy of the weights, 16 GB at 8B) went to the system's temporary folder,
+    e.g. a login node's small /tmp."""
+    (tmp_path / "doc.txt").write_text("The old river passes the garden near the hill. " * 4)
+    argv = ["generate", "--megatron", str(no_tokenizer / "mc"), "--tokenizer", str(no_tokenizer / "tok"),
+            "--document", str(tmp_path / "doc.txt"), "--question", "q", "--no-progress", "--max-new-tokens", "2"]
+    assert _error(argv).startswith(f"error: generate --megatron {no_tokenizer / 'mc'}: the transformers engine "
+                                   "converts the checkpoint into a hidden folder of --out first; give --out DIR")
+    assert "converting" not in capsys.readouterr().err
+    main(argv + ["--out", str(tmp_path / "o")])  # control: with --out it answers, and leaves no copy behind
+    assert "converting" in capsys.readouterr().err
+    assert (tmp_path / "o/generation.json").exists() and not list((tmp_path / "o").glob(".hf-from-megatron*"))

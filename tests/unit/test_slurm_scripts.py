@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
-    "srun": '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
+    "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
             '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
@@ -314,3 +314,15 @@ def test_task_prefix_runs_before_python_in_each_task(job, tmp_path):
     job(FAKE_ARGV=str(argv))
     words = argv.read_text().splitlines()
     assert words[words.index(str(tmp_path / "bin/python")) - 1].startswith("--")  # srun's last option
+
+
+def test_a_container_job_mounts_the_folder_it_was_submitted_from(job, tmp_path):
+    """The tasks run in the submit folder (--container-workdir): one outside the project was not mounted, and pyxis
+    could not start the container there."""
+    argv = tmp_path / "argv"
+    proc, _ = job(CONTAINER_IMAGE="img.sqsh", FAKE_HELP="--container-image", FAKE_ARGV=str(argv), FAKE_RC="0")
+    assert proc.returncode == 0, proc.stderr
+    elsewhere = tmp_path / "elsewhere"
+    args = argv.read_text().splitlines()
+    assert f"--container-mounts={ROOT}:{ROOT},{elsewhere}:{elsewhere}" in args
+    assert f"--container-workdir={elsewhere}" in args and "--container-image=img.sqsh" in args
