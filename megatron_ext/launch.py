@@ -125,7 +125,8 @@ def slurm_parameters(args, recipe: Recipe, stage: Stage) -> dict:
                   f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults",
                   # since Slurm 22.05 srun does not pass the job's --cpus-per-task on: one CPU per rank otherwise
                   'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi'],
-        # as slurm/common.sh: a rank that died ends the others 120 s later, not at the process-group timeout (runtime.timeout_minutes)
+        # as slurm/common.sh: a rank that died ends the others 120 s later, not at the process-group timeout
+        # (runtime.timeout_minutes)
         "srun_args": ["--wait=120"],
     }
     if recipe.runtime.device == "cuda":

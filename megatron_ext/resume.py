@@ -232,3 +232,23 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
     return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
                   data_changed, arch, data_request(saved) if t.stage == "cpt" else None,
                   _order_warning(saved, step, consumed, recipe), rope_changes(saved.get("hf_config"), recipe))
+
+
+def agreed_latest_iteration(root) -> int | None:
+    """The latest iteration of `root` as rank 0 reads it, on every rank (all call it): a node whose view of a shared
+    file system lags a save must not start over, or resume another iteration, while the others resume."""
+    import torch
+
+    from megatron_ext.checkpoint_index import CheckpointError
+    from megatron_ext.checkpoint_layout import latest_iteration
+
+    found: list = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            found[0] = latest_iteration(root)
+        except CheckpointError as e:  # said on every rank, not a hang of the others in the broadcast
+            found[0] = str(e)
+    torch.distributed.broadcast_object_list(found, src=0)
+    if isinstance(found[0], str):
+        raise CheckpointError(found[0])
+    return found[0]

@@ -186,12 +186,12 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.checkpoint import CheckpointError, load_checkpoint
-    from megatron_ext.checkpoint_layout import latest_iteration, read_metadata
+    from megatron_ext.checkpoint_layout import iter_dir_name, read_metadata
     from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.model import build_model_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops_per_token
-    from megatron_ext.resume import data_identities, plan_resume, rope_changes
+    from megatron_ext.resume import agreed_latest_iteration, data_identities, plan_resume, rope_changes
     from megatron_ext.train_profile import StepProfiler
     from megatron_ext.training_data import build_batches
 
@@ -214,9 +214,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     data_now = data_identities(recipe) if rank0 else {}
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer,
                 "data_identity": data_now}
-    done = latest_iteration(root)
+    done = agreed_latest_iteration(root)
     if done is not None:
-        saved = read_metadata(root)
+        saved = read_metadata(root / iter_dir_name(done))
         resume = plan_resume(saved, done, recipe, dp_size, data_now)
         if resume.finished:  # a finished run started again (a requeue, a rerun)
             log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
@@ -228,13 +228,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                                   "settings, or a new checkpoint.dir (with checkpoint.init_from for a new stage)")
         began = time.time()
         if resume.full_state:
-            start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler,
+            start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler, iteration=done,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
             log(f"[train] resumed from {root} at step {start} ({time.time() - began:.1f} s)" + (
                 f" (parallel layout {resume.saved_layout} -> {resume.layout})"
                 if resume.saved_layout != resume.layout else ""))
         else:
-            start, _ = load_checkpoint(root, [model], optimizer=optimizer, weights_only=True,
+            start, _ = load_checkpoint(root, [model], optimizer=optimizer, iteration=done, weights_only=True,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
             scheduler.step(increment=start)
             log(f"[train] resumed weights from {root} at step {start} ({time.time() - began:.1f} s) with a fresh "

@@ -39,7 +39,7 @@ def check_setup(recipe: Recipe) -> None:
                           f"{recipe.model.vocab_size} has rows for ids 0..{recipe.model.vocab_size - 1}: it is not this "
                           "model's tokenizer; give the one the model was trained with")
     check_data(recipe)
-    init = recipe.checkpoint.init_from
+    init = None if _resumes(recipe.checkpoint.dir) else recipe.checkpoint.init_from  # a resume never reads it
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
                           "(tools/convert.py to-megatron writes one)")
@@ -73,6 +73,23 @@ def check_setup(recipe: Recipe) -> None:
             raise RecipeError(f"checkpoint.init_from = {init!r} holds another model ({'; '.join(changed)}): set the "
                               "recipe's model.* to the checkpoint's (or model.hf_config to its HF folder), or start "
                               "from another checkpoint")
+
+
+def _resumes(checkpoint_dir: str) -> bool:
+    """Whether the run resumes from `checkpoint_dir` (its latest pointer is there). Iteration folders without the
+    pointer are refused: the trainer would start over (from init_from), drop their metrics and overwrite them."""
+    from megatron_ext.checkpoint_layout import LATEST_FILE, available_iterations, iter_dir_name
+
+    root = Path(checkpoint_dir)
+    if (root / LATEST_FILE).is_file():
+        return True
+    its = available_iterations(root) if root.is_dir() else []
+    if its:
+        raise RecipeError(f"checkpoint.dir = {checkpoint_dir!r} holds {iter_dir_name(its[-1])}"
+                          f"{f' and {len(its) - 1} older' if len(its) > 1 else ''} but no {LATEST_FILE} (a copy "
+                          "that missed it, or a save that ended between its last two steps): to resume from it, "
+                          f"`echo {its[-1]} > {root / LATEST_FILE}`; to start over, give a new checkpoint.dir")
+    return False
 
 
 def positions_warning(recipe: Recipe) -> str | None:

@@ -121,8 +121,8 @@ preflight() {
 # A MASTER_ADDR exported in the submitting shell (sbatch passes the environment on; torchrun habits, or one left
 # from an earlier interactive job) wins over the job's first node in megatron_ext.runtime. Rank 0 (on the job's
 # first node) listens for the rendezvous; any other address leaves every rank waiting on a host where nobody
-# listens until the process-group timeout (runtime.timeout_minutes, 30): stop now instead. Accepted: loopback on one node, and the first node by
-# its name, a name it starts (gpu004-ib0, gpu004.cluster) or one of its addresses.
+# listens until the process-group timeout (runtime.timeout_minutes, 30): stop now instead. Accepted: loopback on
+# one node, and the first node by its name, a name it starts (gpu004-ib0, gpu004.cluster) or one of its addresses.
 # RANK, WORLD_SIZE, ... from a submitting shell that itself ran under torchrun or submitit would win over Slurm's
 # too (torchrun inside a job), and every task would be the same rank: a silent hang. The tasks here are srun's.
 check_rendezvous() {

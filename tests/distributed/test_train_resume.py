@@ -196,3 +196,29 @@ def test_kill9_while_saving_in_background_then_resume_is_exact(tmp_path, token_d
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise on CPU
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+
+
+def test_every_rank_resumes_the_iteration_rank_0_reads(tmp_path, torchrun):
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "rank0/latest_checkpointed_iteration.txt").write_text("5")
+    out = torchrun(ROOT / "tests/distributed/workers/latest_agreed.py", 2, str(tmp_path))
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0 agreed 5", "rank 0 error True", "rank 1 agreed 5", "rank 1 error True"], out
+
+
+def test_bf16_resume_on_two_ranks_matches_uninterrupted_run(tmp_path, token_data, torchrun):
+    """The paper's precision, with the distributed optimizer's fp32 copies of the weights sharded over DP 2: a run
+    stopped after step 2 and resumed goes on from those copies (not from the bf16 weights), as if never stopped."""
+    args = ["--recipe", str(RECIPE), f"data.prefix={token_data}", "parallel.context=1", "train.seq_length=256",
+            "train.global_batch_size=4", "train.precision=bf16", "train.lr=1e-2"]
+    torchrun("megatron_ext.train", 2, *args, f"checkpoint.dir={tmp_path / 'straight'}", "train.steps=4",
+             module=True)
+    torchrun("megatron_ext.train", 2, *args, f"checkpoint.dir={tmp_path / 'resumed'}", "train.steps=2",
+             module=True)
+    out = torchrun("megatron_ext.train", 2, *args, f"checkpoint.dir={tmp_path / 'resumed'}", "train.steps=4",
+                   module=True)
+    assert "resumed from" in out and "at step 2" in out
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise on CPU

@@ -173,3 +173,29 @@ def test_a_mistake_before_the_ranks_meet_is_said_once_per_node(tmp_path, token_d
                          LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
         assert proc.returncode == 1 and [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
             "error: rank 1: runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu"], proc.stderr
+
+
+def test_iteration_folders_without_the_latest_pointer_are_refused(tmp_path, token_data):
+    """Before, the trainer started over from init_from (the pointer decides), dropped the run's metrics and overwrote
+    its iterations."""
+    run = tmp_path / "run"
+    for it in (4, 8):
+        (run / f"iter_{it:07d}").mkdir(parents=True)
+    message = (f"checkpoint.dir = '{run}' holds iter_0000008 and 1 older but no latest_checkpointed_iteration.txt "
+               rf"\(.*\): to resume from it, `echo 8 > {run}/latest_checkpointed_iteration.txt`; to start over, give "
+               "a new checkpoint.dir")
+    with pytest.raises(RecipeError, match=message):
+        check_setup(recipe(run, token_data))
+    (run / "latest_checkpointed_iteration.txt").write_text("8")
+    check_setup(recipe(run, token_data))
+
+
+def test_a_resume_does_not_need_init_from_any_more(tmp_path, token_data):
+    """A requeued stage resumes from its own checkpoint.dir and never reads init_from: a converted model deleted
+    meanwhile stopped it in the job's preflight ("recipe check failed"), not requeued."""
+    run, gone = tmp_path / "run", f"checkpoint.init_from={tmp_path / 'converted'}"
+    with pytest.raises(RecipeError, match=r"checkpoint\.init_from = '.*/converted': not a folder"):  # control
+        check_setup(recipe(run, token_data, gone))
+    (run / "iter_0000002").mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    check_setup(recipe(run, token_data, gone))
