@@ -25,12 +25,20 @@ class BenchError(RuntimeError):
 
 
 def install_wheels(wheels: Path, site: Path) -> list[str]:
-    """pip-install every wheel of `wheels` into `site` offline (no index, no dependencies); put `site` first
-    on sys.path. Returns the wheel names. The device machine has no registry: see bench/README.md."""
-    found = sorted(Path(wheels).glob("*.whl"))
+    """pip-install the wheels of `wheels` that this Python can install into `site` offline (no index, no
+    dependencies); put `site` first on sys.path. Returns the wheel names. Wheels for another Python (a cp311 one
+    left from a CPU check) are passed over: pip would refuse the whole call. The device machine has no registry:
+    see bench/README.md."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    here = set(sys_tags())
+    every = sorted(Path(wheels).glob("*.whl"))
+    found = [p for p in every if here & set(parse_wheel_filename(p.name)[3])]
     if not found:
-        raise BenchError(f"--wheels {wheels} holds no .whl file; prepare the folder with the `pip download` "
-                         "command of bench/README.md and carry it")
+        raise BenchError(f"--wheels {wheels} holds no .whl file this Python can install (found "
+                         f"{[p.name for p in every]}); prepare the folder with the `pip download` command of "
+                         "bench/README.md and carry it")
     cmd = [sys.executable, *WHEEL_INSTALL, str(site), *map(str, found)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -192,6 +192,7 @@ class Run:
             row.update(self.measure(stack, L, warmup, iters, gen, cuda))
             if row["status"] == "oom":
                 failed_at = L
+            self.record(row)  # before the profile: a profiler that fails or runs out of time keeps the row
             if row["status"] == "ok" and L in s.profile_lengths and ":" not in recompute:  # not the extras
                 if self.clock.remaining() > 2 * row["step_s"] + 10:
                     try:
@@ -202,7 +203,7 @@ class Run:
                         row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 else:
                     row["profile"] = {"error": "skipped: time budget"}
-            self.record(row)
+                self.save()
         del stack
         gc.collect()
         if cuda:
@@ -294,7 +295,7 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
 
     from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.cost_model import GPUS, shape_from_hf_config, train_flops_per_token
-    from megatron_ext.runtime import destroy_distributed, init_distributed
+    from megatron_ext.runtime import destroy_distributed, init_distributed, rank_device
 
     if s.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is visible; use --cpu-dry-run on a CPU machine")
@@ -311,6 +312,10 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
            "matmul": None, "stacks": {}, "results": []}
     init_distributed(s.device, seed=1234)
     try:
+        # NCCL starts lazily: its first collective here, not inside the first timed stack, so that a fault shows in
+        # seconds (a hang would cost the whole call)
+        torch.distributed.all_reduce(torch.ones(1, device=rank_device()))
+        print(f"[bench] {torch.distributed.get_backend()} ok", flush=True)
         doc["environment"] = environment(s.device)
         run = Run(s, clock, doc, flops_per_token, peak)
         doc["matmul"] = measure_matmul(s.device, s.matmul_n)
@@ -327,9 +332,18 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
         if s.partial_recompute and "ours" in s.stacks:
             run.run_partial_recompute()
         run.save()
+        print_summary(doc, s)  # before the teardown, which could hang
     finally:
         destroy_distributed()
     return doc
+
+
+def print_summary(doc: dict, s: Settings) -> None:
+    print()
+    print(f"{doc['environment'].get('gpu', s.device)}; model {s.preset} x {doc['model']['num_hidden_layers']} layers, "
+          f"bf16; matmul {doc['matmul']['tflops']:.1f} TFLOP/s; peak {doc['peak_tflops']} TFLOP/s; "
+          f"{doc['elapsed_s']:.0f} s of {s.budget_s:.0f} s budget", flush=True)
+    print(format_table(doc["results"]), flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,11 +397,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print()
-    print(f"{doc['environment'].get('gpu', s.device)}; model {s.preset} x {doc['model']['num_hidden_layers']} layers, "
-          f"bf16; matmul {doc['matmul']['tflops']:.1f} TFLOP/s; peak {doc['peak_tflops']} TFLOP/s; "
-          f"{doc['elapsed_s']:.0f} s of {s.budget_s:.0f} s budget")
-    print(format_table(doc["results"]))
     print(f"JSON: {s.out / 'gpu_throughput.json'}")
     return 0
 

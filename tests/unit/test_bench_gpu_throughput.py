@@ -102,6 +102,11 @@ def test_ensure_packages_installs_carried_wheels(tmp_path):
     wheels.mkdir()
     with pytest.raises(gt.BenchError, match="holds no .whl"):  # negative control: nothing carried
         gt.ensure_packages(wheels, site, module=name)
+    # a wheel for another Python (a cp311 one left from a CPU check): pip would refuse the whole call
+    (wheels / "other-1.0-cp27-cp27m-win32.whl").write_bytes(b"not a zip")
+    with pytest.raises(gt.BenchError, match=r"holds no \.whl file this Python can install \(found "
+                                            r"\['other-1\.0-cp27-cp27m-win32\.whl'\]\)"):
+        gt.ensure_packages(wheels, site, module=name)
     _wheel(wheels, name, "VALUE = 42\n")
     try:
         assert gt.ensure_packages(wheels, site, module=name) == [f"{name}-1.0-py3-none-any.whl"]
