@@ -89,8 +89,7 @@ def verdict(r: Resume, steps: int) -> list[str]:
         out.append(f"  layout {_layout(r.saved_layout)} -> {_layout(r.layout)}")
     if r.data_changed:
         out.append("  warning: " + "; ".join(r.data_changed) + " (another sample order)")
-    if r.order_warning:
-        out.append(f"  warning: {r.order_warning}")
+    out += [f"  warning: {w}" for w in (r.order_warning, r.schedule_warning) if w]
     if r.rope_changed:
         out.append("  warning: RoPE " + "; ".join(r.rope_changed) + " (positions the weights were not trained with)")
     return out

@@ -39,6 +39,19 @@ class Resume:
     order_warning: str | None = None  # when this run needs more samples than that order was built for
     rope_changed: list[str] = field(default_factory=list)  # 'rope_theta: old -> new': the weights load, the
     # positions they were trained with change
+    schedule_warning: str | None = None  # train.steps changed under a decaying learning rate
+
+
+def _schedule_warning(saved: dict, step: int, recipe: Recipe) -> str | None:
+    """The warning when train.steps changed under a decaying schedule: the decay runs over train.steps, so the
+    learning rate jumps at the resume (e.g. raising train.steps to go on with a finished cosine run)."""
+    t = recipe.train
+    old = ((saved.get("recipe") or {}).get("train") or {}).get("steps")
+    if t.lr_schedule == "constant" or old is None or int(old) == t.steps:
+        return None
+    return (f"train.steps {old} -> {t.steps} with the {t.lr_schedule} learning-rate schedule, which decays over "
+            f"train.steps: from step {step} on the rate follows the new curve (a jump at the resume, not the "
+            "continuation of the saved run's decay)")
 
 
 def data_request(saved: dict) -> int | None:
@@ -231,7 +244,8 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
     arch = architecture_changes(saved.get("hf_config"), recipe)
     return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
                   data_changed, arch, data_request(saved) if t.stage == "cpt" else None,
-                  _order_warning(saved, step, consumed, recipe), rope_changes(saved.get("hf_config"), recipe))
+                  _order_warning(saved, step, consumed, recipe), rope_changes(saved.get("hf_config"), recipe),
+                  _schedule_warning(saved, step, recipe))
 
 
 def agreed_latest_iteration(root) -> int | None:

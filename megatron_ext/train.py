@@ -250,8 +250,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             log(f"[train] warning: {'; '.join(resume.data_changed)} since the checkpoint: the run goes on at "
                 f"sample {consumed_samples} of another sample order (for a new stage, use a new checkpoint.dir "
                 "with checkpoint.init_from)")
-        if resume.order_warning:
-            log(f"[train] warning: {resume.order_warning}")
+        for warning in (resume.order_warning, resume.schedule_warning):
+            if warning:
+                log(f"[train] warning: {warning}")
         if resume.rope_changed:
             log(f"[train] warning: the recipe's RoPE differs from the checkpoint's ({'; '.join(resume.rope_changed)}):"
                 " the run goes on with positions its weights were not trained with so far")

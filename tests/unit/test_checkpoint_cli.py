@@ -51,6 +51,7 @@ def test_describes_a_checkpoint(ckpt, capsys):
     (["parallel.tensor=2"], 2, "the weights, with a fresh optimizer state (the distributed optimizer's state is "
                                "cut along TP x PP buckets and cannot follow parallel.tensor 1 -> 2"),
     (["train.steps=2"], 1, "nothing to train: the checkpoint is at step 2, train.steps = 2"),
+    (["train.steps=20"], 1, "resumes at step 2 -> 20"),  # constant rate: nothing to warn about
     (["model.num_hidden_layers=4"], 1, "would stop: the recipe's model differs from the checkpoint's "
                                        "(num_hidden_layers: 2 -> 4)"),
     (["train.seed=7"], 1, "warning: train.seed: 1234 -> 7 (another sample order)"),
@@ -59,6 +60,9 @@ def test_describes_a_checkpoint(ckpt, capsys):
                                     "not trained with)"),
     (["rope.beta_fast=32"], 1, "'beta_fast': 4.0, "),
     (["train.precision=bf16"], 1, "the weights, with a fresh optimizer state (train.precision was fp32, now bf16)"),
+    # the decay runs over train.steps: raising it to go on moves the whole curve
+    (["train.lr_schedule=cosine", "train.steps=20"], 1, "warning: train.steps 10 -> 20 with the cosine learning-rate "
+     "schedule, which decays over train.steps: from step 2 on the rate follows the new curve"),
     (["train.overlap_grad_reduce=true", "train.ddp_bucket_size=20000"], 1, "the weights, with a fresh optimizer "
      "state (the distributed optimizer's state is cut along its gradient buckets: one bucket when saved, buckets "
      "of 20,000 parameters now"),
@@ -69,6 +73,7 @@ def test_says_what_a_run_would_do(ckpt, capsys, overrides, world, expect):
     assert code == 0, err
     assert expect in out, out
     assert ("warning: RoPE" in out) == any(o.startswith("rope.") for o in overrides), out
+    assert ("learning-rate schedule" in out) == ("train.lr_schedule=cosine" in overrides), out
 
 
 def test_fully_reshardable_checkpoint(tmp_path, cpu_parallel_state, capsys):
