@@ -105,3 +105,21 @@ def read_metadata(path: str | Path) -> dict:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint metadata is corrupt") from None
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carry_forward(metadata: dict, source: dict) -> None:
+    """Take over into a run's `metadata` what the checkpoint it starts from (`source`: that one's metadata) knows and
+    the recipe does not: the model's tokenizer, generation config and bos/eos/pad ids. Without them an export of a
+    trained stage had an empty generation_config.json and transformers' Llama-2 eos id (2): generate() never
+    stopped at <|eot_id|>. A tokenizer folder beats a hub name (the recipe's usual one): an export copies files."""
+    ours, theirs = metadata.get("tokenizer"), source.get("tokenizer")
+    if theirs and (ours is None or (not Path(ours).expanduser().is_dir() and Path(theirs).is_dir())):
+        metadata["tokenizer"] = theirs
+    metadata["generation_config"] = metadata.get("generation_config") or source.get("generation_config")
+    cfg, known = metadata["hf_config"], source.get("hf_config") or {}
+    for key in TOKEN_ID_KEYS:
+        if cfg.get(key) is None and known.get(key) is not None:
+            cfg[key] = known[key]

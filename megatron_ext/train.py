@@ -186,7 +186,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.checkpoint import CheckpointError, load_checkpoint
-    from megatron_ext.checkpoint_layout import iter_dir_name, read_metadata
+    from megatron_ext.checkpoint_layout import carry_forward, iter_dir_name, read_metadata
     from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.model import build_model_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
@@ -243,7 +243,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         for group in optimizer.param_groups:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr
         scheduler.step(increment=0)
-        metadata["tokenizer"] = metadata["tokenizer"] or saved.get("tokenizer")
+        carry_forward(metadata, saved)
         consumed_samples, tokens_seen = resume.consumed_samples, resume.tokens
         data_samples = resume.data_samples or 0
         if resume.data_changed:
@@ -264,8 +264,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             source = read_metadata(recipe.checkpoint.init_from)
         except CheckpointError:
             source = {}
-        # carry the tokenizer location along (converted checkpoints record it)
-        metadata["tokenizer"] = metadata["tokenizer"] or source.get("tokenizer")
+        carry_forward(metadata, source)
         log(f"[train] initialised weights from {recipe.checkpoint.init_from} ({time.time() - began:.1f} s; fresh "
             "optimizer)")
         changed = rope_changes(source.get("hf_config"), recipe)

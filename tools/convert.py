@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--rope-preset", choices=sorted(ROPE_PRESETS), help="UltraLong YaRN rope + context length")
     b.add_argument("--max-position-embeddings", type=int, help="context length to declare (trained length)")
     b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="output dtype (default: the source model's)")
-    b.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the one recorded at import)")
+    b.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the one the checkpoint records); an "
+                   "HF model folder also gives the generation config and bos/eos ids where the checkpoint has none")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0)
     for p in (a, b):
         p.add_argument("--verify", action="store_true", help="compare HF and Megatron logits (fp32) and fail if off")

@@ -17,6 +17,7 @@ from megatron_ext.convert.hf_io import (
     copy_tokenizer,
     dtype_name,
     export_config,
+    folder_generation_defaults,
     generation_config,
     tokenizer_files,
 )
@@ -131,8 +132,13 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         left = sorted(set(mapping.expected_hf_names(cfg)) - set(written))
         if left:
             raise ConvertError(f"HF tensors not produced by the mapping: {', '.join(left[:6])}")
+        gen = meta.get("generation_config")
+        if tokenizer is not None:  # the model folder a run started from, for checkpoints that record neither
+            folder_gen, folder_ids = folder_generation_defaults(Path(tokenizer))
+            gen = gen or folder_gen
+            hf_cfg.update({k: v for k, v in folder_ids.items() if hf_cfg.get(k) is None})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        gen = generation_config(hf_cfg, meta.get("generation_config"))
+        gen = generation_config(hf_cfg, gen)
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
         tok_dir = Path(tokenizer) if tokenizer else (Path(meta["tokenizer"]) if meta.get("tokenizer") else None)
         copied = copy_tokenizer(tok_dir, tmp)
@@ -141,9 +147,14 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         if _rope_of(hf_cfg) != _rope_of(cfg):
             report["rope_changed"] = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs "
                                       f"from the checkpoint's {cfg['rope_scaling']} (theta {cfg['rope_theta']})")
-        if not copied:
-            report["warning"] = (f"no tokenizer files copied (tokenizer location {tok_dir}); "
-                                 "pass --tokenizer DIR to include them")
+        warnings = [] if copied else [f"no tokenizer files copied (tokenizer location {tok_dir}); pass --tokenizer "
+                                      "DIR to include them"]
+        if hf_cfg.get("eos_token_id") is None and gen.get("eos_token_id") is None:
+            warnings.append("no eos_token_id recorded: transformers would take Llama-2's (2) and generate() would "
+                            "not stop at the end of an answer; pass --tokenizer HF_DIR, the model folder the run "
+                            "started from (its config.json and generation_config.json give them)")
+        if warnings:
+            report["warning"] = "; ".join(warnings)
         if verify:
             from megatron_ext.convert.verify import check_rope_far_out, compare_logits
 

@@ -307,6 +307,21 @@ def generation_config(cfg: dict, source: dict | None) -> dict:
     return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
 
 
+def folder_generation_defaults(folder: Path) -> tuple[dict | None, dict]:
+    """An HF model folder's generation config (None if it has none) and the bos/eos/pad ids of its config.json."""
+    from megatron_ext.checkpoint_layout import TOKEN_ID_KEYS
+
+    def read(name: str) -> dict:
+        try:
+            value = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    ids = {k: v for k, v in read("config.json").items() if k in TOKEN_ID_KEYS and v is not None}
+    return read(GENERATION_CONFIG) or None, ids
+
+
 def tokenizer_files(directory: Path | None) -> list[Path]:
     if directory is None or not directory.is_dir():
         return []

@@ -15,8 +15,12 @@ def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchrun, token_data):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchrun, token_data, toy_tokenizer):
+    """... and the trained stage exports as the model it started from: its tokenizer, generation config and eos
+    ids (before: an empty generation_config.json and transformers' Llama-2 eos 2, so generate() never stopped)."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from megatron_ext.convert import to_hf
 
     from megatron_ext.presets import TINY
     from megatron_ext.recipe import load_recipe
@@ -27,8 +31,11 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
                                   "train.seq_length=256", "train.global_batch_size=2", "train.steps=1"])
     rope = {k: v for k, v in recipe.to_dict()["rope"].items() if v is not None and k != "rope_theta"}
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**{**TINY, "rope_scaling": rope, "max_position_embeddings": 2048}))
+    hf = LlamaForCausalLM(LlamaConfig(**{**TINY, "rope_scaling": rope, "max_position_embeddings": 2048,
+                                         "bos_token_id": 1, "eos_token_id": [2, 7]}))
+    hf.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], temperature=0.6, do_sample=True)
     hf.save_pretrained(tmp_path / "hf")
+    AutoTokenizer.from_pretrained(toy_tokenizer).save_pretrained(tmp_path / "hf")
     subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(tmp_path / "hf"),
                     "--out", str(tmp_path / "mg"), "--dtype", "fp32"], check=True, capture_output=True)
 
@@ -46,6 +53,13 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
         logits = hf(batch["tokens"]).logits.float()
     theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
     assert abs(ours - theirs.item()) <= 1e-4, (ours, theirs.item())
+
+    report = to_hf(tmp_path / "run", tmp_path / "export", progress=False)
+    config = json.loads((tmp_path / "export/config.json").read_text())
+    generation = json.loads((tmp_path / "export/generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, [2, 7]) and "warning" not in report, report
+    assert generation == json.loads((tmp_path / "hf/generation_config.json").read_text())
+    assert "tokenizer.json" in report["tokenizer_files"]
 
 
 def test_resume_with_another_global_batch_goes_on_where_it_stopped(tmp_path, torchrun, token_data):
