@@ -5,12 +5,14 @@ The model is built from the HF `config.json` dict that every part shares (`megat
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from megatron_ext.hf_config import hf_config_from_recipe, normalize_hf_config
 from megatron_ext.recipe import Recipe, RecipeError
+from megatron_ext.train_setup import TE_BACKEND_VARIABLES
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -162,6 +164,19 @@ def layer_spec(config, opts: BuildOptions):
     return spec
 
 
+# Megatron-Core sets TE's NVTE_*_ATTN variables from the attention backend at every model build, and stops at other
+# values already there: those of an earlier build in this process (the tests, the evaluation engine) are forgotten.
+# A user's own are refused before the run starts (train_setup.check_setup).
+_BACKEND_SET_BY_A_BUILD: dict[str, str] = {}
+
+
+def _forget_attention_backend_variables() -> None:
+    for key, value in _BACKEND_SET_BY_A_BUILD.items():
+        if os.environ.get(key) == value:
+            del os.environ[key]
+    _BACKEND_SET_BY_A_BUILD.clear()
+
+
 def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = None,
                 post_process: bool | None = None):
     """A Megatron `GPTModel` for this rank (TP/PP shard) of the HF Llama architecture `hf_cfg`.
@@ -187,6 +202,7 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     model_class = chunked_loss_gpt_model_class() if opts.loss_head == "chunked" else GPTModel
+    _forget_attention_backend_variables()
     model = model_class(
         config=config,
         transformer_layer_spec=layer_spec(config, opts),
@@ -200,6 +216,7 @@ def build_model(hf_cfg: dict, opts: BuildOptions, *, pre_process: bool | None = 
         rotary_base=cfg["rope_theta"],
         rotary_percent=cfg.get("partial_rotary_factor", 1.0),
     )
+    _BACKEND_SET_BY_A_BUILD.update({k: os.environ[k] for k in TE_BACKEND_VARIABLES if k in os.environ})
     if opts.loss_head == "chunked":
         model.loss_chunk_tokens = opts.loss_chunk_tokens
     if config.params_dtype != torch.float32:

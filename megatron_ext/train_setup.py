@@ -39,6 +39,7 @@ def check_setup(recipe: Recipe) -> None:
                           f"{recipe.model.vocab_size} has rows for ids 0..{recipe.model.vocab_size - 1}: it is not this "
                           "model's tokenizer; give the one the model was trained with")
     check_data(recipe)
+    _check_attention_backend_variables(recipe)
     init = None if _resumes(recipe.checkpoint.dir) else recipe.checkpoint.init_from  # a resume never reads it
     if init is not None and not Path(init).is_dir():
         raise RecipeError(f"checkpoint.init_from = {init!r}: not a folder; give a Megatron checkpoint "
@@ -90,6 +91,24 @@ def _resumes(checkpoint_dir: str) -> bool:
                           "that missed it, or a save that ended between its last two steps): to resume from it, "
                           f"`echo {its[-1]} > {root / LATEST_FILE}`; to start over, give a new checkpoint.dir")
     return False
+
+
+TE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def _check_attention_backend_variables(recipe: Recipe) -> None:
+    """Megatron-Core sets Transformer Engine's NVTE_*_ATTN variables itself from the model's attention backend (fused
+    for FP8 attention, else auto: all on) and stops with an AssertionError at any other value already set, e.g.
+    NVTE_FLASH_ATTN=0 exported as a TE workaround."""
+    import os
+
+    expected = ("0", "1", "0") if recipe.runtime.fp8_attention else ("1", "1", "1")
+    wrong = [f"{k}={os.environ[k]}" for k, v in zip(TE_BACKEND_VARIABLES, expected) if os.environ.get(k, v) != v]
+    if wrong:
+        backend = "fused (cuDNN), for runtime.fp8_attention" if recipe.runtime.fp8_attention else "auto"
+        raise RecipeError(f"{', '.join(wrong)} in the environment: Megatron-Core chooses Transformer Engine's "
+                          f"attention backend itself (here {backend}) and refuses other values of "
+                          f"{', '.join(TE_BACKEND_VARIABLES)}; unset them")
 
 
 def positions_warning(recipe: Recipe) -> str | None:

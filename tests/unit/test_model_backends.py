@@ -119,3 +119,19 @@ def test_fp8_sm80_rejected(monkeypatch):
         BuildOptions(device="cuda", fp8="hybrid").use_te()
 
 
+
+
+def test_models_of_both_attention_backends_build_in_one_process(monkeypatch, cpu_parallel_state):
+    """Megatron-Core sets NVTE_{FLASH,FUSED,UNFUSED}_ATTN at each build and asserted on the values an earlier build
+    left: a model with FP8 attention (the fused backend) after one without failed, e.g. tests/gpu/test_te_backends
+    on a TE machine. The variables of a build are forgotten at the next."""
+    import os
+
+    from megatron_ext.model import build_model
+    from megatron_ext.train_setup import TE_BACKEND_VARIABLES
+
+    for key in TE_BACKEND_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    for fp8_attention, values in ((False, ["1", "1", "1"]), (True, ["0", "1", "0"]), (False, ["1", "1", "1"])):
+        build_model(TINY, BuildOptions(device="cpu", seq_length=32, fp8_attention=fp8_attention))
+        assert [os.environ.get(k) for k in TE_BACKEND_VARIABLES] == values

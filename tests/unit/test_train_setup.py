@@ -199,3 +199,30 @@ def test_a_resume_does_not_need_init_from_any_more(tmp_path, token_data):
     (run / "iter_0000002").mkdir(parents=True)
     (run / "latest_checkpointed_iteration.txt").write_text("2")
     check_setup(recipe(run, token_data, gone))
+
+
+@pytest.mark.parametrize("variables, fp8_attention, refused", [
+    ({"NVTE_FLASH_ATTN": "0"}, False, "NVTE_FLASH_ATTN=0"),  # a common TE workaround: Megatron asserted at build
+    ({"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1"}, False, None),  # what Megatron sets itself: fine
+    ({"NVTE_FLASH_ATTN": "1"}, True, "NVTE_FLASH_ATTN=1"),
+])
+def test_attention_backend_variables_megatron_refuses(tmp_path, token_data, monkeypatch, variables, fp8_attention,
+                                                      refused):
+    from megatron_ext.train_setup import TE_BACKEND_VARIABLES
+
+    for key in TE_BACKEND_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+    r = recipe(tmp_path / "run", token_data)
+    if fp8_attention:  # the rule needs FP8 on cuda with TE: only the environment check is asked here
+        import dataclasses
+
+        r = dataclasses.replace(r, runtime=dataclasses.replace(r.runtime, fp8_attention=True))
+    if refused is None:
+        check_setup(r)
+        return
+    with pytest.raises(RecipeError, match=rf"{refused} in the environment: Megatron-Core chooses Transformer Engine's "
+                                          r"attention backend itself \(here (auto|fused).*\) and refuses other "
+                                          r"values of NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN; unset them"):
+        check_setup(r)
