@@ -276,6 +276,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                                 cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
                                 first_step=start, consumed_samples=consumed_samples, device=rank_device(),
                                 min_train_samples=data_samples)
+    if passes := data.passes(t.steps):
+        log(f"[train] SFT data: {passes}")
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0,
                          tensorboard_dir=recipe.checkpoint.tensorboard_dir)
     stop = stop or StopFlag()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -30,12 +31,16 @@ class TrainBatches:
     """Deterministic per-step microbatch iterators for one (DP rank, CP rank).
 
     `dataset`: the samples to read (default: the train split of `recipe.data`, `build_datasets`); `device`: where
-    the microbatches go (the model's device).
+    the microbatches go (the model's device). `new_order_each_pass`: SFT training goes round its packs in a new
+    order each time (`pack_of`); validation reads the same packs in the same order every time.
     """
 
     def __init__(self, recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int,
-                 first_step: int = 0, consumed_samples: int = 0, dataset=None, device: torch.device | str = "cpu"):
+                 first_step: int = 0, consumed_samples: int = 0, dataset=None, device: torch.device | str = "cpu",
+                 new_order_each_pass: bool = True):
         t = recipe.train
+        self.seed, self.new_order_each_pass = t.seed, new_order_each_pass
+        self._order: tuple[int, np.ndarray | None] = (0, None)  # (pass, its pack order)
         self.device = torch.device(device)
         self.global_batch, self.micro_batch = t.global_batch_size, t.micro_batch_size
         self.first_step, self.consumed_samples = first_step, consumed_samples
@@ -54,8 +59,31 @@ class TrainBatches:
     def sample_ids(self, step: int, microbatch: int) -> list[int]:
         """Dataset indices of this rank's rows in microbatch `microbatch` of 0-based step `step`."""
         first = self.samples_before(step) + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch
-        # SFT packs are few: later steps go round them again (epochs), in the same order.
+        if self.stage == "sft":
+            return [self.pack_of(i) for i in range(first, first + self.micro_batch)]
         return [i % len(self.dataset) for i in range(first, first + self.micro_batch)]
+
+    def pack_of(self, sample: int) -> int:
+        """SFT: the pack that sample `sample` of the run reads. Packs are few, and later steps go round them again:
+        the first pass in the packs' order, each later one in its own (seeded by train.seed and the pass), so that
+        no two passes repeat the same batches. A function of `sample` alone: a resumed run reads the same."""
+        n = len(self.dataset)
+        rounds, j = divmod(sample, n)
+        if rounds == 0 or not self.new_order_each_pass:
+            return j
+        if self._order[0] != rounds:
+            self._order = (rounds, np.random.default_rng([self.seed, rounds]).permutation(n))
+        return int(self._order[1][j])
+
+    def passes(self, steps: int) -> str | None:
+        """SFT: how often a run of `steps` steps goes over its packs, for the log (None for CPT)."""
+        if self.stage != "sft":
+            return None
+        rows = self.samples_before(steps)
+        convs = sum(len(p) for p in self.dataset.packs)
+        return (f"{len(self.dataset):,} packs of {convs:,} conversations; {rows:,} packs read over the run: "
+                f"{rows / len(self.dataset):.2f} passes over the data (each after the first in a new order), "
+                f"~{self.global_batch * convs / len(self.dataset):,.0f} conversations per step")
 
     def microbatch(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
         """`[B, S / CP]` tensors: tokens, labels, loss_mask, position_ids (this rank's zigzag chunks)."""
@@ -120,4 +148,5 @@ def build_batches(recipe: Recipe, dp_rank: int, dp_size: int, cp_rank: int, cp_s
     ranks = (dp_rank, dp_size, cp_rank, cp_size)
     batches = TrainBatches(recipe, *ranks, first_step, consumed_samples, dataset=train, device=device)
     batches.requested = train_samples
-    return batches, None if valid is None else TrainBatches(recipe, *ranks, dataset=valid, device=device)
+    return batches, None if valid is None else TrainBatches(recipe, *ranks, dataset=valid, device=device,
+                                                            new_order_each_pass=False)

@@ -231,3 +231,26 @@ def test_sampled_fingerprint_reads_spaced_blocks(tmp_path):
     terabyte = sample_offsets(1 << 40)  # what a start reads of a 1 TiB .bin: 64 blocks of 64 KiB, 4 MiB
     assert len(terabyte) == 64 and terabyte[0] == 0 and terabyte[-1] == (1 << 40) - (1 << 16)
     assert min(np.diff(terabyte)) >= 1 << 16
+
+
+def test_sft_goes_round_its_packs_in_a_new_order_each_pass(sft_data):
+    """Before, every pass over the packs read the same batches in the same order (recipes/sft.yaml goes round its
+    ~13K packs about 8 times). The first pass keeps the packs' order; each later one is a permutation of its own,
+    the same in a resumed run."""
+    recipe = load_recipe(ROOT / "recipes/tiny/sft.yaml", [f"data.prefix={sft_data}", "checkpoint.dir=/tmp/unused",
+                                                          "train.global_batch_size=2", "train.steps=40"])
+    batches = TrainBatches(recipe, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
+    n = len(batches.dataset)
+    order = [batches.pack_of(i) for i in range(3 * n)]
+    first, second, third = order[:n], order[n:2 * n], order[2 * n:]
+    assert first == list(range(n)) and sorted(second) == sorted(third) == first
+    assert second != first and third != second
+    assert [b for s in range(3) for m in range(2) for b in batches.sample_ids(s, m)] == order[:6]
+    resumed = TrainBatches(recipe, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1, first_step=n // 2 + 1,
+                           consumed_samples=2 * (n // 2 + 1))
+    assert resumed.sample_ids(n // 2 + 1, 0) == [order[2 * (n // 2 + 1)]]
+    assert resumed.sample_ids(n, 1) == [order[2 * n + 1]]
+    convs = sum(len(p) for p in batches.dataset.packs)
+    assert batches.passes(40) == (f"{n:,} packs of {convs:,} conversations; 80 packs read over the run: {80 / n:.2f} "
+                                  f"passes over the data (each after the first in a new order), ~{2 * convs / n:,.0f} "
+                                  "conversations per step")
