@@ -21,7 +21,8 @@ LLAMA31_ROLES = ("system", "user", "assistant", "tool", "ipython")
 
 # Llama-3.1-Instruct's conversation format without tool calls (written for this project): a system
 # block with the knowledge-date header always present, then `<|start_header_id|>ROLE<|end_header_id|>\n\n
-# CONTENT<|eot_id|>` per turn (ROLE `ipython` for a `tool` message). Assistant content sits in
+# CONTENT<|eot_id|>` per turn (ROLE `ipython` for a `tool` message, whose content Meta's template writes as
+# JSON: a string in quotes, untrimmed; transformers' `tojson` keeps non-ASCII as is). Assistant content sits in
 # `{% generation %}` so transformers' `return_assistant_tokens_mask=True` can serve as an independent oracle
 # for our masks.
 LLAMA31_CHAT_TEMPLATE = (
@@ -38,6 +39,7 @@ LLAMA31_CHAT_TEMPLATE = (
     r"{{- '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
     r"{%- if message['role'] == 'assistant' %}"
     r"{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    r"{%- elif role == 'ipython' %}{{- message['content'] | tojson + '<|eot_id|>' }}"
     r"{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"
     r"{%- endfor %}"
     r"{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"

@@ -96,7 +96,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             except KeyError:
                 raise DataError(f"{where}: no field '{messages_field}' (fields: {', '.join(sorted(row))}); "
                                 "pass --messages-field NAME") from None
-            problem = _messages_problem(messages, messages_field)
+            problem = _messages_problem(messages, messages_field, chat_template)
             role = None if problem else next((m["role"] for m in messages if m["role"] not in LLAMA31_ROLES), None)
             if role is not None:
                 odd_roles[role] += 1
@@ -117,7 +117,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                 continue
             try:
                 ids, mask = tokenize_chat(tok, messages, template)
-            except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
+            except (jinja2.TemplateError, ValueError) as e:  # raise_exception(...) in the template, an undefined name
                 raise DataError(f"--chat-template {chat_template}: rendering {where} failed ({type(e).__name__}: "
                                 f"{' '.join(str(e).split())}); fix the template or that sample") from None
             if not ids:
@@ -165,13 +165,24 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     return manifest
 
 
-def _messages_problem(messages: Any, field: str) -> str | None:
-    """Why `messages` is not a list of {"role": str, "content": str} dicts (None when it is)."""
+def _messages_problem(messages: Any, field: str, chat_template: str) -> str | None:
+    """Why `messages` is not a conversation to train on (None when it is): not a list of {"role": str,
+    "content": str} dicts; an assistant turn first (the template has nothing before it to render) or empty (the
+    model would learn to answer nothing); tool calls the built-in template does not render (an empty reply)."""
     if not isinstance(messages, list):
         return f"'{field}' is a {type(messages).__name__}, not a list of messages"
     for j, m in enumerate(messages, 1):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             return f"message {j} of '{field}' is not an object with string 'role' and 'content'"
+        if m["role"] != "assistant":
+            continue
+        if j == 1:
+            return "it starts with an assistant turn (no prompt before it)"
+        if "tool_calls" in m and chat_template == "llama3.1":
+            return (f"message {j} has tool_calls, which --chat-template llama3.1 does not render (the model would "
+                    "learn an empty reply); use --chat-template tokenizer with Meta's template, or drop them")
+        if not m["content"].strip() and "tool_calls" not in m:
+            return f"message {j} is an empty assistant turn (the model would learn to answer nothing)"
     return None
 
 

@@ -405,3 +405,37 @@ def test_data_prefix_given_with_its_bin_ending(tmp_path, token_data, sft_data):
     said = f"data.prefix = '{token_data}.bin': {token_data}.bin.bin {hint}{token_data}$"
     with pytest.raises(RecipeError, match=said):
         check_setup(recipe)
+
+
+def test_sft_conversations_that_would_train_nothing_useful_are_skipped(tmp_path, tok_dir, capsys):
+    """An assistant turn first crashed the whole preparation (transformers cannot render the empty conversation
+    before it); an empty assistant turn, or tool calls the built-in template does not render, trained an empty
+    reply. Each is skipped, counted and named; a good conversation beside them is kept."""
+    import json
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    rows = [{"messages": [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "ok"},
+                          {"role": "assistant", "content": "fine"}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
+            {"messages": [{"role": "user", "content": "time?"},
+                          {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "clock"}}]}]},
+            good]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["sft", "--input", str(path), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
+            "--seq-length", "256", "--quiet"]
+    assert prepare_data.main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"{path}:1: sample skipped: it starts with an assistant turn (no prompt before it)" in err
+    assert "'bad_messages': 3}" in err
+    from megatron_ext.data.dataset_files import read_manifest
+
+    assert read_manifest(str(tmp_path / "out"))["samples"] == 1
+    from megatron_ext.data.sft import _messages_problem
+
+    assert _messages_problem(rows[1]["messages"], "messages", "llama3.1") == (
+        "message 2 is an empty assistant turn (the model would learn to answer nothing)")
+    assert _messages_problem(rows[2]["messages"], "messages", "llama3.1").startswith(
+        "message 2 has tool_calls, which --chat-template llama3.1 does not render")
+    assert _messages_problem(rows[2]["messages"], "messages", "tokenizer") is None  # Meta's template renders them
+    assert _messages_problem(good["messages"], "messages", "llama3.1") is None

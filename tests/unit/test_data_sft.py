@@ -143,14 +143,16 @@ def test_chat_template_options(tmp_path, tok_dir):
 
 def test_tool_messages_use_llama31_ipython_header(hf_tok):
     """Llama-3.1's template renders `tool` results under the `ipython` header; the built-in one wrote a `tool`
-    header the model never saw (prepare_sft keeps Llama-3.1's roles: system, user, assistant, tool, ipython)."""
+    header the model never saw (prepare_sft keeps Llama-3.1's roles: system, user, assistant, tool, ipython). Their
+    content is JSON, as Meta's template writes it (its `is iterable` test holds for a string): in quotes, not
+    trimmed, non-ASCII kept (the built-in one wrote it bare and trimmed)."""
     messages = [{"role": "user", "content": "What is the code of the cat?"},
                 {"role": "assistant", "content": "Let me look it up."},
-                {"role": "tool", "content": "cat: 42"},
+                {"role": "tool", "content": " cat: 42 \u00e9"},
                 {"role": "assistant", "content": "The code of the cat is 42."}]
     ids, mask = tokenize_chat(hf_tok, messages, LLAMA31_CHAT_TEMPLATE)
     text = hf_tok.decode(ids)
-    assert "<|start_header_id|>ipython<|end_header_id|>\n\ncat: 42<|eot_id|>" in text and ">tool<" not in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n" cat: 42 \u00e9"<|eot_id|>' in text and ">tool<" not in text
     assert [hf_tok.decode(ids[a:b]) for a, b in _runs(mask)] == ["Let me look it up.<|eot_id|>",
                                                                  "The code of the cat is 42.<|eot_id|>"]
     ref = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
