@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             report = _convert(args, to_megatron, to_hf)
     except (ConvertError, CheckpointError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, a quota, a file system gone: the unfinished output is removed
+        where = f" ({e.filename})" if e.filename else ""
+        sys.exit(f"error: {e.strerror or e}{where}; the unfinished output was removed (--out {args.out} is replaced "
+                 "only by a complete conversion)")
     except KeyboardInterrupt as e:
         # staged_output has removed its temporary folder; --out is the old one, or the new one if the
         # signal came after it was complete. No traceback.

@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from megatron_ext.convert import mapping
 from megatron_ext.convert.hf_io import (
     DTYPES,
@@ -126,7 +128,12 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
             tensors = reader.read([e.megatron for e in group], layer)
             for e in group:
                 for name, t in zip(e.hf_names(layer), mapping.to_hf(e, tensors[e.megatron], cfg)):
-                    writer.add(name, t.to(target))
+                    t = t.to(target)
+                    if not torch.isfinite(t).all():  # NaN in the checkpoint, or beyond fp16's range (65504)
+                        raise ConvertError(f"{path}: {e.megatron} holds NaN or Inf values as {dtype_name(target)} "
+                                           f"(HF {name}): a diverged run, or beyond the range of --dtype; nothing "
+                                           "written (--dtype bf16 keeps fp32's range)")
+                    writer.add(name, t)
                     written.append(name)
         writer.close()
         left = sorted(set(mapping.expected_hf_names(cfg)) - set(written))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import resource
 import shutil
 import signal
+import socket
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -38,9 +41,10 @@ def staged_output(out: Path, force: bool) -> Iterator[Path]:
         raise ConvertError(f"--out {out} already exists; choose another path or pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise ConvertError(f"--out {out} is a file, not a folder; choose another path")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(out)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:  # a parent that is a file, a read-only or virtual file system (/proc), no permission
@@ -62,6 +66,24 @@ def staged_output(out: Path, force: bool) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Remove the staging folders beside `out` that a conversion on this host left when it was killed (SIGKILL,
+    the out-of-memory killer: no cleanup ran), each as large as the model. Only this host's, and only those of
+    processes that no longer run: another node's conversion may be writing its own on a shared file system."""
+    mine = f".{out.name}.partial-{socket.gethostname()}-"
+    for folder in out.parent.glob(f"{glob.escape(mine)}*"):
+        pid = folder.name[len(mine):]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            print(f"note: removing {folder}, left by an interrupted conversion (process {pid})", file=sys.stderr)
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # another user's running process
+            pass
 
 
 @contextlib.contextmanager

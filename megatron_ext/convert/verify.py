@@ -116,7 +116,14 @@ def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = random_tokens(vocab, batch, seq_len, seed)
     ref = hf_logits(hf_dir, tokens, round_hf)
-    diff = (ref - megatron_logits(megatron_root, tokens, iteration, round_to=round_megatron)).abs().max().item()
+    ours = megatron_logits(megatron_root, tokens, iteration, round_to=round_megatron)
+    # NaN compares as no difference at all (nan > tolerance is False): a diverged model would pass
+    bad = [what for what, t in (("the Hugging Face model's", ref), ("the Megatron checkpoint's", ours))
+           if not torch.isfinite(t).all()]
+    if bad:
+        raise ConvertError(f"--verify: {' and '.join(bad)} logits are not finite (NaN or Inf): weights with NaN or "
+                           "Inf values (a diverged run?) or beyond the range of the stored dtype; nothing written")
+    diff = (ref - ours).abs().max().item()
     print(f"verify: max |logit diff| HF vs Megatron = {diff:.3e} (fp32 compute, source rounded to the stored "
           f"dtype, {batch}x{seq_len} random tokens)")
     return diff

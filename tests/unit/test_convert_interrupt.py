@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,7 +53,7 @@ def test_sigterm_removes_temporary_output_and_keeps_old_out(direction, src, mcor
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     written = "latest_checkpointed_iteration.txt" if direction == "to-megatron" else "model.safetensors.index.json"
-    _wait_for(f".out.partial-{proc.pid}/{written}", tmp_path, proc)  # the full-size copy exists now
+    _wait_for(f".out.partial-{socket.gethostname()}-{proc.pid}/{written}", tmp_path, proc)  # the full-size copy exists now
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
@@ -109,7 +110,7 @@ def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        _writers_blocked(tmp_path / f".out.partial-{proc.pid}", proc)
+        _writers_blocked(tmp_path / f".out.partial-{socket.gethostname()}-{proc.pid}", proc)
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -164,3 +165,39 @@ def test_a_sigterm_while_the_writer_result_server_starts_is_not_lost(monkeypatch
         other.join()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert received == [signal.SIGTERM]
+
+
+def test_a_killed_conversions_staging_folder_is_removed_by_the_next(src, mcore, tmp_path):
+    """SIGKILL (the out-of-memory killer) runs no cleanup: the model-sized staging folder stayed beside --out for
+    good, as the next run removed only one of its own pid. The next conversion on this host removes those of
+    processes that are gone; a running one's (or another host's) stays."""
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, other_host = tmp_path / f".out.partial-{host}-{dead.pid}", tmp_path / f".out.partial-otherhost-{dead.pid}"
+    running = tmp_path / f".out.partial-{host}-{os.getppid()}"
+    for folder in (stale, other_host, running):
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-hf", "--megatron", str(mcore), "--out",
+                           str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: removing {stale}, left by an interrupted conversion (process {dead.pid})" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", other_host.name, running.name])
+
+
+def test_a_full_disk_is_one_line(mcore, tmp_path):
+    """ENOSPC and other OS errors while writing ended in a traceback (the staging folder was removed)."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    out = tmp_path / "out"
+    code = ("import sys, runpy, megatron_ext.convert.hf_io as h\n"
+            "def full(self, *a):\n"
+            "    open('/dev/full', 'wb').write(b'x' * 65536)\n"
+            "h.StreamingSafetensorsWriter.add = full\n"
+            f"sys.argv = ['convert.py', 'to-hf', '--megatron', {str(mcore)!r}, '--out', {str(out)!r}, '--no-progress']\n"
+            f"runpy.run_path({str(ROOT / 'tools/convert.py')!r}, run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: No space left on device"), proc.stderr
+    assert list(tmp_path.iterdir()) == []

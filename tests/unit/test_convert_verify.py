@@ -97,3 +97,36 @@ def test_round_params_matches_a_stored_copy():
         m.load_state_dict(lin.state_dict())
         round_params_(m, {"weight": dtype})
         assert torch.equal(m.weight, ref.float()) and torch.equal(m.bias, lin.bias)  # bias not listed: kept
+
+
+def _with_weight(src, out, value):
+    """A copy of HF folder `src` whose final norm's first weight is `value`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        if "model.norm.weight" in tensors:
+            tensors["model.norm.weight"][0] = value
+            save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+def test_verify_refuses_nan_logits(fp32_src, tmp_path, cpu_parallel_state):
+    """NaN logits compared as no difference (nan > tolerance is False): a diverged model verified."""
+    nan = _with_weight(fp32_src, tmp_path / "nan", float("nan"))
+    with pytest.raises(ConvertError, match=r"--verify: the Hugging Face model's and the Megatron checkpoint's logits "
+                                           r"are not finite \(NaN or Inf\)"):
+        to_megatron(nan, tmp_path / "m", verify=True, progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+def test_export_refuses_weights_beyond_the_dtype(fp32_src, tmp_path, cpu_parallel_state):
+    """fp16 holds at most 65504: 70000 became Inf, in the file and in --verify's rounded oracle alike."""
+    big = to_megatron(_with_weight(fp32_src, tmp_path / "big", 7e4), tmp_path / "m", progress=False)
+    assert big["dtype"] == "float32"
+    with pytest.raises(ConvertError, match=r"decoder\.final_layernorm\.weight holds NaN or Inf values as float16 "
+                                           r"\(HF model\.norm\.weight\)"):
+        to_hf(tmp_path / "m", tmp_path / "h", dtype="fp16", progress=False)
+    assert not (tmp_path / "h").exists()
+    to_hf(tmp_path / "m", tmp_path / "h", dtype="bf16", progress=False)  # control: bf16 has fp32's range
