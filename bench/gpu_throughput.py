@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         s = settings_from_args(args)
         clock.budget_s = s.budget_s
         installed = ensure_packages(Path(args.wheels), Path(args.site))
-        doc = bench(s, clock, installed, label=args.label)
+        bench(s, clock, installed, label=args.label)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -72,8 +72,8 @@ def _chunk(text: str) -> int | str:
 def _common(p: argparse.ArgumentParser, out_required: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
-    src.add_argument("--megatron", type=Path, help="Megatron checkpoint; the hf engine converts it with tools/convert.py to-hf first "
-                     "(into a hidden folder of --out), the megatron engine runs it as it is")
+    src.add_argument("--megatron", type=Path, help="Megatron checkpoint; the hf engine converts it with "
+                     "tools/convert.py to-hf first (into a hidden folder of --out), the megatron engine runs it as is")
     p.add_argument("--out", type=Path, required=out_required,
                    help="output directory (created; files written atomically)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")

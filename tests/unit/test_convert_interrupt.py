@@ -53,7 +53,8 @@ def test_sigterm_removes_temporary_output_and_keeps_old_out(direction, src, mcor
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     written = "latest_checkpointed_iteration.txt" if direction == "to-megatron" else "model.safetensors.index.json"
-    _wait_for(f".out.partial-{socket.gethostname()}-{proc.pid}/{written}", tmp_path, proc)  # the full-size copy exists now
+    staging = f".out.partial-{socket.gethostname()}-{proc.pid}"
+    _wait_for(f"{staging}/{written}", tmp_path, proc)  # the full-size copy exists now
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
@@ -195,7 +196,8 @@ def test_a_full_disk_is_one_line(mcore, tmp_path):
             "def full(self, *a):\n"
             "    open('/dev/full', 'wb').write(b'x' * 65536)\n"
             "h.StreamingSafetensorsWriter.add = full\n"
-            f"sys.argv = ['convert.py', 'to-hf', '--megatron', {str(mcore)!r}, '--out', {str(out)!r}, '--no-progress']\n"
+            f"sys.argv = ['convert.py', 'to-hf', '--megatron', {str(mcore)!r}, '--out', {str(out)!r},\n"
+            "            '--no-progress']\n"
             f"runpy.run_path({str(ROOT / 'tools/convert.py')!r}, run_name='__main__')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr

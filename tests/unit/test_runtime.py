@@ -85,8 +85,8 @@ def minutes(group):
 
 for value in (7, 30):
     init_distributed("cpu", timeout_minutes=value)
-    groups = [torch.distributed.group.WORLD, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
-              ps.get_context_parallel_group(), ps.get_data_parallel_group()]
+    groups = [torch.distributed.group.WORLD, ps.get_tensor_model_parallel_group(),
+              ps.get_pipeline_model_parallel_group(), ps.get_context_parallel_group(), ps.get_data_parallel_group()]
     print(value, [minutes(g) for g in groups])
     destroy_distributed()
 """

@@ -18,7 +18,8 @@ from tests.conftest import ROOT
 
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
-    "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
+    "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n'
+            '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
             '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
