@@ -49,6 +49,11 @@ def load_megatron_for_eval(checkpoint, *, tensor: int = 1, pipeline: int = 1, co
         load_checkpoint(checkpoint, [model], weights_only=True)
     except CheckpointError as e:
         raise EvalError(str(e)) from None
+    generation_eos = (meta.get("generation_config") or {}).get("eos_token_id")
+    if generation_eos is not None:  # an Instruct model may name <|eot_id|> there alone: the HF engine reads both
+        both = (hf_cfg.get("eos_token_id"), generation_eos)
+        flat = {int(i) for v in both if v is not None for i in (v if isinstance(v, list) else [v])}
+        hf_cfg = {**hf_cfg, "eos_token_id": sorted(flat)}
     return model.eval(), hf_cfg, meta.get("tokenizer")
 
 

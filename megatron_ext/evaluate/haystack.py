@@ -19,8 +19,9 @@ import numpy as np
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.io import read_utf8
 
-# End of a sentence: terminal punctuation, optional closing quotes/brackets, then whitespace.
-_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
+# End of a sentence: terminal punctuation, optional closing quotes/brackets, then whitespace; or CJK's full stop,
+# exclamation and question marks, which no space follows.
+_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)|[\u3002\uff01\uff1f][\u300d\u300f\u201d\uff09]*")
 _BLOCK_CHARS = 1 << 16  # text per tokenizer call: big enough to be fast, small enough for progress
 
 # Word lists of the built-in filler. Small and digit-free on purpose: the needle's value is the
@@ -74,9 +75,17 @@ class Haystack:
         return len(self.ids)
 
     def needle_slots(self, n_tokens: int) -> np.ndarray:
-        """Sentence starts usable inside a haystack cut to its first `n_tokens` tokens, plus its end."""
-        inside = self.starts[self.starts < n_tokens]
-        return np.unique(np.append(inside, n_tokens))
+        """Sentence starts usable inside a haystack cut to its first `n_tokens` tokens, plus its end. EvalError when
+        more than 5% of them (and at least 256) go by without one: a needle would land far from the depth asked
+        for (a text without sentence ends put every needle at 0% or 100%, and the heatmap said otherwise)."""
+        slots = np.unique(np.append(self.starts[self.starts < n_tokens], n_tokens))
+        gaps = np.diff(slots, prepend=0)
+        if gaps.max() > max(0.05 * n_tokens, 256):
+            at = int(slots[int(np.argmax(gaps))] - gaps.max())
+            raise EvalError(f"haystack {self.source}: tokens {at:,} to {at + int(gaps.max()):,} of the {n_tokens:,} "
+                            "a prompt takes hold no sentence end, so needles cannot be placed near their depths; "
+                            "give a text whose sentences end in . ! ? and a space (or in \u3002 \uff01 \uff1f)")
+        return slots
 
 
 def _split_blocks(text: str) -> Iterator[str]:

@@ -221,7 +221,7 @@ class SampleBuilder:
                             f"({length - n_hay} tokens): use lengths of at least {length - n_hay}")
         if n_hay > len(hay):
             raise EvalError(f"{name}: haystack {hay.source} has {len(hay):,} tokens, length {length:,} needs {n_hay:,}")
-        slots = hay.starts[hay.starts < n_hay].tolist()  # sentence starts, not the cut at the end
+        slots = hay.needle_slots(n_hay)[:-1].tolist()  # sentence starts, not the cut at the end
         if len(slots) < len(needles):
             raise EvalError(f"{name}: length {length} leaves {len(slots)} places for {len(needles)} needles: use a "
                             "longer length")

@@ -538,3 +538,18 @@ def test_hf_engine_rope_angles_are_exact_far_out(rope):
     ours_near = cos_sin(model.model.rotary_emb, near)
     assert torch.equal(ours_near[:4], theirs_near[:4])  # angles below pi: the same float32 values
     np.testing.assert_allclose(ours_near, theirs_near, atol=2e-5)  # up to 300 rad: float32 spacing 3e-5
+
+
+def test_a_haystack_without_sentence_ends_is_refused():
+    """A --haystack without sentence ends (code, a text whose sentences end otherwise) had one needle slot: every
+    needle went to 0% or 100% while the heatmap showed the depths asked for."""
+    from megatron_ext.evaluate.haystack import _SENTENCE_END, Haystack
+
+    hay = Haystack(np.arange(10_000), np.array([0]), "code.py")
+    with pytest.raises(EvalError, match=r"haystack code\.py: tokens 0 to 4,000 of the 4,000 a prompt takes hold no "
+                                        r"sentence end, so needles cannot be placed near their depths"):
+        hay.needle_slots(4000)
+    assert Haystack(np.arange(10_000), np.arange(0, 10_000, 150), "essay").needle_slots(4000)[-1] == 4000  # control
+    assert hay.needle_slots(200).tolist() == [0, 200]  # a short prompt: one sentence may fill it
+    # CJK sentences end in full-width marks, with no space after them
+    assert [m.end() for m in _SENTENCE_END.finditer("他来了。她走了！真的吗？好")] == [4, 8, 12]

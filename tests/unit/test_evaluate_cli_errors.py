@@ -216,3 +216,24 @@ def test_generate_from_a_megatron_checkpoint_needs_out_for_the_conversion(no_tok
     main(argv + ["--out", str(tmp_path / "o")])  # control: with --out it answers, and leaves no copy behind
     assert "converting" in capsys.readouterr().err
     assert (tmp_path / "o/generation.json").exists() and not list((tmp_path / "o").glob(".hf-from-megatron*"))
+
+
+def test_megatron_engine_stops_at_the_generation_configs_eos(no_tokenizer, tmp_path, cpu_parallel_state):
+    """The Megatron engine took config.json's eos alone: a model naming <|eot_id|> only in generation_config.json
+    (older Llama-3 Instruct snapshots) decoded past the end of its turn where the transformers engine stopped."""
+    import shutil
+
+    from megatron_ext.evaluate.engine import load_megatron_for_eval
+
+    ckpt = tmp_path / "mc"
+    shutil.copytree(no_tokenizer / "mc", ckpt)
+    meta_file = next(ckpt.glob("iter_*/megatron_ext.json"))
+    meta = json.loads(meta_file.read_text())
+    eos = meta["hf_config"].get("eos_token_id")
+    meta["generation_config"] = {"eos_token_id": [7, 9]}
+    meta_file.write_text(json.dumps(meta))
+    _, cfg, _ = load_megatron_for_eval(ckpt)
+    assert cfg["eos_token_id"] == sorted({7, 9} | ({eos} if isinstance(eos, int) else set(eos or [])))
+    meta["generation_config"] = None  # control: config.json's alone
+    meta_file.write_text(json.dumps(meta))
+    assert load_megatron_for_eval(ckpt)[1].get("eos_token_id") == eos
