@@ -41,7 +41,7 @@ from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.launch_stages import Stage, chain_sft_stage, check_stage_follows, check_stage_order, plan_stages
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
-from megatron_ext.train_setup import check_data, check_setup, positions_warning
+from megatron_ext.train_setup import check_data, check_setup, setup_warnings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The trainer's SIGUSR1 handler saves and exits with EXIT_REQUEUE; submitit reads this variable
@@ -276,7 +276,7 @@ def run_check(args) -> int:
     world = args.world_size if args.world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
     report = resume_report(recipe, world)  # before "ok": a checkpoint the run cannot resume is an error
     print(f"ok: {describe(recipe, world)}", flush=True)
-    if warning := positions_warning(recipe):
+    for warning in setup_warnings(recipe):
         print(f"warning: {warning}", flush=True)
     for line in report:
         print(f"checkpoint: {line}", flush=True)

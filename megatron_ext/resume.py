@@ -68,6 +68,14 @@ def data_request(saved: dict) -> int | None:
 def train_split_epochs(recipe: Recipe, samples: int) -> int | None:
     """Epochs of the train split GPTDataset goes through to serve `samples` CPT samples: the fewest whose tokens
     reach samples x seq_length + 1 (its count), or None for a blend or data that cannot be read here."""
+    per_epoch = train_split_tokens(recipe)
+    if per_epoch is None:
+        return None
+    return max(1, -(-(samples * recipe.train.seq_length + 1) // per_epoch))
+
+
+def train_split_tokens(recipe: Recipe) -> int | None:
+    """Tokens of the CPT train split (one epoch), or None for a blend or data that cannot be read here."""
     from megatron_ext.data.common import split_range
     from megatron_ext.data.dataset_files import check_complete
 
@@ -80,9 +88,7 @@ def train_split_epochs(recipe: Recipe, samples: int) -> int | None:
         return None
     docs = split_range(lengths.size, d.split, 0)
     per_epoch = int(lengths[docs.start:docs.stop].sum())
-    if per_epoch <= 0:
-        return None
-    return max(1, -(-(samples * recipe.train.seq_length + 1) // per_epoch))
+    return per_epoch if per_epoch > 0 else None
 
 
 def _order_warning(saved: dict, step: int, consumed: int, recipe: Recipe) -> str | None:

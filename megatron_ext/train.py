@@ -30,7 +30,7 @@ import torch
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.train_metrics import MetricsLog, format_duration, log, memory_gib
-from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, positions_warning
+from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, setup_warnings
 
 EXIT_REQUEUE = 3
 EXIT_DIVERGED = 4
@@ -291,7 +291,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     forward_backward = get_forward_backward_func()
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
-    if warning := positions_warning(recipe):
+    for warning in setup_warnings(recipe):
         log(f"[train] warning: {warning}")
 
     profiler = StepProfiler(recipe.profile, torch.distributed.get_rank(),

@@ -111,6 +111,28 @@ def _check_attention_backend_variables(recipe: Recipe) -> None:
                           f"{', '.join(TE_BACKEND_VARIABLES)}; unset them")
 
 
+def setup_warnings(recipe: Recipe) -> list[str]:
+    """What `launch --check` and the trainer's log warn about before a run: `positions_warning`, `epochs_warning`."""
+    return [w for w in (positions_warning(recipe), epochs_warning(recipe)) if w]
+
+
+def epochs_warning(recipe: Recipe) -> str | None:
+    """CPT: a warning when the run reads more tokens than its train split holds, so GPTDataset repeats some (the
+    paper's runs read their data once; 150 steps x 2 x 4M = 1.26B tokens take more than 1B tokens prepared)."""
+    from megatron_ext.resume import train_split_tokens
+
+    t = recipe.train
+    held = train_split_tokens(recipe) if t.stage == "cpt" else None
+    need = t.steps * t.global_batch_size * t.seq_length + 1  # GPTDataset's count: one token more than the samples
+    if held is None or need <= held:
+        return None
+    return (f"train.steps x train.global_batch_size x train.seq_length = {need - 1:,} tokens (+1), but the train split "
+            f"of data.prefix holds {held:,}: GPTDataset goes over it {-(-need // held)} times, {need - held:,} tokens "
+            f"({100 * (need - held) / need:.1f}% of the run) a second time or more; prepare at least {need:,} tokens for "
+            "the train split (tools/prepare_data.py cpt --max-tokens; more with a validation split), or lower "
+            "train.steps")
+
+
 def positions_warning(recipe: Recipe) -> str | None:
     """A warning when the run trains beyond `model.max_position_embeddings`: the checkpoint, its export and the
     evaluation's length check then claim a shorter context than the one trained (usually an override of

@@ -6,11 +6,13 @@ CPT corpus (the paper: per-source length upsampling, documents separated by the 
 `<s>`, packed by Megatron-Core's GPTDataset into 1M/2M/4M sequences with no document mask)::
 
     python tools/prepare_data.py cpt --input yaofu/slimpajama-per-source-length-upsample \\
-        --tokenizer meta-llama/Llama-3.1-8B-Instruct --output data/cpt --max-tokens 1000000000
+        --tokenizer meta-llama/Llama-3.1-8B-Instruct --output data/cpt --max-tokens 1300000000
     python tools/prepare_data.py cpt --input a.jsonl b.parquet c.txt --tokenizer TOK_DIR --output data/cpt \\
         --source-field meta.source --upsample 'lt4k=0.5,gt8k=2.0' --separator '<s>' --workers 8
 
-  writes data/cpt.bin/.idx (Megatron-Core `IndexedDatasetBuilder`) and data/cpt.json (documents,
+  (the recipes read steps x batch x seq_length tokens: 1.05B for cpt_1m and cpt_2m, 1.26B for cpt_4m; with
+  less, GPTDataset repeats some, which launch --check and the trainer warn about) writes data/cpt.bin/.idx
+  (Megatron-Core `IndexedDatasetBuilder`) and data/cpt.json (documents,
   tokens, per-source counts, length histogram, skipped lines, settings, tokenizer hash). Inputs:
   .jsonl/.json (JSON Lines)/.parquet/.txt (one document per line) files, or a `datasets` name/folder
   (`NAME[:split]`, streamed). `--separator` is literal text (default `<s>`), `bos-eos`

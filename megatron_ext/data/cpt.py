@@ -218,6 +218,9 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup
     pre, post = separator_ids(tok, separator)
     backend = tok.backend_tokenizer
+    # A document's own text is text: a web page quoting "<|eot_id|>" or "<|begin_of_text|>" must not train the
+    # model on control tokens mid-document (the separator's ids are fixed above)
+    backend.encode_special_tokens = True
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets needed
     vocab_size = len(tok)
     dtype = token_dtype(vocab_size)

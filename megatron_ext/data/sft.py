@@ -174,6 +174,10 @@ def _messages_problem(messages: Any, field: str, chat_template: str) -> str | No
     for j, m in enumerate(messages, 1):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             return f"message {j} of '{field}' is not an object with string 'role' and 'content'"
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON): the tokenizer would refuse it
+            return f"message {j} holds a lone surrogate, no UTF-8 text"
         if m["role"] != "assistant":
             continue
         if j == 1:

@@ -291,4 +291,9 @@ def iter_texts(inputs: list[str], text_field: str, source_field: str | None,
         if not text:
             stats.skip("empty", where)
             continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON): the tokenizer refused the whole batch
+            stats.skip("non_utf8", where, " (a lone surrogate in its text)")
+            continue
         yield source, text

@@ -211,3 +211,21 @@ def test_reprepared_prefix_does_not_reuse_stale_index_cache(tmp_path, tok_dir, h
         assert s["tokens"].shape == (S,) and s["labels"].shape == (S,)
     texts = hf_tok.decode(second[0]["tokens"].tolist())
     assert "note" in texts
+
+
+def test_special_token_text_in_a_document_stays_text(tmp_path, tok_dir, hf_tok):
+    """A web page quoting "<|eot_id|>" or "<|begin_of_text|>" was tokenized to the control tokens themselves: the
+    model trained on turn ends and sequence starts in the middle of documents. A lone surrogate in one line's text
+    ("\\ud800", valid JSON) ended the whole preparation with a traceback; it is skipped and counted."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    text = "The template ends a turn with <|eot_id|> and starts with <|begin_of_text|> here."
+    specials = set(hf_tok.convert_tokens_to_ids(["<|eot_id|>", "<|begin_of_text|>"]))
+    assert specials <= set(hf_tok(text, add_special_tokens=False)["input_ids"])  # what encoding did before
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n" + '{"text": "bad \\ud800 text"}\n' + json.dumps({"text": text}))
+    man = prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "cpt"), separator="none", progress=False)
+    assert man["documents"] == 2 and man["skipped"]["non_utf8_lines"] == 1
+    ds = IndexedDataset(str(tmp_path / "cpt"))
+    ids = ds[0].tolist()
+    assert not specials & set(ids) and hf_tok.decode(ids) == text

@@ -439,3 +439,5 @@ def test_sft_conversations_that_would_train_nothing_useful_are_skipped(tmp_path,
         "message 2 has tool_calls, which --chat-template llama3.1 does not render")
     assert _messages_problem(rows[2]["messages"], "messages", "tokenizer") is None  # Meta's template renders them
     assert _messages_problem(good["messages"], "messages", "llama3.1") is None
+    surrogate = [{"role": "user", "content": "a \ud800"}, {"role": "assistant", "content": "b"}]  # valid JSON
+    assert _messages_problem(surrogate, "messages", "llama3.1") == "message 1 holds a lone surrogate, no UTF-8 text"

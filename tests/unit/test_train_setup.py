@@ -226,3 +226,22 @@ def test_attention_backend_variables_megatron_refuses(tmp_path, token_data, monk
                                           r"attention backend itself \(here (auto|fused).*\) and refuses other "
                                           r"values of NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN; unset them"):
         check_setup(r)
+
+
+def test_a_run_that_reads_its_data_more_than_once_is_warned(tmp_path, token_data):
+    """The docs said to prepare 1B tokens, one epoch; the 4M recipe reads 150 x 2 x 4M = 1.26B: GPTDataset went
+    over a quarter of the data twice without a word."""
+    from megatron_ext.resume import train_split_tokens
+    from megatron_ext.train_setup import epochs_warning, setup_warnings
+
+    held = train_split_tokens(recipe(tmp_path, token_data))
+    fits = held // 256 // 2  # steps of 2 x 256 tokens that the train split holds
+    assert epochs_warning(recipe(tmp_path, token_data, f"train.steps={fits - 1}")) is None
+    warning = epochs_warning(recipe(tmp_path, token_data, f"train.steps={fits + 1}"))
+    need = (fits + 1) * 512 + 1
+    assert warning == (f"train.steps x train.global_batch_size x train.seq_length = {need - 1:,} tokens (+1), but the "
+                       f"train split of data.prefix holds {held:,}: GPTDataset goes over it 2 times, {need - held:,} "
+                       f"tokens ({100 * (need - held) / need:.1f}% of the run) a second time or more; prepare at least "
+                       f"{need:,} tokens for the train split (tools/prepare_data.py cpt --max-tokens; more with a "
+                       "validation split), or lower train.steps")
+    assert setup_warnings(recipe(tmp_path, token_data, f"train.steps={fits + 1}")) == [warning]
