@@ -163,6 +163,9 @@ class DataConfig:
                                                  "Megatron-Core's BlendedDataset).")
     split: str = _f("100,0,0", "Train/valid/test weights of the documents (SFT: conversations), e.g. 98,2,0: "
                                "consecutive ranges, as Megatron-Core splits; valid feeds train.eval_interval.")
+    cache_dir: str | None = _f(None, "CPT: where Megatron-Core's GPTDataset keeps its sample-index caches (null: "
+                                     "cache/ beside the first prefix). A folder every node sees, writable when the "
+                                     "caches are not built yet: set it when the data's own folder is read-only.")
 
     @property
     def prefixes(self) -> tuple[str, ...]:

@@ -39,6 +39,11 @@ def check_setup(recipe: Recipe) -> None:
                           f"{recipe.model.vocab_size} has rows for ids 0..{recipe.model.vocab_size - 1}: it is not this "
                           "model's tokenizer; give the one the model was trained with")
     check_data(recipe)
+    if recipe.train.stage == "cpt" and recipe.data.prefixes:  # GPTDataset writes its index caches at the first start
+        cache = recipe.data.cache_dir or str(Path(recipe.data.prefixes[0]).parent / "cache")
+        if not Path(cache).is_dir():
+            _check_folder_can_be_made("data.cache_dir" + ("" if recipe.data.cache_dir else " (null: cache/ beside "
+                                      "data.prefix)"), cache)
     _check_attention_backend_variables(recipe)
     init = None if _resumes(recipe.checkpoint.dir) else recipe.checkpoint.init_from  # a resume never reads it
     if init is not None and not Path(init).is_dir():

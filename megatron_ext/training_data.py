@@ -122,6 +122,7 @@ def build_datasets(recipe: Recipe, train_samples: int, validation: bool):
         if d.weights is not None:  # Megatron-Core blends by weight only to a given size: every split needs one
             sizes = [G if n is None else n for n in sizes]
         train, valid, _ = build_cpt_datasets(list(d.prefixes) if d.weights is not None else prefix, t.seq_length,
+                                             cache_dir=d.cache_dir,
                                              weights=d.weights, seed=t.seed, split=split, num_samples=sizes)
         return train, valid if validation else None
     train = SFTPackedDataset(prefix, t.seq_length, seed=t.seed, split=split, part=0)

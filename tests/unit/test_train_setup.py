@@ -245,3 +245,17 @@ def test_a_run_that_reads_its_data_more_than_once_is_warned(tmp_path, token_data
                        f"{need:,} tokens for the train split (tools/prepare_data.py cpt --max-tokens; more with a "
                        "validation split), or lower train.steps")
     assert setup_warnings(recipe(tmp_path, token_data, f"train.steps={fits + 1}")) == [warning]
+
+
+def test_data_cache_dir_takes_the_index_caches(tmp_path, token_data):
+    """GPTDataset's index caches went to cache/ beside the data, whatever the recipe: a read-only data share stopped
+    the run with Megatron-Core's advice to set a path_to_cache no setting reached."""
+    from megatron_ext.training_data import TrainBatches
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RecipeError, match=r"data\.cache_dir = '.*/file/cache': lies under .*/file, which is a file"):
+        check_setup(recipe(tmp_path / "run", token_data, f"data.cache_dir={tmp_path / 'file/cache'}"))
+    r = recipe(tmp_path / "run", token_data, f"data.cache_dir={tmp_path / 'caches'}")
+    check_setup(r)
+    TrainBatches(r, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
+    assert any((tmp_path / "caches").rglob("*.npy"))
