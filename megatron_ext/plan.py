@@ -235,9 +235,12 @@ def context_candidates(recipe: Recipe, gpus: int) -> list[int]:
 
 
 def _memory_only(recipe: Recipe, gpu: GPU, gpus: int, cp: int, recompute: str, fused_ce: bool) -> Plan | None:
-    """Plan at CP `cp`, ignoring the global batch's divisibility (None if the layout is impossible)."""
-    dp = gpus // (recipe.parallel.tensor * recipe.parallel.pipeline * cp)
-    train = dataclasses.replace(recipe.train, global_batch_size=dp * recipe.train.micro_batch_size)
+    """Plan at CP `cp`, ignoring the global batch's divisibility (None if the layout is impossible). With one
+    microbatch per pipeline stage in flight at least (PP of them: 1F1B's warm-up): one in all undercounted the
+    activations of a pipeline by PP times."""
+    p = recipe.parallel
+    dp = gpus // (p.tensor * p.pipeline * cp)
+    train = dataclasses.replace(recipe.train, global_batch_size=dp * recipe.train.micro_batch_size * p.pipeline)
     try:
         return plan(dataclasses.replace(recipe, train=train), gpu, gpus, context=cp, recompute=recompute,
                     fused_ce=fused_ce)
@@ -261,11 +264,12 @@ def recommend(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.
     """Fastest (CP, recompute) that fits and keeps the recipe's global batch; None if none does.
 
     Full recompute is tried on the fewest first layers of a stage that fit with 10% of the memory
-    to spare (`train.recompute_layers`), since every layer left out saves its forward again.
+    to spare (`train.recompute_layers`), since every layer left out saves its forward again. A plan
+    above 90% of the memory (`Plan.tight`) is chosen only when none below fits.
     """
     gpus = gpus or recipe.cluster.nodes * recipe.cluster.gpus_per_node
     stage_layers = recipe.model.num_hidden_layers // recipe.parallel.pipeline
-    best = None
+    best: dict[bool, Plan | None] = {False: None, True: None}  # the fastest plan, by tightness
     for recompute in RECOMPUTE_MODES:
         # fewest recomputed layers first (the fastest), then all of them
         options = [*range(1, stage_layers), None] if recompute == "full" else [None]
@@ -279,6 +283,8 @@ def recommend(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.
                     break
                 if p.fits and (layers is None or not p.tight):  # partial recompute keeps the 10% headroom
                     break
-            if p is not None and p.fits and (best is None or p.timing.step_s < best.timing.step_s * 0.999):
-                best = p
-    return best
+            if p is not None and p.fits:
+                other = best[p.tight]
+                if other is None or p.timing.step_s < other.timing.step_s * 0.999:
+                    best[p.tight] = p
+    return best[False] or best[True]

@@ -74,14 +74,16 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
                      f"(predicted / paper = {t.hours / paper:.2f})")
     mins = {rc: min_context(r, p.gpu, p.gpus, rc, p.fused_ce) for rc in RECOMPUTE_MODES}
     lines.append("  smallest CP that fits: " + ", ".join(
-        f"recompute {rc}: {cp if cp else 'none fits'}" for rc, cp in mins.items()))
+        f"recompute {rc}: {cp if cp else 'none fits'}" for rc, cp in mins.items())
+        + f" (memory alone; global batch {r.train.global_batch_size} needs DP <= {r.train.global_batch_size})")
     best = recommend(r, p.gpu, p.gpus, mfu, p.fused_ce)
     if best is None:
         lines.append(f"  recommendation: no CP/recompute fits {p.gpus} x {p.gpu.name} with global batch "
                      f"{r.train.global_batch_size}; add GPUs, use a larger GPU or shorten train.seq_length")
     else:
         lines.append(f"  recommendation: parallel.context={best.context} {best.recompute_overrides}"
-                     f" ({best.memory.total / GB:.1f} GB, {best.timing.hours:.2f} h for {r.train.steps} steps)")
+                     f" ({best.memory.total / GB:.1f} GB, {best.timing.hours:.2f} h for {r.train.steps} steps)"
+                     + (" - tight: above 90% of the memory, nothing below fits" if best.tight else ""))
     return "\n".join(lines), best
 
 
