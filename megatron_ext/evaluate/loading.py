@@ -167,9 +167,14 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     from megatron_ext.hf_config import read_config_json
 
     try:
-        read_config_json(path / "config.json")
+        config = read_config_json(path / "config.json")
     except ValueError as e:
         raise EvalError(f"{path / 'config.json'}: {e}") from None
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method == "modelopt":  # transformers skips it: FP8 codes read as plain numbers, the scales ignored
+        raise EvalError(f"model directory {path} is a ModelOpt FP8 export (tools/quantize.py), which transformers "
+                        "loads as wrong numbers without an error: evaluate the BF16 folder it came from (its "
+                        "--check compares the two), and serve this one with vLLM or TensorRT-LLM")
     dev = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
     if tokenizer is None:

@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     unused = [flag for flag, dest in check_only.items() if getattr(args, dest) != defaults.get_default(dest)]
     if unused and not args.check:
         raise QuantizeError(f"{unused[0]} sets the accuracy check, which runs with --check only: add --check")
+    if args.check and args.check_samples < 1:  # an IndexError after the whole calibration
+        raise QuantizeError(f"--check-samples {args.check_samples}: the held-out windows --check compares, a "
+                            "number >= 1")
     # before ModelOpt's import (~20 s)
     if Path(args.out).exists():
         raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
@@ -107,13 +110,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"[quantize] check on {len(held)} held-out windows of {seq:,} tokens (fake-quant FP8 vs original):")
         print(check.format_table(result))
         if not result.passed:
-            print(f"error: the FP8 model failed the accuracy check, {args.out} not written "
-                  "(raise --max-ppl-increase / --max-logits-rel-err to accept it)", file=sys.stderr)
+            print(f"error: the FP8 model failed the accuracy check, {args.out} not written (raise "
+                  "--max-ppl-increase / --max-logits-rel-err, or --no-niah where NIAH failed, to accept it)",
+                  file=sys.stderr)
             return 1
     summary = {"source": str(args.hf), "modelopt": version, "weights": args.weights, "kv_cache": args.kv_cache,
                "calib": {"data": args.calib, "samples": args.calib_samples, "seq_length": seq},
                "layers": layers, "check": result.to_dict() if result else None}
     out = fp8.export(model, args.out, tokenizer, {"quantize_report.json": json.dumps(summary, indent=2)})
+    if tokenizer is None:
+        print(f"warning: {args.hf} has no tokenizer and none was given (--tokenizer): {out} holds none, and "
+              "vLLM needs one beside the weights", file=sys.stderr)
+    if args.weights == "none":
+        print("warning: a KV-cache-only export has no quant_algo in its quantization_config, which vLLM's ModelOpt "
+              "reader asks for; serve it with TensorRT-LLM, or export with --weights fp8 for vLLM", file=sys.stderr)
     in_b, out_b = fp8.checkpoint_bytes(args.hf), fp8.checkpoint_bytes(out)
     print(report.format_report(hf_cfg, layers, in_b, out_b, args.kv_cache, args.weights))
     print(f"[quantize] wrote {out} in {time.time() - t0:.1f}s")

@@ -328,6 +328,30 @@ def test_existing_output_refused(tmp_path, hf_dir, token_prefix):
     assert code == 2 and "exists" in stderr
 
 
+def test_check_samples_at_least_one(tmp_path, hf_dir, token_prefix):
+    """--check-samples 0 calibrated, then ended in an IndexError traceback."""
+    assert "--check-samples 0: the held-out windows --check compares, a number >= 1" in _bad(
+        tmp_path, hf_dir, token_prefix, "--check", "--check-samples", "0")
+
+
+def test_the_evaluation_refuses_an_fp8_export(tmp_path, hf_dir):
+    """transformers skips ModelOpt's quantization_config: the FP8 codes loaded as plain numbers (q_proj up to 448
+    instead of 0.07), and NIAH on the deployed folder scored a garbage model without an error."""
+    import shutil
+
+    from megatron_ext.evaluate import EvalError
+    from megatron_ext.evaluate.loading import load_hf
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(hf_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EvalError, match="is a ModelOpt FP8 export .* evaluate the BF16 folder it came from"):
+        load_hf(folder, "cpu")
+    load_hf(hf_dir, "cpu")  # control: the BF16 source loads
+
+
 @pytest.mark.parametrize("flag", [["--no-niah"], ["--check-samples", "3"], ["--max-logits-rel-err", "0.5"]])
 def test_check_options_need_check(tmp_path, hf_dir, token_prefix, flag):
     """They were ignored without a word: the export went out unchecked."""
