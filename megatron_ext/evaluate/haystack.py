@@ -8,6 +8,8 @@ and the needle can be put between two sentences, never inside a word.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import random
 import re
 from dataclasses import dataclass
@@ -70,6 +72,7 @@ class Haystack:
     ids: np.ndarray
     starts: np.ndarray
     source: str
+    digest: str | None = None  # sha256 of a haystack file's text: an edited file is another haystack
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -156,7 +159,8 @@ def file_haystack(tokenizer, path: str | Path, n_tokens: int) -> Haystack:
         raise EvalError(f"haystack file {path} does not exist: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
     text = read_utf8(path, "haystack file")  # replacement characters would be a haystack of garbage
-    hay = tokenize_haystack(tokenizer, _split_blocks(text), n_tokens, source=str(path))
+    hay = dataclasses.replace(tokenize_haystack(tokenizer, _split_blocks(text), n_tokens, source=str(path)),
+                              digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
     if len(hay) < n_tokens:
         raise EvalError(f"haystack file {path} has {len(hay):,} tokens with this tokenizer but the largest length "
                         f"needs {n_tokens:,} haystack tokens (short by {n_tokens - len(hay):,}): give a longer file, "

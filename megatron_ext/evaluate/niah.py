@@ -220,7 +220,8 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     if generate is None:
         eos = eos_ids(model, tokenizer)
         generate = SharedPrefixGreedy(model, max_new_tokens, eos_token_ids=eos, prefill_chunk=prefill_chunk)
-    settings = {"model": _model_name(model), "haystack": hay.source, "task": asdict(task), "samples": samples,
+    settings = {"model": _model_name(model), "haystack": hay.source, "haystack_sha256": hay.digest,
+                "task": asdict(task), "samples": samples,
                 "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
                 "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
                 "prompt_overhead_tokens": len(head) + len(tail)}
@@ -315,7 +316,8 @@ _RESUME_SETTINGS = ("haystack", "task", "seed", "chat", "max_new_tokens", "promp
 def _keep_previous(cells: list[dict], previous: NiahResult, settings: dict) -> int:
     """Fill the cells an earlier run scored (same length, depth, sample and needle value) from `previous`; they
     lose `needle_ids` (done). Returns how many. EvalError when the earlier run made other prompts."""
-    for key in _RESUME_SETTINGS:
+    hashed = ("haystack_sha256",) if "haystack_sha256" in previous.settings else ()  # older results have none
+    for key in _RESUME_SETTINGS + hashed:
         if previous.settings.get(key) != settings.get(key):
             raise EvalError(f"the earlier results were made with {key} = {previous.settings.get(key)!r}, this run "
                             f"has {settings.get(key)!r}: use another --out, or drop --resume")

@@ -127,6 +127,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
         generate.ragged = True
     ragged = getattr(generate, "ragged", False)
     settings = {"model": _model_name(model), "haystack": haystacks["filler"].source if "filler" in haystacks else None,
+                "haystack_sha256": haystacks["filler"].digest if "filler" in haystacks else None,
                 "samples": samples, "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens,
                 "max_position_embeddings": max_pos, "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens}
     if model is not None:
@@ -215,7 +216,8 @@ _RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens")
 
 
 def _keep_previous(cells: list[dict], previous: RulerResult, settings: dict) -> int:
-    for key in _RESUME_SETTINGS:
+    hashed = ("haystack_sha256",) if "haystack_sha256" in previous.settings else ()  # older results have none
+    for key in _RESUME_SETTINGS + hashed:
         if previous.settings.get(key) != settings.get(key):
             raise EvalError(f"the earlier results were made with {key} = {previous.settings.get(key)!r}, this run "
                             f"has {settings.get(key)!r}: use another --out, or drop --resume")

@@ -77,3 +77,25 @@ def test_cli_resume(tmp_path, capsys):
     save_tiny(tmp_path / "hf")  # the same path saved again (another training run): its results are not these
     with pytest.raises(SystemExit, match=r"as it was then \(model.safetensors .*\), not as it is now"):
         main([*common, "--lengths", "96", "--out", str(tmp_path / "a"), "--resume"])
+
+
+def test_an_edited_haystack_file_is_another_haystack(tmp_path):
+    """Resume compared the haystack's path alone: an edited --haystack file kept the cells scored on the old text."""
+    import itertools
+
+    from megatron_ext.evaluate.haystack import filler_sentences
+
+    tok = make_tokenizer()
+    hay = tmp_path / "hay.txt"
+    text = " ".join(itertools.islice(filler_sentences(3), 200))
+    hay.write_text(text)
+    earlier = run_niah(None, tok, LENGTHS[:1], DEPTHS, haystack=hay, generate=Recorder(tok, half_right),
+                       progress=False, log=None)
+    assert len(earlier.settings["haystack_sha256"]) == 64
+    again = run_niah(None, tok, LENGTHS, DEPTHS, haystack=hay, generate=Recorder(tok, half_right), previous=earlier,
+                     progress=False, log=None)  # control: the same text resumes
+    assert again.settings["haystack_sha256"] == earlier.settings["haystack_sha256"]
+    hay.write_text(text.replace("river", "garden"))
+    with pytest.raises(EvalError, match="made with haystack_sha256 = .*use another --out, or drop --resume"):
+        run_niah(None, tok, LENGTHS, DEPTHS, haystack=hay, generate=Recorder(tok, half_right), previous=earlier,
+                 progress=False, log=None)
