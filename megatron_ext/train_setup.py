@@ -133,8 +133,8 @@ def epochs_warning(recipe: Recipe) -> str | None:
         return None
     return (f"train.steps x train.global_batch_size x train.seq_length = {need - 1:,} tokens (+1), but the train split "
             f"of data.prefix holds {held:,}: GPTDataset goes over it {-(-need // held)} times, {need - held:,} tokens "
-            f"({100 * (need - held) / need:.1f}% of the run) a second time or more; prepare at least {need:,} tokens for "
-            "the train split (tools/prepare_data.py cpt --max-tokens; more with a validation split), or lower "
+            f"({100 * (need - held) / need:.1f}% of the run) a second time or more; prepare at least {need:,} "
+            "tokens for the train split (tools/prepare_data.py cpt --max-tokens; more with a validation split), or lower "
             "train.steps")
 
 
