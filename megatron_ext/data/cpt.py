@@ -273,6 +273,10 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
         if missing and not done:  # everything was read: the rule names a source that is not there (a typo?)
             raise DataError(_no_such_source(upsample, missing, per_source, f"--source-field {source_field}")
                             + "; fix the rule or --source-field")
+        if done:
+            print(f"note: --max-tokens {max_tokens} stopped the read after {n_read} documents: the data is the head "
+                  "of the inputs' order (sorted by source or length, they give a skewed mix: shuffle them first)",
+                  file=sys.stderr)
         if missing:  # --max-tokens stopped the read: the source may come later in the inputs
             print(f"warning: {_no_such_source(upsample, missing, per_source, f'--source-field {source_field}')} "
                   f"in the documents read before --max-tokens {max_tokens} stopped the read", file=sys.stderr)

@@ -173,10 +173,14 @@ def test_inputs_jsonl_parquet_txt_and_datasets_stream(tmp_path, tok_dir, corpus)
     assert bins[0] == bins[1] == bins[2] == bins[3]
 
 
-def test_max_tokens_and_manifest(tmp_path, tok_dir, corpus):
+def test_max_tokens_and_manifest(tmp_path, tok_dir, corpus, capsys):
     path, _ = corpus
     full = prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "full"), source_field="source", progress=False)
+    assert "stopped the read" not in capsys.readouterr().err
     cut = prepare_cpt([str(path)], str(tok_dir), str(tmp_path / "cut"), max_tokens=2000, progress=False)
+    # the cut keeps the head of the input order, which a source-sorted corpus would skew: said
+    assert (f"note: --max-tokens 2000 stopped the read after {cut['documents_read']} documents: the data is the "
+            "head of the inputs' order") in capsys.readouterr().err
     assert 2000 <= cut["tokens"] < 2000 + max(int(k.split(",")[1].strip(" )")) for k in full["length_histogram"])
     assert cut["tokens"] < full["tokens"]
     assert sum(full["length_histogram"].values()) == full["documents"] == 40
