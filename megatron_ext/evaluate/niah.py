@@ -313,14 +313,21 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
 _RESUME_SETTINGS = ("haystack", "task", "seed", "chat", "max_new_tokens", "prompt_overhead_tokens")
 
 
+def refuse_other_prompts(previous: dict, settings: dict, keys: tuple[str, ...]) -> None:
+    """EvalError when an earlier run's results (their `previous` settings) were made with other `keys` than this
+    run's `settings`, so other prompts; a haystack file's sha256 counts too where they recorded it (older ones
+    have none)."""
+    hashed = ("haystack_sha256",) if "haystack_sha256" in previous else ()
+    for key in keys + hashed:
+        if previous.get(key) != settings.get(key):
+            raise EvalError(f"the earlier results were made with {key} = {previous.get(key)!r}, this run "
+                            f"has {settings.get(key)!r}: use another --out, or drop --resume")
+
+
 def _keep_previous(cells: list[dict], previous: NiahResult, settings: dict) -> int:
     """Fill the cells an earlier run scored (same length, depth, sample and needle value) from `previous`; they
     lose `needle_ids` (done). Returns how many. EvalError when the earlier run made other prompts."""
-    hashed = ("haystack_sha256",) if "haystack_sha256" in previous.settings else ()  # older results have none
-    for key in _RESUME_SETTINGS + hashed:
-        if previous.settings.get(key) != settings.get(key):
-            raise EvalError(f"the earlier results were made with {key} = {previous.settings.get(key)!r}, this run "
-                            f"has {settings.get(key)!r}: use another --out, or drop --resume")
+    refuse_other_prompts(previous.settings, settings, _RESUME_SETTINGS)
     done = {(c["length"], c["depth"], c["sample"], c["value"]): c for c in previous.cells
             if c.get("score") is not None}
     kept = 0

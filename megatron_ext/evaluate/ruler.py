@@ -22,7 +22,8 @@ import torch
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
-from megatron_ext.evaluate.niah import PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within
+from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within,
+                                        refuse_other_prompts)
 from megatron_ext.evaluate.ruler_tasks import TASKS, SampleBuilder, match_all, noise_haystack
 
 RulerGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
@@ -216,11 +217,7 @@ _RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens")
 
 
 def _keep_previous(cells: list[dict], previous: RulerResult, settings: dict) -> int:
-    hashed = ("haystack_sha256",) if "haystack_sha256" in previous.settings else ()  # older results have none
-    for key in _RESUME_SETTINGS + hashed:
-        if previous.settings.get(key) != settings.get(key):
-            raise EvalError(f"the earlier results were made with {key} = {previous.settings.get(key)!r}, this run "
-                            f"has {settings.get(key)!r}: use another --out, or drop --resume")
+    refuse_other_prompts(previous.settings, settings, _RESUME_SETTINGS)
     done = {(c["task"], c["length"], c["sample"]): c for c in previous.cells if c.get("score") is not None}
     kept = 0
     for c in cells:

@@ -330,22 +330,28 @@ def test_sft_lines_that_are_not_objects_and_the_end_report(tmp_path, tok_dir, ca
     assert man["skipped"] == {"non_utf8_lines": 0, "bad_json_lines": 1, "not_object_lines": 2}
 
 
+def _prepare_sft_rows(tmp_path, tok_dir, rows, capsys):
+    """`prepare_data.py sft` on `rows` written as JSON Lines, which must succeed: (input path, argv, stderr)."""
+    import json
+
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["sft", "--input", str(path), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
+            "--seq-length", "256", "--quiet"]
+    assert prepare_data.main(argv) == 0
+    return path, argv, capsys.readouterr().err
+
+
 def test_sft_unknown_roles_are_skipped_and_named(tmp_path, tok_dir, capsys):
     """A typo'd role ('usr') was rendered silently as a header the model never saw; with the built-in template such
     samples are dropped and counted (as bad_messages), the role named. Llama-3.1's own roles are all kept."""
-    import json
 
     def chat(*roles):
         return {"messages": [{"role": r, "content": f"{r} says hi"} for r in roles]}
 
     rows = [chat("user", "assistant"), chat("usr", "assistant"), chat("wizard", "assistant"),
             chat("system", "user", "assistant", "tool", "ipython", "assistant"), chat("usr", "assistant")]
-    path = tmp_path / "s.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    argv = ["sft", "--input", str(path), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
-            "--seq-length", "256", "--quiet"]
-    assert prepare_data.main(argv) == 0
-    err = capsys.readouterr().err
+    path, argv, err = _prepare_sft_rows(tmp_path, tok_dir, rows, capsys)
     assert (f"warning: {path}:2: sample skipped: role 'usr' is not one of system, user, assistant, tool, ipython "
             "(further ones are counted and reported at the end)") in err
     assert ("warning: dropped 3 samples: {'no_assistant_turn': 0, 'too_long': 0, 'bad_messages': 3}; unknown roles: "
@@ -411,8 +417,6 @@ def test_sft_conversations_that_would_train_nothing_useful_are_skipped(tmp_path,
     """An assistant turn first crashed the whole preparation (transformers cannot render the empty conversation
     before it); an empty assistant turn, or tool calls the built-in template does not render, trained an empty
     reply. Each is skipped, counted and named; a good conversation beside them is kept."""
-    import json
-
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     rows = [{"messages": [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "ok"},
                           {"role": "assistant", "content": "fine"}]},
@@ -420,12 +424,7 @@ def test_sft_conversations_that_would_train_nothing_useful_are_skipped(tmp_path,
             {"messages": [{"role": "user", "content": "time?"},
                           {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "clock"}}]}]},
             good]
-    path = tmp_path / "s.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    argv = ["sft", "--input", str(path), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"),
-            "--seq-length", "256", "--quiet"]
-    assert prepare_data.main(argv) == 0
-    err = capsys.readouterr().err
+    path, _, err = _prepare_sft_rows(tmp_path, tok_dir, rows, capsys)
     assert f"{path}:1: sample skipped: it starts with an assistant turn (no prompt before it)" in err
     assert "'bad_messages': 3}" in err
     from megatron_ext.data.dataset_files import read_manifest
