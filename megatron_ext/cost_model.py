@@ -2,7 +2,8 @@
 
 Every constant is in the block below with its source (tags as in docs/research/perf.md: [V]
 verified, [S] secondary, [D] derived, [U] unconfirmed). The memory terms follow perf.md section 5 and add
-the items it leaves out: RoPE tables, TE p2p context-parallel buffers, the chunked loss head, and the local
+the items it leaves out: RoPE tables and unfused RoPE's cos/sin, TE p2p context-parallel buffers, sequence-parallel
+gathers, the chunked loss head, and the local
 (CPU) kernel path whose saved tensors were itemised from Megatron-Core 0.16.1's local layer spec with torch
 SDPA. `megatron_ext.plan` composes them for a recipe; `hand_need_bytes` is perf.md section 6's hand
 computation of the CP needed for 1M-4M tokens.
@@ -162,7 +163,7 @@ def model_state_bytes(params: float, shards: int, precision: str = "bf16",
 
 
 def activation_bytes_per_token_layer(s: Shape, tensor: int = 1, sequence_parallel: bool = True,
-                                     dtype_bytes: float = 2.0, kernels: str = "te") -> float:
+                                     dtype_bytes: float = 2.0, kernels: str = "te", unfused_rope: bool = False) -> float:
     """Bytes one layer keeps for backward per token (no recompute) on one TP rank.
 
     te (perf.md §5b, fused attention, fused SwiGLU): norm in/out for attention and MLP (4h),
@@ -171,24 +172,27 @@ def activation_bytes_per_token_layer(s: Shape, tensor: int = 1, sequence_paralle
     each RMSNorm keeps input, normalised input and output (3h) plus an fp32 rstd; RoPE keeps cos and
     sin for Q and K (4 head_dim); SDPA keeps the fused QKV buffer (V is a view), rotated Q and K,
     its output and an fp32 log-sum-exp per head; the MLP keeps FC1 output, two GLU temporaries and
-    the FC2 input (5 ffn). Sequence parallel divides the norm terms by TP too.
+    the FC2 input (5 ffn). Sequence parallel divides the norm terms by TP too. RoPE's cos and sin are not split
+    by TP (they broadcast over the heads); `unfused_rope` adds them to the te count, where perf.md assumes TE's
+    fused RoPE: our model always applies RoPE unfused, to carry YaRN's attention factor (megatron_ext/rope.py).
     """
     t = tensor
     norm_div = t if sequence_parallel else 1
     qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
     o = s.heads * s.head_dim
+    rope = dtype_bytes * 4 * s.head_dim  # cos and sin, for Q and for K
     if kernels == "te":
-        return dtype_bytes * (4 * s.hidden / norm_div + (qkv + o + 3 * s.ffn) / t)
+        return dtype_bytes * (4 * s.hidden / norm_div + (qkv + o + 3 * s.ffn) / t) + (rope if unfused_rope else 0.0)
     if kernels == "local":
         norms = 2 * (3 * s.hidden * dtype_bytes + 4) / norm_div
-        attn = dtype_bytes * (4 * s.head_dim + qkv + (s.heads + s.kv_heads) * s.head_dim + o) + 4 * s.heads
-        return norms + attn / t + dtype_bytes * 5 * s.ffn / t
+        attn = dtype_bytes * (qkv + (s.heads + s.kv_heads) * s.head_dim + o) + 4 * s.heads
+        return norms + attn / t + rope + dtype_bytes * 5 * s.ffn / t
     raise ValueError(f"kernels = {kernels!r}: expected 'te' or 'local'")
 
 
 def activation_bytes(s: Shape, tokens: int, layers: int, recompute: str, tensor: int = 1,
                      sequence_parallel: bool = True, dtype_bytes: float = 2.0, kernels: str = "te",
-                     in_flight: int = 1, recompute_layers: int | None = None) -> float:
+                     in_flight: int = 1, recompute_layers: int | None = None, unfused_rope: bool = False) -> float:
     """Activation memory of `layers` layers for `tokens` tokens per micro-batch, `in_flight` micro-batches.
 
     none / selective: every layer's saved tensors (selective recompute of core attention saves
@@ -199,7 +203,7 @@ def activation_bytes(s: Shape, tokens: int, layers: int, recompute: str, tensor:
     layers all their saved tensors; the backward's transient is then the larger of those other
     layers and the two layers' worth of a recomputed one (N = `layers` is full, N = 0 none).
     """
-    per_layer = activation_bytes_per_token_layer(s, tensor, sequence_parallel, dtype_bytes, kernels)
+    per_layer = activation_bytes_per_token_layer(s, tensor, sequence_parallel, dtype_bytes, kernels, unfused_rope)
     if recompute in ("none", "selective"):
         return tokens * layers * per_layer * in_flight
     if recompute == "full":
@@ -227,7 +231,8 @@ def loss_head_bytes(s: Shape, tokens: int, vocab_rows: int, tensor: int = 1, seq
     full: Megatron's output layer + cross entropy, `logits_bytes_per_token` per token (`fused_ce` assumes a
     fused CE). chunked (`megatron_ext.loss_head`): one chunk's logits and their fp32 copy (plus, under
     sequence parallelism, the chunk's gathered hidden states and their gradient), the fp32 weight-gradient
-    accumulator (4 B x V/TP x h) and 4 B of log-sum-exp per token.
+    accumulator (4 B x V/TP x h; in bf16 also each chunk's bf16 weight-gradient GEMM output and its fp32 copy,
+    6 B x V/TP x h more) and 4 B of log-sum-exp per token.
     """
     if loss_head == "full":
         return tokens * logits_bytes_per_token(vocab_rows, tensor, dtype_bytes, fused_ce)
@@ -235,13 +240,22 @@ def loss_head_bytes(s: Shape, tokens: int, vocab_rows: int, tensor: int = 1, seq
         raise ValueError(f"loss_head = {loss_head!r}: expected 'full' or 'chunked'")
     gathered = 2 * s.hidden * dtype_bytes if sequence_parallel and tensor > 1 else 0.0
     per_chunk_token = logits_bytes_per_token(vocab_rows, tensor, dtype_bytes) + gathered
-    return min(chunk_tokens, tokens) * per_chunk_token + 4.0 * vocab_rows / tensor * s.hidden + 4.0 * tokens
+    weight_grad = (4.0 + (6.0 if dtype_bytes == 2 else 0.0)) * vocab_rows / tensor * s.hidden
+    return min(chunk_tokens, tokens) * per_chunk_token + weight_grad + 4.0 * tokens
 
 
 def rope_table_bytes(seq_len: int, context: int, head_dim: int) -> float:
-    """Megatron's RotaryEmbedding builds fp32 [L, head_dim] for the whole sequence on every rank
-    and keeps a CP-local slice (megatron_core.md §1.3: ~2 GiB at 4M)."""
-    return 4.0 * head_dim * (seq_len + (seq_len / context if context > 1 else 0))
+    """The fp32 angle table [L/CP, head_dim] of this rank's positions (`megatron_ext.rope.ScaledRotaryEmbedding`
+    builds only those; Megatron's own RotaryEmbedding builds all L on every rank: ~2 GiB at 4M, megatron_core.md
+    §1.3)."""
+    return 4.0 * head_dim * seq_len / context
+
+
+def sp_buffer_bytes(s: Shape, tokens: int, tensor: int, sequence_parallel: bool, dtype_bytes: float = 2.0) -> float:
+    """Sequence parallelism's full-sequence transients of one layer: the all-gathered input of QKV or FC1 (formed
+    in forward, again for the weight gradient in backward) and the input gradient before its reduce-scatter,
+    each [tokens, h] on every TP rank while the rest of the layer is split by TP."""
+    return 2 * tokens * s.hidden * dtype_bytes if sequence_parallel and tensor > 1 else 0.0
 
 
 def cp_buffer_bytes(s: Shape, tokens: int, tensor: int, context: int, dtype_bytes: float = 2.0) -> float:
@@ -264,6 +278,7 @@ class Memory:
     logits: float
     rope: float
     cp_buffers: float
+    sp_buffers: float
     overhead: float
 
     @property

@@ -28,6 +28,7 @@ from megatron_ext.cost_model import (
     padded_vocab,
     params_per_gpu,
     rope_table_bytes,
+    sp_buffer_bytes,
     train_flops_per_token,
 )
 from megatron_ext.recipe import Recipe, RecipeError
@@ -144,10 +145,12 @@ def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *
     mem = Memory(
         **states,
         activations=activation_bytes(s, tokens, s.layers // pp, t.recompute, tp, sp, dtype, kernels_of(recipe),
-                                     in_flight=min(pp, microbatches), recompute_layers=t.recompute_layers),
+                                     in_flight=min(pp, microbatches), recompute_layers=t.recompute_layers,
+                                     unfused_rope=True),
         logits=loss_head_bytes(s, tokens, rows, tp, sp, dtype, t.loss_head, t.loss_chunk_tokens, fused_ce),
         rope=rope_table_bytes(t.seq_length, cp, s.head_dim),
         cp_buffers=cp_buffer_bytes(s, tokens, tp, cp, dtype),
+        sp_buffers=sp_buffer_bytes(s, tokens, tp, sp, dtype),
         overhead=OVERHEAD_BYTES if recipe.runtime.device == "cuda" else 0.0,
     )
     return Plan(recipe, gpu, gpus, tp, pp, cp, dp, t.recompute, t.recompute_layers, fused_ce, mem,
