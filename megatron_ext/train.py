@@ -154,7 +154,7 @@ def validation_loss(forward_backward, model, batches, recipe: Recipe, num_microb
         for k in range(t.eval_iters):
             reports += forward_backward(
                 forward_step_func=forward_step, data_iterator=batches.iterator(k, num_microbatches), model=[model],
-                num_microbatches=num_microbatches, seq_length=t.seq_length // recipe.parallel.context,
+                num_microbatches=num_microbatches, seq_length=t.seq_length,
                 micro_batch_size=t.micro_batch_size, forward_only=True)
     finally:
         model.train()
@@ -306,9 +306,11 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             with profiler.step(step + 1):
                 ddp_model.zero_grad_buffer()
                 optimizer.zero_grad()
+                # seq_length: the whole sequence; the schedule sizes its pipeline messages by dividing it by CP
+                # (and TP under sequence parallelism) itself.
                 reports = forward_backward(
                     forward_step_func=forward_step, data_iterator=data.iterator(step, num_microbatches),
-                    model=[ddp_model], num_microbatches=num_microbatches, seq_length=t.seq_length // p.context,
+                    model=[ddp_model], num_microbatches=num_microbatches, seq_length=t.seq_length,
                     micro_batch_size=t.micro_batch_size, forward_only=False,
                 )
                 ok, grad_norm, _ = optimizer.step()

@@ -47,3 +47,14 @@ def test_negative_control_pp2_from_other_weights_differs(tmp_path, torchrun, tok
     tied, _, pp1 = start
     fresh = run_train(torchrun, tmp_path, 2, token_data, tied, "train.steps=1", "parallel.pipeline=2")
     assert abs(fresh[0]["loss"] - pp1[0]["loss"]) > 1e-3  # 100x the tolerance above
+
+
+@pytest.mark.parametrize("start", [False], ids=["untied"], indirect=True)
+def test_pp2_with_cp2_losses_equal_pp1(tmp_path, torchrun, token_data, start):
+    """Pipeline messages carry the CP-local sequence: Megatron's schedule divides the given length by CP itself."""
+    tied, init, pp1 = start
+    both = run_train(torchrun, tmp_path, 4, token_data, tied, "train.steps=3", f"checkpoint.init_from={init}",
+                     "parallel.pipeline=2", "parallel.context=2")
+    assert "TP1 PP2 CP2" in (tmp_path / "log.txt").read_text()
+    np.testing.assert_allclose([m["loss"] for m in both], [m["loss"] for m in pp1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose([m["grad_norm"] for m in both], [m["grad_norm"] for m in pp1], rtol=1e-4)

@@ -80,10 +80,13 @@ def test_validation_loss_is_transformers_loss_on_the_valid_samples(cp1, token_da
     assert abs(other - validations(metrics)[4]) > 1e-3
 
 
-def test_validation_loss_under_pipeline_parallelism(tmp_path, torchrun, token_data):
-    """PP 2: the forward-only pipeline schedule; its weights start elsewhere than PP 1's, so its own oracle."""
-    metrics = run_train(torchrun, tmp_path / "run", 2, token_data, "parallel.context=1", "parallel.pipeline=2",
-                        "train.eval_interval=2", f"train.eval_iters={EVAL_ITERS}", "checkpoint.interval=2")
+@pytest.mark.parametrize("context", [1, 2])
+def test_validation_loss_under_pipeline_parallelism(tmp_path, torchrun, token_data, context):
+    """PP 2 (and PP 2 x CP 2): the forward-only pipeline schedule; its weights start elsewhere than PP 1's, so its
+    own oracle."""
+    metrics = run_train(torchrun, tmp_path / "run", 2 * context, token_data, f"parallel.context={context}",
+                        "parallel.pipeline=2", "train.eval_interval=2", f"train.eval_iters={EVAL_ITERS}",
+                        "checkpoint.interval=2")
     check_against_transformers(tmp_path / "run", metrics, token_data, tmp_path)
 
 
