@@ -48,7 +48,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         v = getattr(t, name)
         _require(0 <= v < 1, f"train.{name} = {v}: must be in [0, 1) (e.g. 0.9 / 0.95)")
-    _require(t.adam_eps >= 0, f"train.adam_eps = {t.adam_eps}: must be >= 0 (e.g. 1e-8)")
+    # 0 would divide 0 by 0 for every weight whose gradient is still exactly 0 (embedding rows of unseen tokens):
+    # NaN weights after the first update
+    _require(t.adam_eps > 0, f"train.adam_eps = {t.adam_eps}: must be > 0 (e.g. 1e-8)")
     _require(t.clip_grad >= 0, f"train.clip_grad = {t.clip_grad}: must be >= 0 (0 = no clipping)")
     _require(0 <= t.seed < 2**32, f"train.seed = {t.seed}: must be between 0 and 2**32 - 1 = {2**32 - 1}")
     _require(r.timeout_minutes >= 1, f"runtime.timeout_minutes = {r.timeout_minutes}: must be >= 1 (default 30)")
@@ -101,6 +103,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              f"(each TP rank needs whole KV heads); use tensor <= {kv_heads} dividing it")
     _require(m.num_hidden_layers % p.pipeline == 0,
              f"parallel.pipeline = {p.pipeline}: must divide model.num_hidden_layers = {m.num_hidden_layers}")
+    _require(m.intermediate_size % p.tensor == 0,
+             f"parallel.tensor = {p.tensor}: must divide model.intermediate_size = {m.intermediate_size} "
+             "(each TP rank holds an equal slice of the MLP)")
     if p.context > 1:
         _require(t.seq_length % (2 * p.context) == 0,
                  f"train.seq_length = {t.seq_length}: must be divisible by 2 x parallel.context = {2 * p.context} "
@@ -112,6 +117,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                      f"parallel.cp_comm_type = 'a2a': model.{label} per TP rank = {n // p.tensor} must be divisible "
                      f"by parallel.context = {p.context}; use cp_comm_type p2p, or a2a+p2p with an a2a size "
                      "(parallel.hierarchical_context_sizes[0]) that divides it")
+    _require(p.hierarchical_context_sizes is None or p.cp_comm_type == "a2a+p2p",
+             f"parallel.hierarchical_context_sizes = {list(p.hierarchical_context_sizes or ())}: used only with "
+             f"cp_comm_type 'a2a+p2p' (is {p.cp_comm_type!r}); remove it or set parallel.cp_comm_type=a2a+p2p")
     if p.cp_comm_type == "a2a+p2p":
         sizes = p.hierarchical_context_sizes
         _require(sizes is not None and len(sizes) == 2 and sizes[0] * sizes[1] == p.context,

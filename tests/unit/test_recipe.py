@@ -86,6 +86,11 @@ def test_missing_architecture():
     (["runtime.attention=te"], 2, r"runtime\.attention = 'te': Transformer Engine needs runtime\.device=cuda"),
     (["runtime.device=cuda", "runtime.fp8_attention=true"], 2, r"runtime\.fp8_attention = true: needs runtime\.fp8"),
     (["parallel.pipeline=4"], 4, r"parallel\.pipeline = 4: must divide model\.num_hidden_layers = 2"),
+    # Megatron asserted these at model build / parallel-state setup
+    (["parallel.tensor=2", "model.intermediate_size=129"], 2,
+     r"parallel\.tensor = 2: must divide model\.intermediate_size = 129"),
+    (["parallel.context=2", "parallel.hierarchical_context_sizes=[1, 2]"], 2,
+     r"parallel\.hierarchical_context_sizes = \[1, 2\]: used only with cp_comm_type 'a2a\+p2p' \(is 'p2p'\)"),
     (["rope.rope_type=yarn"], 2, None),  # yarn with the inherited factor is fine
     (["rope={rope_type: yarn}"], 2, r"rope\.factor: missing; rope_type 'yarn' needs a scaling factor"),
     (["train.min_lr=1"], 2, r"train\.min_lr = 1\.0: must be between 0 and train\.lr"),
@@ -139,7 +144,9 @@ def test_cross_field_rules(override, world, message):
     (["train.adam_beta1=1"], r"train\.adam_beta1 = 1\.0: must be in \[0, 1\)"),
     (["train.adam_beta1=-0.1"], r"train\.adam_beta1 = -0\.1: must be in \[0, 1\)"),
     (["train.adam_beta2=1.5"], r"train\.adam_beta2 = 1\.5: must be in \[0, 1\)"),
-    (["train.adam_eps=-1"], r"train\.adam_eps = -1\.0: must be >= 0"),
+    (["train.adam_eps=-1"], r"train\.adam_eps = -1\.0: must be > 0"),
+    # 0 / (0 + 0) for every weight whose gradient is still 0: NaN weights after the first update
+    (["train.adam_eps=0"], r"train\.adam_eps = 0\.0: must be > 0"),
     # numpy's RandomState (data order) takes 0..2**32-1 only
     (["train.seed=-1"], r"train\.seed = -1: must be between 0 and 2\*\*32 - 1 = 4294967295"),
     (["train.seed=4294967296"], r"train\.seed = 4294967296: must be between 0 and"),
@@ -149,7 +156,7 @@ def test_cross_field_rules(override, world, message):
     # 0 kept every checkpoint, -1 kept only the newest
     (["checkpoint.keep_last=0"], r"checkpoint\.keep_last = 0: must be a positive number of checkpoints, or null"),
     (["checkpoint.keep_last=-1"], r"checkpoint\.keep_last = -1: must be a positive number"),
-    (["train.weight_decay=0", "train.adam_beta1=0", "train.adam_eps=0", "train.seed=0", "train.seed=4294967295",
+    (["train.weight_decay=0", "train.adam_beta1=0", "train.adam_eps=1e-12", "train.seed=0", "train.seed=4294967295",
       "train.clip_grad=0", "checkpoint.keep_last=1", "checkpoint.keep_last=null"], None),
     # Megatron-Core asserts these deep in DDP / the optimizer, or ignores the bucket size without overlap
     (["train.overlap_param_gather=true"], r"train\.overlap_param_gather = true: needs train\.distributed_optimizer"
