@@ -239,9 +239,11 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             scheduler.step(increment=start)
             log(f"[train] resumed weights from {root} at step {start} ({time.time() - began:.1f} s) with a fresh "
                 f"optimizer state: {resume.why_not_full}")
-        # The recipe's schedule wins over the one saved in the optimizer's param groups.
+        # The recipe's schedule and Adam settings win over those saved in the optimizer's param groups (loading
+        # them replaced the groups' betas and eps with the saved run's).
         for group in optimizer.param_groups:
             group["max_lr"], group["min_lr"] = t.lr, t.min_lr
+            group["betas"], group["eps"] = (t.adam_beta1, t.adam_beta2), t.adam_eps
         scheduler.step(increment=0)
         carry_forward(metadata, saved)
         consumed_samples, tokens_seen = resume.consumed_samples, resume.tokens

@@ -94,6 +94,18 @@ def test_negative_control_changed_update_after_resume_differs(tmp_path, token_da
     assert a[4]["loss"] != b[4]["loss"] and a[5]["loss"] != b[5]["loss"]
 
 
+def test_resume_takes_the_adam_settings_of_the_recipe(tmp_path, token_data, straight):
+    """Loading the optimizer state brought back the saved run's betas and eps, so a changed train.adam_* had no
+    effect: resumed with another eps, the losses after the resume's first update differ."""
+    run = tmp_path / "run"
+    subprocess.run(train_cmd(run, token_data, "train.steps=3"), check=True, env=env(), capture_output=True)
+    subprocess.run(train_cmd(run, token_data, "train.steps=6", "train.adam_eps=0.1"), check=True, env=env(),
+                   capture_output=True)
+    a, b = metrics(straight), metrics(run)
+    assert [m["loss"] for m in a[:4]] == [m["loss"] for m in b[:4]]
+    assert a[4]["loss"] != b[4]["loss"] and a[5]["loss"] != b[5]["loss"]
+
+
 @pytest.mark.parametrize("save", ["in-place", "background"])
 def test_signal_to_every_process_after_an_earlier_save(tmp_path, token_data, save):
     """SIGUSR1 saves and exits for requeue. Slurm sends its USR1 (and its TERM) to every process of the step: also
