@@ -96,7 +96,7 @@ class Ours:
                 "loss_mask": torch.ones(1, length, device=device)}
 
     def step(self, batch: dict):
-        """One optimizer step; returns the loss [sum, count] tensor (read after timing)."""
+        """One optimizer step; returns the loss [sum, count, pairs] tensor (read after timing)."""
         from megatron_ext.train import forward_step
 
         self.ddp.zero_grad_buffer()

@@ -128,6 +128,13 @@ def train_flops_per_token(s: Shape, seq_len: int, causal: bool = True) -> float:
     return 6.0 * matmul_params(s) + attention
 
 
+def train_flops(s: Shape, tokens: int, attention_pairs: float) -> float:
+    """Model training FLOPs of `tokens` tokens whose causal attention spans `attention_pairs` (query, key) pairs per
+    layer: a sequence of L tokens has L (L + 1) / 2; packed conversations, attention confined to each, the sum of
+    theirs. For one sequence, L x `train_flops_per_token(s, L)`."""
+    return 6.0 * matmul_params(s) * tokens + 12.0 * s.layers * s.heads * s.head_dim * attention_pairs
+
+
 def kv_cache_bytes_per_token(s: Shape | dict, dtype_bytes: float = 2.0) -> float:
     """Inference KV cache per token: K and V of every layer, kv_heads x head_dim each (BF16: 2, FP8: 1).
 

@@ -110,13 +110,16 @@ def wrap_ddp(recipe: Recipe, model):
 # ---------------------------------------------------------------------------- step
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Loss *sum* over this microbatch's unmasked tokens, and their count (the schedule sums both)."""
+def loss_func(loss_mask: torch.Tensor, attention_pairs: int, output_tensor: torch.Tensor):
+    """Loss *sum* over this microbatch's unmasked tokens, and their count (the schedule sums both); the report adds
+    the (query, key) pairs its packed attention spans (0: not packed), for the FLOP count."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss_sum = (losses * mask).sum()
     num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+    report = torch.stack([loss_sum.detach().double(), num_tokens.double(),
+                          torch.tensor(float(attention_pairs), dtype=torch.float64, device=loss_sum.device)])
+    return loss_sum, num_tokens, {"lm loss": report}
 
 
 def forward_step(data_iterator, model):
@@ -125,22 +128,23 @@ def forward_step(data_iterator, model):
     # loss_mask reaches the chunked loss head, which forms no logits for masked tokens (SFT prompts).
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=batch.get("packed_seq_params"), loss_mask=batch["loss_mask"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], batch.get("attention_pairs", 0))
 
 
-def reduce_loss(reports: list) -> tuple[float, int]:
-    """Global token-mean loss of a step from the per-microbatch `[sum, count]` reports (which only the last
-    pipeline stage has): summed over DP x CP, then sent to every pipeline stage (rank 0 writes the metrics)."""
+def reduce_loss(reports: list) -> tuple[float, int, int]:
+    """Global token-mean loss of a step from the per-microbatch `[sum, count, attention pairs]` reports (which only
+    the last pipeline stage has): summed over DP x CP, then sent to every pipeline stage (rank 0 writes the
+    metrics). Returns the loss, the tokens it counts and the packed attention's pairs (0 unless SFT)."""
     from megatron.core import parallel_state as ps
 
-    total = torch.zeros(2, dtype=torch.float64, device=rank_device())
+    total = torch.zeros(3, dtype=torch.float64, device=rank_device())
     for report in reports:
-        total += report["lm loss"].double()
+        total += report["lm loss"]
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
                                     group=ps.get_pipeline_model_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), int(total[2].item())
 
 
 @torch.no_grad()
@@ -158,7 +162,7 @@ def validation_loss(forward_backward, model, batches, recipe: Recipe, num_microb
                 micro_batch_size=t.micro_batch_size, forward_only=True)
     finally:
         model.train()
-    return reduce_loss(reports)
+    return reduce_loss(reports)[:2]
 
 
 def report_divergence(step: int, what: str, root: Path, samples: range) -> int:
@@ -190,7 +194,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.model import build_model_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
-    from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops_per_token
+    from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops
     from megatron_ext.resume import agreed_latest_iteration, data_identities, plan_resume, rope_changes
     from megatron_ext.train_profile import StepProfiler
     from megatron_ext.training_data import build_batches
@@ -285,7 +289,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     stop = stop or StopFlag()
     saver = CheckpointSaver(root, keep_last=recipe.checkpoint.keep_last, background=recipe.checkpoint.async_save,
                             log=log, optimizer_sharding=recipe.checkpoint.optimizer_sharding)
-    flops_per_token = train_flops_per_token(shape_from_hf_config(hf_cfg), t.seq_length)
+    shape = shape_from_hf_config(hf_cfg)
     world = torch.distributed.get_world_size()
     # MFU against the GPU's dense bf16 peak, where it is known (cost_model.GPUS) and the run is bf16
     peak = (gpu_from_device_name(torch.cuda.get_device_name()) if recipe.runtime.device == "cuda"
@@ -317,17 +321,20 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 )
                 ok, grad_norm, _ = optimizer.step()
             saver.finalize()  # background saves done on every rank by now go in place
+            step_lr = optimizer.param_groups[0]["lr"]  # the rate this step's update used (the scheduler moves on)
             scheduler.step(increment=1)
             step += 1
-            loss, n_tokens = reduce_loss(reports)
+            loss, n_tokens, packed_pairs = reduce_loss(reports)
             elapsed = time.time() - step_start
             step_tokens = t.global_batch_size * t.seq_length
+            # causal attention over each whole sequence, or (SFT) within each packed conversation
+            pairs = packed_pairs if t.stage == "sft" else t.global_batch_size * t.seq_length * (t.seq_length + 1) / 2
             tokens_seen += step_tokens
             record = {
                 "step": step, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "lr": scheduler.get_lr(optimizer.param_groups[0]), "tokens": tokens_seen,
+                "lr": step_lr, "tokens": tokens_seen,
                 "loss_tokens": n_tokens, "tokens_per_s": step_tokens / elapsed,
-                "tflops_per_device": flops_per_token * step_tokens / elapsed / world / 1e12,
+                "tflops_per_device": train_flops(shape, step_tokens, pairs) / elapsed / world / 1e12,
                 "memory_gib": memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
             }
             if peak is not None:

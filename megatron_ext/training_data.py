@@ -97,6 +97,8 @@ class TrainBatches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                          max_seqlen_q=longest, max_seqlen_kv=longest)
+            lengths = (rows[0]["cu_seqlens"][1:] - rows[0]["cu_seqlens"][:-1]).long()  # the padding tail included
+            batch["attention_pairs"] = int((lengths * (lengths + 1) // 2).sum())  # the FLOP count's causal pairs
             return batch
         local = shard_for_context_parallel(batch, self.cp_size, self.cp_rank)
         return {k: v.to(self.device) for k, v in local.items()}

@@ -94,6 +94,17 @@ def test_negative_control_changed_update_after_resume_differs(tmp_path, token_da
     assert a[4]["loss"] != b[4]["loss"] and a[5]["loss"] != b[5]["loss"]
 
 
+def test_metrics_lr_is_the_rate_each_step_used(tmp_path, token_data):
+    """Warm-up from 0 over 2 steps (Megatron's scheduler: step 1 updates at the initial rate 0), then linear decay; the
+    metrics said the next step's rate before ([5e-3, 1e-2, 0, 0] here)."""
+    run = tmp_path / "run"
+    schedule = ["train.warmup_steps=2", "train.lr_schedule=linear", "train.min_lr=0"]
+    subprocess.run(train_cmd(run, token_data, "train.steps=3", *schedule), check=True, env=env(), capture_output=True)
+    subprocess.run(train_cmd(run, token_data, "train.steps=4", *schedule), check=True, env=env(), capture_output=True)
+    # 3 steps, then resumed to 4: the decay runs over train.steps, so step 4 is halfway down the 4-step curve
+    assert [m["lr"] for m in metrics(run)] == pytest.approx([0.0, 5e-3, 1e-2, 5e-3])
+
+
 def test_resume_takes_the_adam_settings_of_the_recipe(tmp_path, token_data, straight):
     """Loading the optimizer state brought back the saved run's betas and eps, so a changed train.adam_* had no
     effect: resumed with another eps, the losses after the resume's first update differ."""

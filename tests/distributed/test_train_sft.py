@@ -24,15 +24,26 @@ def dp2(tmp_path_factory, torchrun, sft_data):
 
 
 def test_sft_two_ranks(dp2, sft_data):
+    from megatron_ext.cost_model import shape_from_hf_config, train_flops, train_flops_per_token
     from megatron_ext.data import SFTPackedDataset
+    from megatron_ext.hf_config import hf_config_from_recipe
+    from megatron_ext.recipe import load_recipe
 
     metrics = dp2
     assert [m["step"] for m in metrics] == [1, 2, 3]
     # The loss is averaged over exactly the assistant tokens of the 4 packs of each step, over both ranks.
     packs = SFTPackedDataset(sft_data, 256, seed=1234)
+    shape = shape_from_hf_config(hf_config_from_recipe(load_recipe(RECIPE)))
     for step, m in enumerate(metrics):
-        expected = sum(int(packs[(step * 4 + i) % len(packs)]["loss_mask"].sum()) for i in range(4))
-        assert m["loss_tokens"] == expected
+        rows = [packs[(step * 4 + i) % len(packs)] for i in range(4)]
+        assert m["loss_tokens"] == sum(int(r["loss_mask"].sum()) for r in rows)
+        # TFLOP/s: causal attention within each conversation (and the padding tail), not over the whole pack
+        lengths = torch.cat([r["cu_seqlens"][1:] - r["cu_seqlens"][:-1] for r in rows]).long()
+        assert len(lengths) > 4  # several conversations per pack
+        pairs = int((lengths * (lengths + 1) // 2).sum())
+        assert m["tflops_per_device"] == pytest.approx(train_flops(shape, 4 * 256, pairs) / m["step_time_s"] / 2 / 1e12)
+        whole_packs = 4 * 256 * train_flops_per_token(shape, 256)
+        assert train_flops(shape, 4 * 256, pairs) < 0.99 * whole_packs  # the count before: 4% more here
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 

@@ -49,6 +49,17 @@ def test_flops_per_token_causal_exact():
     assert round(ratio, 2) == 1.95
 
 
+def test_train_flops_of_pairs():
+    """One sequence of L tokens spans L (L + 1) / 2 causal pairs: L x the per-token count; two conversations of L/2
+    packed into L (attention within each) span fewer, the matmuls the same."""
+    for L in (1, 8192, 1 << 20):
+        assert C.train_flops(LLAMA31_8B, L, L * (L + 1) / 2) == pytest.approx(L * C.train_flops_per_token(LLAMA31_8B, L),
+                                                                              rel=1e-12)
+    half = 4096 * 4097 / 2
+    assert C.train_flops(LLAMA31_8B, 8192, 2 * half) == pytest.approx(8192 * C.train_flops_per_token(LLAMA31_8B, 4096),
+                                                                       rel=1e-12)
+
+
 def test_flops_reproduce_published_throughput_tables():
     # perf.md §0/§1a: TFLOP/s / tok/s of NVIDIA's tables = our formula, causal (Megatron-Bridge) and
     # non-causal (NeMo 24.07); tolerance 0.2% (the tables round to whole TFLOP/s and tok/s).
