@@ -40,11 +40,12 @@ EXIT_DIVERGED = 4
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1; every rank agrees on it at the end of a step."""
+    """Set by SIGTERM / SIGUSR1 / SIGUSR2; every rank agrees on it at the end of a step. (USR2 is the batch shell's
+    stop-without-requeue signal, slurm/common.sh; if a Slurm passes it on to the tasks, they save as for USR1.)"""
 
     def __init__(self) -> None:
         self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:

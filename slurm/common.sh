@@ -12,6 +12,8 @@
 #   4. on the warning signal (--signal=B:USR1@T reaches this shell) forwards USR1 to the tasks;
 #      the trainer saves a checkpoint and exits with EXIT_REQUEUE, and this script then runs
 #      `scontrol requeue`. The requeued job resumes from the latest checkpoint by itself.
+#   5. on USR2 (`scancel --batch --signal=USR2 JOBID`: stop the run now, with a save) does the same
+#      without the requeue; submitting the job again goes on from that checkpoint.
 #
 # Environment (all optional):
 #   RECIPE            recipe file (default: the stage's recipes/<stage>.yaml)
@@ -148,12 +150,18 @@ check_rendezvous() {
 }
 
 # wait_step PID: wait for the srun step PID; its exit status in STEP_RC. `wait` returns early (> 128) when a
-# trap ran while srun still runs: then wait again.
+# trap ran: while srun still runs, wait again; when srun ended during the trap, that status is the signal's, and
+# a second `wait` gives srun's own (127: already collected, the first status was srun's).
 wait_step() {
   while :; do
     STEP_RC=0
     wait "$1" || STEP_RC=$?
-    if ((STEP_RC > 128)) && kill -0 "$1" 2>/dev/null; then continue; fi
+    if ((STEP_RC > 128)); then
+      if kill -0 "$1" 2>/dev/null; then continue; fi
+      local again=0
+      wait "$1" 2>/dev/null || again=$?
+      ((again == 127)) || STEP_RC=$again
+    fi
     return 0
   done
 }
@@ -168,10 +176,14 @@ requeue_job() {
   exit 0
 }
 
+# on_signal SIGNAL: ask the tasks to save and exit (TERM and USR1 as they came; USR2, the stop without a requeue,
+# as USR1).
 on_signal() {
   SIGNALLED=$1 SIGNAL_AT=$SECONDS
-  log "received $1: asking the tasks to save a checkpoint and exit"
-  scancel --signal="$1" "$SLURM_JOB_ID" || log "scancel --signal=$1 failed"
+  local task_signal=$1 note=""
+  if [[ $1 == USR2 ]]; then task_signal=USR1 note=" (stop requested: the job will not be requeued)"; fi
+  log "received $1: asking the tasks to save a checkpoint and exit$note"
+  scancel --signal="$task_signal" "$SLURM_JOB_ID" || log "scancel --signal=$task_signal failed"
 }
 
 # slurm_seconds TIME: squeue's time ([D-]H:MM:SS or M:SS) in seconds; nothing for UNLIMITED or anything else.
@@ -223,8 +235,13 @@ stage_main() {
   # Trapped from here on: an early warning signal must not kill this shell (bash's default).
   trap 'SIGNALLED=USR1' USR1
   trap 'SIGNALLED=TERM' TERM
+  trap 'SIGNALLED=USR2' USR2
   check_rendezvous
   preflight "$@"
+  if [[ ${SIGNALLED:-} == USR2 ]]; then
+    log "received USR2 (stop) before training started: nothing to save; not requeued"
+    exit "$EXIT_REQUEUE"
+  fi
 
   local -a prefix=()
   read -ra prefix <<<"${TASK_PREFIX:-}"
@@ -232,14 +249,21 @@ stage_main() {
   local pid=$! rc
   trap 'on_signal USR1' USR1
   trap 'on_signal TERM' TERM
+  trap 'on_signal USR2' USR2
   # A signal that came during the preflight goes to the tasks now.
   [[ -n ${SIGNALLED:-} ]] && on_signal "$SIGNALLED"
   wait_step "$pid"
   rc=$STEP_RC
-  trap - USR1 TERM
+  trap - USR1 TERM USR2
   log "training exited with $rc"
   if ((rc == EXIT_DIVERGED)); then
     log "training diverged (the error line above names the step); not requeued: the newest checkpoint is from before"
+  fi
+  if [[ ${SIGNALLED:-} == USR2 ]]; then
+    ((rc == EXIT_REQUEUE)) && log "stopped on request (USR2): checkpoint saved; not requeued; submitting the same" \
+      "job again resumes from it"
+    ((rc == EXIT_REQUEUE)) || log "stopped on request (USR2): not requeued (exit $rc)"
+    exit "$rc"
   fi
   if ((rc == EXIT_REQUEUE)) && [[ ${SIGNALLED:-} == TERM ]] && cancelled_by_user; then
     log "job cancelled (scancel): not requeued; submitting the same job again resumes from the checkpoint"

@@ -28,7 +28,8 @@ STUBS = {
     "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; '
                 'elif [[ $2 == hostnames ]]; then printf "%s\\n" ${FAKE_HOSTS:-node1}; else '
                 'echo "   Command=$FAKE_COMMAND"; fi',
-    "scancel": "exit 0",
+    # FAKE_SCANCEL_SLEEP: a slow scancel keeps the batch shell in its trap while srun ends
+    "scancel": '[[ -n ${FAKE_SCANCEL:-} ]] && echo "$*" >>"$FAKE_SCANCEL"\nsleep "${FAKE_SCANCEL_SLEEP:-0}"\nexit 0',
     "getent": 'printf "10.0.0.4 STREAM %s\\n10.0.0.4 DGRAM\\n" "$2"',  # every host is 10.0.0.4
     # the preflight (megatron_ext.launch --check) passes and prints FAKE_CHECK_OUT
     "python": '[[ -n ${FAKE_CHECK_OUT:-} ]] && echo "$FAKE_CHECK_OUT"\nexit 0',
@@ -91,6 +92,25 @@ def test_scancel_is_not_undone_by_a_requeue(job):
     proc, calls = job(FAKE_SIGNAL="TERM", FAKE_RC="3", FAKE_REASON="None", FAKE_STATE="CANCELLED by 0")
     assert "job cancelled (scancel): not requeued" in proc.stdout, proc.stdout + proc.stderr
     assert calls == ""
+
+
+def test_a_step_that_ends_during_the_signal_trap_keeps_its_exit_status(job):
+    """The tasks saved and exited 3 while the batch shell was still in its USR1 trap (a slow scancel): `wait` gave the
+    trap's 138, which the script took for "USR1 before training started" (no save). Now: srun's own 3, requeued."""
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="3", FAKE_SCANCEL_SLEEP="1", FAKE_LIMIT="10:00")
+    assert "training exited with 3" in proc.stdout, proc.stdout + proc.stderr
+    assert calls == "requeue 42\n" and "checkpoint saved; requeueing job 42" in proc.stdout
+
+
+def test_usr2_saves_and_stops_without_a_requeue(job, tmp_path):
+    """`scancel --batch --signal=USR2 JOB`: the tasks get USR1 (save and exit 3), the job is not requeued."""
+    forwarded = tmp_path / "scancel.txt"
+    proc, calls = job(FAKE_SIGNAL="USR2", FAKE_RC="3", FAKE_SCANCEL=str(forwarded))
+    assert proc.returncode == 3 and calls == "", proc.stdout + proc.stderr
+    assert forwarded.read_text() == "--signal=USR1 42\n"
+    assert "stopped on request (USR2): checkpoint saved; not requeued" in proc.stdout
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="3")  # control: the warning signal requeues
+    assert calls == "requeue 42\n"
 
 
 def test_term_at_the_time_limit_still_requeues(job):
