@@ -124,6 +124,29 @@ def test_scancel_stays_cancelled_and_a_second_job_cannot_share_the_folder(slurm_
     assert (run / "latest_checkpointed_iteration.txt").is_file()  # it saved on the way out
 
 
+def test_usr2_saves_and_stops_without_a_requeue(slurm_cluster, tmp_path, token_data):
+    """`scancel --batch --signal=USR2`: stop a run now with a save (scancel's TERM is followed by KILL after
+    KillWait, which a long-context step rarely fits); the job is not requeued and its checkpoint is the stop step."""
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    cmd = ["sbatch", "--parsable", *SBATCH_SIZE, f"--output={log}", str(ROOT / "slurm/cpt_4m.sh"),
+           *overrides(run, token_data, steps=1000), "checkpoint.interval=4"]
+    job_id = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
+                            env=job_env(RECIPE=str(TINY))).stdout.strip().split(";")[0]
+    deadline = time.time() + 300
+    while not (run / "iter_0000004").is_dir():  # training under way
+        assert squeue_state(job_id), log.read_text()[-3000:] if log.exists() else ""
+        assert time.time() < deadline
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True)
+    state, exit_code = wait_job(job_id, timeout=120)
+    text = log.read_text()
+    assert (state, exit_code) == ("FAILED", f"{EXIT_REQUEUE}:0"), text[-3000:]
+    assert "stopped on request (USR2): checkpoint saved; not requeued" in text, text[-3000:]
+    assert "requeueing" not in text and "restart 1" not in text
+    saved = int((run / "latest_checkpointed_iteration.txt").read_text())
+    assert saved == metrics(run)[-1]["step"] >= 4  # the step it stopped at, saved
+
+
 @pytest.mark.parametrize("what, env_extra, args, message", [
     ("missing recipe", {"RECIPE": "recipes/nope.yaml"}, [], "recipe recipes/nope.yaml not found"),
     ("unknown key", {}, ["train.bogus=1"], "bogus"),
