@@ -48,6 +48,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # (at import, in the submitter and in every task) to choose the signal it asks Slurm to send.
 PREEMPT_SIGNAL = "USR1"
 DEFAULT_TIME = "04:00:00"
+DEFAULT_SIGNAL_DELAY_S = 600  # USR1 this long before the time limit where a stage has no sbatch script
 GPU_CPUS_PER_TASK = 8  # as slurm/*.sh: data loading and the Python side of each rank
 
 
@@ -113,21 +114,34 @@ def parse_time(text: str) -> int:
     return (days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
 
 
+def signal_delay_s(args, stage_name: str) -> int:
+    """Seconds of USR1 warning before the time limit: --signal-delay-s, else what the stage's sbatch script asks
+    (`#SBATCH --signal=B:USR1@S` in slurm/<stage>.sh: 1200 for cpt_4m, whose step and save take longer), else 600."""
+    if args.signal_delay_s is not None:
+        return args.signal_delay_s
+    script = PROJECT_ROOT / "slurm" / f"{stage_name}.sh"
+    found = re.search(r"^#SBATCH --signal=B:USR1@(\d+)", script.read_text(), re.M) if script.is_file() else None
+    return int(found.group(1)) if found else DEFAULT_SIGNAL_DELAY_S
+
+
 def slurm_parameters(args, recipe: Recipe, stage: Stage) -> dict:
     """submitit SlurmExecutor parameters of one stage (dependency added at submission)."""
     nodes, per_node = recipe.cluster.nodes, recipe.cluster.gpus_per_node
     params = {
         "job_name": stage.name, "nodes": nodes, "ntasks_per_node": per_node, "time": parse_time(args.time),
-        "signal_delay_s": args.signal_delay_s, "additional_parameters": {"requeue": True},
+        "signal_delay_s": signal_delay_s(args, stage.name), "additional_parameters": {"requeue": True},
         "setup": [f"export PYTHONPATH={shlex.quote(str(PROJECT_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
                   f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
-                  # the NCCL/IB defaults of the sbatch scripts, overridable in the environment
-                  f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults",
+                  # the NCCL/IB defaults of the sbatch scripts, overridable in the environment; RANK, WORLD_SIZE, ...
+                  # and a MASTER_ADDR the submitting shell exported would win over Slurm's (slurm/common.sh)
+                  f"source {shlex.quote(str(PROJECT_ROOT / 'slurm/common.sh'))} && nccl_defaults && check_rendezvous",
                   # since Slurm 22.05 srun does not pass the job's --cpus-per-task on: one CPU per rank otherwise
                   'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi'],
         # as slurm/common.sh: a rank that died ends the others 120 s later, not at the process-group timeout
-        # (runtime.timeout_minutes)
-        "srun_args": ["--wait=120"],
+        # (runtime.timeout_minutes); a rank that exits 3 first (a save for requeue) does not get rank 0 killed
+        # before it requeues (sites with KillOnBadExit=1); the job's environment reaches the tasks even under
+        # sbatch --export=NONE (srun would inherit SLURM_EXPORT_ENV=NONE)
+        "srun_args": ["--kill-on-bad-exit=0", "--wait=120", "--export=ALL"],
     }
     if recipe.runtime.device == "cuda":
         params.update(gpus_per_node=per_node, exclusive=True, cpus_per_task=GPU_CPUS_PER_TASK, mem="0")
@@ -179,7 +193,10 @@ class TrainStage:
             if int(os.environ.get("SLURM_PROCID", "0")) == 0:
                 job = os.environ["SLURM_JOB_ID"]
                 print(f"[launch] checkpoint saved; requeueing job {job}", flush=True)
-                subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
+                done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+                if done.returncode != 0:  # the job would end here, with its checkpoint saved but not requeued
+                    raise RuntimeError(f"scontrol requeue {job} failed ({done.stderr.strip() or done.returncode}): "
+                                       f"the checkpoint is saved; submit the stage again to go on (recipe {self.recipe})")
             # No result file: the job is not over (what submitit itself does after requeueing).
             raise SystemExit(EXIT_REQUEUE)
         if code != 0:
@@ -221,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", help="Slurm account")
     p.add_argument("--time", default=DEFAULT_TIME, help=f"time limit per job (default {DEFAULT_TIME}; requeues "
                                                          "continue the stage)")
-    p.add_argument("--signal-delay-s", type=int, default=600, help="USR1 this long before the time limit")
+    p.add_argument("--signal-delay-s", type=int, help="USR1 this long before the time limit (default: as the stage's "
+                   f"slurm/STAGE.sh asks, e.g. 1200 s for cpt_4m; else {DEFAULT_SIGNAL_DELAY_S})")
     p.add_argument("--folder", default="logs/submitit/%j", help="submitit logs and pickles (%%j: job id)")
     p.add_argument("--niah", metavar="LENGTHS", help="after the last stage, NIAH of its checkpoint at these lengths "
                    "(e.g. 128K:1M:4) on the Megatron engine, at the TP x CP of the longest-sequence stage")
@@ -301,7 +319,8 @@ def print_field(args) -> int:
 
 def submit(args, plan: list[Stage]) -> int:
     """Validate every stage, then print (dry run) or submit the chain."""
-    check_warning_fits(args.time, parse_time(args.time), args.signal_delay_s)
+    for stage in plan:
+        check_warning_fits(args.time, parse_time(args.time), signal_delay_s(args, stage.name))
     # --nodes/--gpus-per-node override the recipe's cluster block, which sizes the job.
     if args.gpus_per_node is not None and args.gpus_per_node < 1:  # an int, not _count: --check takes 0 (CPU jobs)
         raise RecipeError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1 (tasks, one per GPU, on each node)")

@@ -57,7 +57,9 @@ build_launcher() {
   # Not --kill-on-bad-exit: a rank that returns EXIT_REQUEUE first would get the others killed
   # while they finish, and srun would report their signal instead of EXIT_REQUEUE. --wait bounds
   # how long the others may run on after any task ended (a crashed rank does not hang the job).
-  LAUNCH=(srun --kill-on-bad-exit=0 "--wait=${SRUN_WAIT:-120}" --unbuffered)
+  # --export=ALL: under sbatch --export=NONE srun would inherit SLURM_EXPORT_ENV=NONE and drop what this script
+  # exports (PYTHONPATH, NCCL_*, OMP_NUM_THREADS).
+  LAUNCH=(srun --kill-on-bad-exit=0 "--wait=${SRUN_WAIT:-120}" --export=ALL --unbuffered)
   # Since Slurm 22.05 srun does not inherit --cpus-per-task from the job.
   [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && LAUNCH+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then

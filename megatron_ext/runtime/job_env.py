@@ -71,16 +71,17 @@ def process_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        # A port derived from the job id lets every task agree without talking; jobs sharing a
-        # node get different ports.
+        # A port derived from the job and step ids lets every task agree without talking; jobs sharing a node get
+        # different ports, and so do two steps of one allocation running at once (salloc, two evaluations).
         job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        step_id = int(env.get("SLURM_STEP_ID", "0") or 0) if env.get("SLURM_STEP_ID", "").isdigit() else 0
         return ProcessEnv(
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
             # per job (jobs may share a node), below Linux's ephemeral ports (32768-60999) as free_port's
-            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 12000),
+            master_port=int(env.get("MASTER_PORT") or 20000 + (job_id + 1009 * step_id) % 12000),
             launcher="slurm",
         )
     return ProcessEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")

@@ -45,7 +45,7 @@ def test_dry_run_niah_job_after_the_last_stage():
     assert niah.startswith("32 processes, after stage 2")  # cpt_1m's TP 8 x CP 4
     assert "sbatch nodes: 4\n" in niah and "sbatch ntasks_per_node: 8\n" in niah
     assert "dependency': 'afterok:<job of stage 2>'" in niah and "'requeue': True" in niah
-    assert "sbatch signal_delay_s: 600\n" in niah  # the USR1 warning: the evaluation requeues with --resume
+    assert "sbatch signal_delay_s: 300\n" in niah  # slurm/niah.sh's USR1 warning: the evaluation requeues with --resume
     assert ("run per task: python tools/niah.py --megatron checkpoints/sft_1m --engine megatron --tp 8 --cp 4 "
             "--lengths 128K:1M:4 --depths 0:100:10 --out checkpoints/sft_1m_niah --no-progress --chat") in niah
     bad = launch("--recipe", "recipes/cpt_1m.yaml", "--niah", "1Q", "--dry-run")

@@ -35,9 +35,15 @@ def test_slurm_env():
                      "SLURM_JOB_NODELIST": "gpu[004-005]", "SLURM_JOB_ID": "123"})
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.launcher) == (9, 16, 1, "gpu004", "slurm")
     assert e.master_port == 20123
+    # two steps of one allocation at once (salloc: two evaluations on a node) rendezvous on different ports
+    steps = {process_env({"SLURM_JOB_ID": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                          "SLURM_STEP_ID": str(i)}).master_port
+             for i in range(4)}
+    assert len(steps) == 4 and 20123 in steps
     # below the ephemeral ports (32768-60999) for any job id: one the kernel lent out could not be bound
-    assert max(process_env({"SLURM_JOB_ID": str(j), "SLURM_NTASKS": "1"}).master_port for j in range(0, 40000, 7)) \
-        < 32768
+    ports = [process_env({"SLURM_JOB_ID": str(j), "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                          "SLURM_STEP_ID": str(j % 5)}).master_port for j in range(0, 40000, 7)]
+    assert 20000 <= min(ports) and max(ports) < 32768
 
 
 def test_torchrun_wins_inside_slurm():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 
+import subprocess
+
 import pytest
 
 from megatron_ext import launch
@@ -86,7 +88,13 @@ def test_submitit_stage_stops_requeueing_at_the_bound(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(train, "main", lambda argv: train.EXIT_REQUEUE)
-    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    status = {"rc": 0}
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, status["rc"], "", "slurm_requeue error: Access denied")
+
+    monkeypatch.setattr(launch.subprocess, "run", run)
     monkeypatch.setenv("SLURM_JOB_ID", "5")
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "2")
@@ -96,6 +104,10 @@ def test_submitit_stage_stops_requeueing_at_the_bound(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="3"):
         stage()
     assert calls and calls[-1][:2] == ["scontrol", "requeue"]
+    status["rc"] = 1  # the requeue refused: said, not a silent end of the job with "requeueing" in its log
+    with pytest.raises(RuntimeError, match="scontrol requeue 5 failed \\(slurm_requeue error: Access denied\\): "
+                                           "the checkpoint is saved; submit the stage again"):
+        stage()
     calls.clear()
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     with pytest.raises(RuntimeError, match="not requeueing: 2 restarts"):
