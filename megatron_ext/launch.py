@@ -14,7 +14,7 @@ Nodes and GPUs per node default to the recipe's `cluster` block (the recipe is t
 `--niah 128K:1M:4` adds one more job after the last stage: NIAH of its checkpoint on the Megatron engine
 (`tools/niah.py --engine megatron`, what slurm/pipeline.sh --niah runs) at the TP x CP of the stage with the
 longest sequences, chat prompts after an SFT stage, results in `<checkpoint.dir>_niah/`; `--ruler LENGTHS` one
-more for the RULER-style tasks (`launch_eval.py`).
+more for the RULER-style tasks (`launch_eval.py`), also after the last stage (a failed NIAH does not cancel it).
 
 Preemption and time limits: the jobs are sent USR1 `signal_delay_s` before the limit (and on
 `scancel --signal=USR1`); the trainer saves a checkpoint and returns `EXIT_REQUEUE`, and rank 0 then
@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--folder", default="logs/submitit/%j", help="submitit logs and pickles (%%j: job id)")
     p.add_argument("--niah", metavar="LENGTHS", help="after the last stage, NIAH of its checkpoint at these lengths "
                    "(e.g. 128K:1M:4) on the Megatron engine, at the TP x CP of the longest-sequence stage")
-    p.add_argument("--ruler", metavar="LENGTHS", help="then the RULER-style tasks (tools/niah.py ruler --tasks all) "
-                   "at these lengths, the same way")
+    p.add_argument("--ruler", metavar="LENGTHS", help="also after the last stage, the RULER-style tasks "
+                   "(tools/niah.py ruler --tasks all) at these lengths, the same way")
     p.add_argument("--dry-run", action="store_true", help="validate and print what would be submitted")
     p.add_argument("--wait", action="store_true", help="wait for the last stage and print every stage's result")
     p.add_argument("--check", action="store_true", help="only validate the recipe for --world-size tasks "
@@ -360,8 +360,8 @@ def submit(args, plan: list[Stage]) -> int:
                 print(f"  setup: {line.replace(str(PROJECT_ROOT), '<project>')}")
             run = ["python", "-m", "megatron_ext.train", "--recipe", stage.recipe, *stage.overrides]
             print(f"  run per task: {shlex.join(run)}")
-        for i, (stage, params) in enumerate(evals):
-            previous = evals[i - 1][0].name if i else f"stage {len(plan)}"
+        for stage, params in evals:
+            previous = f"stage {len(plan)}"
             print(f"then {stage.name}: {params['nodes'] * params['ntasks_per_node']} processes, after {previous}")
             shown = after(params, f"<job of {previous}>")
             for key in sorted(k for k in shown if k != "setup"):
@@ -382,25 +382,33 @@ def submit(args, plan: list[Stage]) -> int:
         print(f"submitted {stage.name}: job {job.job_id} ({describe(recipe, params['nodes'] * params['ntasks_per_node'])})",
               flush=True)
         jobs.append(job)
-    for stage, params in evals:  # one after the other, like slurm/pipeline.sh
+    trained = jobs[-1].job_id
+    for stage, params in evals:  # each after the last stage, like slurm/pipeline.sh: one failing stops no other
         executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
-        executor.update_parameters(**after(params, jobs[-1].job_id))
+        executor.update_parameters(**after(params, trained))
         jobs.append(executor.submit(stage))
         plan = [*plan, Stage(stage.name, "")]
         print(f"submitted {stage.name}: job {jobs[-1].job_id} ({shlex.join(['tools/niah.py', *stage.argv])})",
               flush=True)
     if args.wait:
+        training = len(jobs) - len(evals)
+        failed = 0
         for i, (stage, job) in enumerate(zip(plan, jobs)):
             try:
                 result = job.results()[0]  # global rank 0's
             except Exception as e:  # submitit's job errors carry the task's traceback
-                later = jobs[i + 1:]
-                for other in later:  # their afterok can never be satisfied now
+                # a training stage's failure leaves every later job's afterok unsatisfiable; an evaluation's none
+                later = jobs[i + 1:] if i < training else []
+                for other in later:
                     other.cancel(check=False)
                 print(f"error: stage {stage.name} (job {job.job_id}) failed; cancelled {len(later)} later "
                       f"stage(s); log: {job.paths.stdout}\n{str(e)[-2000:]}", file=sys.stderr)
-                return 1
+                if later:
+                    return 1
+                failed += 1
+                continue
             print(f"done {stage.name}: job {job.job_id}: {result}", flush=True)
+        return 1 if failed else 0
     return 0
 
 

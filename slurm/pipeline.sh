@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Submit the whole UltraLong run as a chain of Slurm jobs, each starting after the previous one
-# succeeded (--dependency=afterok; with --kill-on-invalid-dep=yes a failed job cancels the ones after it):
-#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT -> NIAH -> RULER -> export (to-hf)
+# Submit the whole UltraLong run as a chain of Slurm jobs, each starting after the one it needs succeeded
+# (--dependency=afterok; with --kill-on-invalid-dep=yes a failed job cancels the ones that need it):
+#   convert (HF -> Megatron, tools/convert.py to-megatron) -> CPT stage -> SFT, then after the last training stage
+#   NIAH, RULER and the export (to-hf), each on its own: a failed evaluation does not cancel the export
 #
 #   bash slurm/pipeline.sh [--cpt cpt_1m|cpt_2m|cpt_4m] [--hf DIR] [--export DIR] [--sft-recipe FILE]
 #                          [--no-sft] [--niah LENGTHS] [--ruler LENGTHS] [--dry-run] [dotted.key=value ...]
@@ -13,7 +14,7 @@
 #   --sft-recipe  SFT recipe (default: the one with the CPT stage's RoPE, recipes/sft.yaml after cpt_1m,
 #              recipes/sft_2m.yaml and sft_4m.yaml after cpt_2m and cpt_4m)
 #   --niah     evaluate the last stage's checkpoint at these lengths (e.g. 128K:1M:4) with slurm/niah.sh on the
-#              Megatron engine, at the CPT recipe's TP x CP, before the export (default: no evaluation job);
+#              Megatron engine, at the CPT recipe's TP x CP (default: no evaluation job);
 #              chat prompts after SFT; results in <checkpoint.dir>_niah/
 #   --ruler    the same for the RULER-style tasks (tools/niah.py ruler --tasks all), e.g. 128K,512K,1M; results in
 #              <checkpoint.dir>_ruler/
@@ -185,16 +186,18 @@ eval_job() {
   submit "$name" --job-name="$name" "--nodes=$(((RANKS + PER_NODE - 1) / PER_NODE))" "--ntasks-per-node=$PER_NODE" \
     "--gpus-per-node=$PER_NODE" slurm/niah.sh "${args[@]}"
 }
+TRAINED=$PREV # the evaluations and the export need the last training stage only
 if [[ -n $NIAH || -n $RULER ]]; then
   # The CPT layout holds the longest sequences; evaluation passes need less memory than its training steps.
   TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
   CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
   RANKS=$((TP * CP)) PER_NODE=$((TP * CP < 8 ? TP * CP : 8))
-  [[ -n $NIAH ]] && eval_job niah "" --lengths "$NIAH" --depths 0:100:10
-  [[ -n $RULER ]] && eval_job ruler ruler --lengths "$RULER" --tasks all
+  [[ -n $NIAH ]] && PREV=$TRAINED && eval_job niah "" --lengths "$NIAH" --depths 0:100:10
+  [[ -n $RULER ]] && PREV=$TRAINED && eval_job ruler ruler --lengths "$RULER" --tasks all
 fi
 if [[ -n $EXPORT ]]; then
   need_convert_tool --export
+  PREV=$TRAINED
   tool_job export tools/convert.py to-hf --megatron "$LAST_DIR" --out "$EXPORT"
 fi
-echo "pipeline: $N job(s), last $PREV" >&2
+echo "pipeline: $N job(s), the last training stage $TRAINED" >&2

@@ -57,12 +57,13 @@ def test_dry_run_niah_job_after_the_last_stage():
         "1,048,576 (sft); evaluate at most that")
 
 
-def test_dry_run_ruler_job_after_the_niah_job():
+def test_dry_run_ruler_job_after_the_last_stage_too():
     proc = launch("--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--niah", "1M", "--ruler", "128K,1M",
                   "--dry-run")
     assert proc.returncode == 0, proc.stderr
     ruler = proc.stdout.split("then ruler: ")[1]
-    assert ruler.startswith("32 processes, after niah") and "dependency': 'afterok:<job of niah>'" in ruler
+    # after the last training stage, not after NIAH: a failed NIAH does not cancel it
+    assert ruler.startswith("32 processes, after stage 2") and "dependency': 'afterok:<job of stage 2>'" in ruler
     assert "sbatch job_name: ruler\n" in ruler and "sbatch nodes: 4\n" in ruler
     assert ("run per task: python tools/niah.py ruler --megatron checkpoints/sft_1m --engine megatron --tp 8 --cp 4 "
             "--lengths 128K,1M --tasks all --out checkpoints/sft_1m_ruler --no-progress --chat") in ruler

@@ -1,5 +1,5 @@
-"""slurm/pipeline.sh: convert -> CPT -> SFT -> NIAH -> RULER -> export chained with afterok (dry run: no cluster
-needed)."""
+"""slurm/pipeline.sh: convert -> CPT -> SFT, then NIAH, RULER and the export each after the last training stage, chained
+with afterok (dry run: no cluster needed)."""
 
 from __future__ import annotations
 
@@ -54,17 +54,17 @@ def test_niah_job_evaluates_the_last_stage_at_the_cpt_layout():
     assert f"--tp {tp} --cp {cp} --lengths 128K:1M:4" in niah and "--chat" in niah
     assert f"--nodes={-(-ranks // min(ranks, 8))} --ntasks-per-node={min(ranks, 8)}" in niah
     assert "--out checkpoints/sft_1m_niah" in niah
-    assert "--dependency=afterok:\\<niah\\>" in export
+    assert "--dependency=afterok:\\<sft\\>" in export  # not on the evaluation: a failed one does not cancel it
 
 
 def test_ruler_job_after_the_niah_job_and_bad_lengths_fail_before_submitting():
     proc = pipeline("--dry-run", "--niah", "1M", "--ruler", "128K,1M", "--export", "out/ultralong_1m")
     assert proc.returncode == 0, proc.stderr
     cpt, sft, niah, ruler, export = proc.stdout.splitlines()
-    assert "--dependency=afterok:\\<niah\\>" in ruler and "--job-name=ruler" in ruler
+    assert "--dependency=afterok:\\<sft\\>" in ruler and "--job-name=ruler" in ruler
     assert "slurm/niah.sh ruler --megatron checkpoints/sft_1m --tp 8 --cp 4 --lengths 128K\\,1M --tasks all" in ruler
     assert "--out checkpoints/sft_1m_ruler" in ruler and "--chat" in ruler
-    assert "--dependency=afterok:\\<ruler\\>" in export
+    assert "--dependency=afterok:\\<sft\\>" in export
     for option in ("--niah", "--ruler"):
         bad = pipeline("--dry-run", option, "1Q")
         assert bad.returncode == 1 and bad.stdout == ""
