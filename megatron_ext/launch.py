@@ -347,6 +347,7 @@ def submit(args, plan: list[Stage]) -> int:
     evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 
     if args.dry_run:
+        print("(dry run: the recipes are validated; data, init_from and checkpoint paths are not: --check does)")
         for i, (stage, (recipe, params)) in enumerate(zip(plan, jobs_params)):
             world = params["nodes"] * params["ntasks_per_node"]
             print(f"stage {i + 1}/{len(plan)} {stage.name}: {stage.recipe}")

@@ -22,6 +22,14 @@ def check_setup(recipe: Recipe) -> None:
     if recipe.checkpoint.dir is None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
     _check_folder_can_be_made("checkpoint.dir", recipe.checkpoint.dir)
+    out = Path(recipe.checkpoint.dir)
+    hf_weights = (out / "config.json").is_file() and (any(out.glob("*.safetensors"))
+                                                      or any(out.glob("pytorch_model*.bin")))
+    if hf_weights and not (out / "latest_checkpointed_iteration.txt").exists():
+        # the run would write iter_* folders and metrics beside the model's weights
+        raise RecipeError(f"checkpoint.dir = {recipe.checkpoint.dir!r} is a Hugging Face model folder (config.json and "
+                          "weights): give a new folder for the run's checkpoints; to start from this model, convert it "
+                          "(tools/convert.py to-megatron) and give that as checkpoint.init_from")
     if recipe.checkpoint.tensorboard_dir is not None:
         _check_folder_can_be_made("checkpoint.tensorboard_dir", recipe.checkpoint.tensorboard_dir)
         if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard's writer needs it
@@ -117,8 +125,34 @@ def _check_attention_backend_variables(recipe: Recipe) -> None:
 
 
 def setup_warnings(recipe: Recipe) -> list[str]:
-    """What `launch --check` and the trainer's log warn about before a run: `positions_warning`, `epochs_warning`."""
-    return [w for w in (positions_warning(recipe), epochs_warning(recipe)) if w]
+    """What `launch --check` and the trainer's log warn about before a run: `positions_warning`, `epochs_warning`,
+    `sft_length_warning`."""
+    return [w for w in (positions_warning(recipe), epochs_warning(recipe), sft_length_warning(recipe)) if w]
+
+
+def sft_length_warning(recipe: Recipe) -> str | None:
+    """SFT: a warning when conversations are longer than train.seq_length (data prepared for a longer one): the
+    packing leaves them out, which before was one Python warning among the libraries'."""
+    from megatron_ext.data.dataset_files import read_index
+
+    if recipe.train.stage != "sft" or recipe.data.prefix is None:
+        return None
+    L = recipe.train.seq_length
+    notes = []
+    for prefix in recipe.data.prefixes:
+        try:
+            lengths = read_index(prefix + ".idx").sequence_lengths
+        except (OSError, ValueError):
+            continue  # check_data names what is wrong with it
+        longer = int((lengths > L).sum())
+        if longer:
+            notes.append(f"{longer:,} of {lengths.size:,} conversations ({100 * longer / max(lengths.size, 1):.0f}%) "
+                         f"of data.prefix {prefix!r} are longer than train.seq_length = {L:,} (up to "
+                         f"{int(lengths.max()):,} tokens)")
+    if not notes:
+        return None
+    return ("; ".join(notes) + ": they are left out of the packs; set train.seq_length to the length the data was "
+            "prepared for (tools/prepare_data.py sft --seq-length), or prepare it again for this one")
 
 
 def epochs_warning(recipe: Recipe) -> str | None:

@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus is not None and args.gpus < 1:
             raise RecipeError(f"--gpus = {args.gpus}: must be >= 1")
         recipe = load_recipe(path, args.overrides, world_size=args.gpus)
+        if args.fused_ce and recipe.train.loss_head != "full":  # the chunked head forms no full logits to fuse
+            raise RecipeError(f"--fused-ce: plans Megatron's loss head (train.loss_head = full), but the recipe's is "
+                              f"{recipe.train.loss_head!r}; add --set train.loss_head=full, or leave out --fused-ce")
         gpu = resolve_gpu(args.gpu or recipe.cluster.gpu)
         planned = plan(recipe, gpu, args.gpus, args.mfu, fused_ce=args.fused_ce)
         text, best = report(planned, args.mfu)

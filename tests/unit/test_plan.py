@@ -403,6 +403,10 @@ def test_tool_fused_ce_is_planned_and_no_recipe_is_one_line():
     assert full.returncode == fused.returncode == 0, full.stderr + fused.stderr
     assert "logits + loss (fp32)" in full.stdout and "logits (fused CE, assumed)" in fused.stdout
     assert "logits + loss (fp32)" not in fused.stdout
+    chunked = _tool(str(R / "cpt_1m.yaml"), "--gpu", "h100", "--fused-ce")  # the recipe's chunked head: no effect
+    assert chunked.returncode == 1 and chunked.stderr.strip().endswith(
+        "--fused-ce: plans Megatron's loss head (train.loss_head = full), but the recipe's is 'chunked'; add --set "
+        "train.loss_head=full, or leave out --fused-ce")
     none = _tool()
     assert none.returncode == 1 and none.stderr.strip() == ("error: no recipe given; pass RECIPE or --recipe FILE "
                                                             "(see recipes/)")

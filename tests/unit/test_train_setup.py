@@ -259,3 +259,38 @@ def test_data_cache_dir_takes_the_index_caches(tmp_path, token_data):
     check_setup(r)
     TrainBatches(r, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
     assert any((tmp_path / "caches").rglob("*.npy"))
+
+
+def test_a_hugging_face_model_folder_as_checkpoint_dir_is_refused(tmp_path, token_data):
+    """The run wrote iter_* folders, the latest pointer and metrics.jsonl beside the model's weights."""
+    hf = tmp_path / "Llama-3.1-8B-Instruct"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model-00001-of-00004.safetensors").write_bytes(b"")
+    with pytest.raises(RecipeError, match=r"checkpoint\.dir = '.*Llama-3\.1-8B-Instruct' is a Hugging Face model "
+                                          r"folder .* convert it \(tools/convert\.py to-megatron\) and give that as "
+                                          r"checkpoint\.init_from"):
+        check_setup(recipe(hf, token_data))
+    (hf / "latest_checkpointed_iteration.txt").write_text("1")  # a run's folder that also holds an export: allowed
+    check_setup(recipe(hf, token_data))
+
+
+def test_sft_conversations_longer_than_the_sequence_are_warned(tmp_path, sft_data):
+    """Read at a shorter train.seq_length than prepared, most conversations were left out with one Python warning
+    among the libraries' (gone under PYTHONWARNINGS=ignore)."""
+    from megatron_ext.data.dataset_files import read_index
+    from megatron_ext.train_setup import setup_warnings, sft_length_warning
+
+    lengths = read_index(sft_data + ".idx").sequence_lengths
+    sft = ROOT / "recipes/tiny/sft.yaml"
+
+    def at(seq):
+        return load_recipe(sft, [f"checkpoint.dir={tmp_path}", f"data.prefix={sft_data}", f"train.seq_length={seq}",
+                                 "checkpoint.init_from=null"], world_size=1)
+
+    assert sft_length_warning(at(int(lengths.max()))) is None
+    short = int(lengths.max()) - 1
+    warning = sft_length_warning(at(short))
+    longer = int((lengths > short).sum())
+    assert warning.startswith(f"{longer:,} of {lengths.size:,} conversations") and "are left out" in warning
+    assert f"longer than train.seq_length = {short:,}" in warning and warning in setup_warnings(at(short))
