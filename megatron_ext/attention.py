@@ -120,7 +120,15 @@ class TorchSDPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        causal = (attn_mask_type if attn_mask_type is not None else self.attn_mask_type) == AttnMaskType.causal
+        kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # padding_causal is what TE calls causal over packed (THD) sequences; an explicit mask, or another kind
+        # (bottom-right causal, arbitrary), would be silently dropped: refuse it instead
+        if kind not in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask) or (
+                attention_mask is not None):
+            raise NotImplementedError(f"attention (sdpa backend): attn_mask_type {kind.name}"
+                                      f"{' with an attention_mask tensor' if attention_mask is not None else ''}; "
+                                      "it runs causal (top-left) or unmasked attention only")
+        causal = kind != AttnMaskType.no_mask
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, packed_seq_params, causal)
         s, b, nh, d = query.shape

@@ -46,3 +46,21 @@ def test_sample_bounds_are_read_once_per_cu_tensor():
     first[1] = 7  # not read again: the values come from the first call
     assert _sample_bounds(first) == [0, 50, 140, 170]
     assert _sample_bounds(packed_params([20, 10]).cu_seqlens_q) == [0, 20, 30]
+
+
+def test_mask_kinds_the_sdpa_backend_cannot_run_are_refused(cpu_parallel_state):
+    """padding_causal (TE's name for causal over packed sequences) ran as no mask at all: bidirectional attention."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=64)).eval()
+    attention = model.decoder.layers[0].self_attention.core_attention
+    q = torch.randn(16, 1, 4, 16)
+    kv = torch.randn(16, 1, 2, 16)
+    causal = attention(q, kv, kv, attn_mask_type=AttnMaskType.causal)
+    torch.testing.assert_close(attention(q, kv, kv, attn_mask_type=AttnMaskType.padding_causal), causal)
+    assert (attention(q, kv, kv, attn_mask_type=AttnMaskType.no_mask) - causal).abs().max() > 1e-3
+    for kind in (AttnMaskType.causal_bottom_right, AttnMaskType.arbitrary, AttnMaskType.padding):
+        with pytest.raises(NotImplementedError, match=f"attn_mask_type {kind.name}"):
+            attention(q, kv, kv, attn_mask_type=kind)
+    with pytest.raises(NotImplementedError, match="with an attention_mask tensor"):
+        attention(q, kv, kv, attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
