@@ -59,18 +59,27 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron-Core warns at import about optional GPU libraries; irrelevant to data preparation.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     from megatron_ext.data import DataError, prepare_cpt, prepare_sft
+    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
     common = dict(seed=args.seed, force=args.force, progress=not args.quiet)
     try:
-        if args.cmd == "cpt":
-            prepare_cpt(args.input, args.tokenizer, args.output, text_field=args.text_field,
-                        source_field=args.source_field, separator=args.separator, upsample=args.upsample,
-                        max_tokens=args.max_tokens, seq_length=args.seq_length, **common)
-        else:
-            prepare_sft(args.input, args.tokenizer, args.output, args.seq_length,
-                        messages_field=args.messages_field, chat_template=args.chat_template, **common)
+        # scancel / kill send SIGTERM: run the Ctrl-C cleanup (atomic_outputs removes the PREFIX.*.tmpPID files,
+        # corpus-sized at scale)
+        with sigterm_as_interrupt():
+            if args.cmd == "cpt":
+                prepare_cpt(args.input, args.tokenizer, args.output, text_field=args.text_field,
+                            source_field=args.source_field, separator=args.separator, upsample=args.upsample,
+                            max_tokens=args.max_tokens, seq_length=args.seq_length, **common)
+            else:
+                prepare_sft(args.input, args.tokenizer, args.output, args.seq_length,
+                            messages_field=args.messages_field, chat_template=args.chat_template, **common)
     except DataError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"error: interrupted ({how}); the unfinished output was removed (--output {args.output} is written "
+              "only by a complete run)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     return 0
 
 

@@ -24,9 +24,10 @@ SFT chat data (records with a `messages` list of {role, content})::
         --seq-length 8192 [--chat-template llama3.1 | tokenizer | FILE.jinja]
 
   writes data/sft.bin/.idx (tokens), data/sft_lossmask.bin/.idx (uint8, 1 on assistant tokens)
-  and data/sft.json. Samples without an assistant turn, longer than --seq-length, or malformed
-  (with the built-in llama3.1 template: a role other than system/user/assistant/tool/ipython) are
-  dropped and counted.
+  and data/sft.json. The built-in llama3.1 template needs a tokenizer with Llama-3's
+  `<|start_header_id|>`/`<|end_header_id|>`/`<|eot_id|>` tokens (refused otherwise). Samples
+  without an assistant turn, longer than --seq-length, or malformed (with the built-in llama3.1
+  template: a role other than system/user/assistant/tool/ipython) are dropped and counted.
 
 Reading (trainer side)::
 

@@ -46,13 +46,25 @@ LLAMA31_CHAT_TEMPLATE = (
 )
 
 
-def resolve_chat_template(spec: str, tokenizer: Any) -> str:
+# The control tokens the built-in template writes: each must be one token of the tokenizer, or the rendered
+# markers become ~10 ordinary text tokens each and the model never sees (nor learns to emit) an end of turn.
+LLAMA31_MARKERS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def resolve_chat_template(spec: str, tokenizer: Any, tokenizer_name: str = "") -> str:
     """`llama3.1` -> the built-in template; `tokenizer` -> the tokenizer's own; else a Jinja file path.
 
     DataError (naming --chat-template and the file) for an empty file, a Jinja syntax error or a template
-    that renders a conversation as nothing.
+    that renders a conversation as nothing; for `llama3.1`, when the tokenizer (`tokenizer_name`, for the
+    message) lacks Llama-3's header and end-of-turn tokens.
     """
     if spec == "llama3.1":
+        missing = [m for m in LLAMA31_MARKERS if len(tokenizer.encode(m, add_special_tokens=False)) != 1]
+        if missing:
+            raise DataError(f"--chat-template llama3.1: tokenizer {tokenizer_name or 'given'} has no "
+                            f"{' / '.join(missing)} token{'s' if len(missing) > 1 else ''} (the template's "
+                            "markers would be split into ordinary text tokens); use the Llama-3.1 tokenizer, or "
+                            "--chat-template tokenizer / FILE.jinja")
         return LLAMA31_CHAT_TEMPLATE
     if spec == "tokenizer":
         if not getattr(tokenizer, "chat_template", None):

@@ -136,7 +136,8 @@ def separator_ids(tok: Any, separator: str) -> tuple[list[int], list[int]]:
         return [bos], [eos]
     ids = tok.backend_tokenizer.encode(separator, add_special_tokens=False).ids
     if not ids:
-        raise DataError(f"--separator {separator!r}: encodes to no tokens")
+        raise DataError(f"--separator {separator!r}: encodes to no tokens; for no separator between documents "
+                        "pass --separator none, else give text (default '<s>') or bos-eos")
     return [], ids
 
 

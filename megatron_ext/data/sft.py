@@ -71,7 +71,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     check_inputs(inputs)
     check_outputs(output, force, with_lossmask=True)
     tok = load_tokenizer(tokenizer)
-    template = resolve_chat_template(chat_template, tok)
+    template = resolve_chat_template(chat_template, tok, tokenizer)
     vocab_size = len(tok)
     dtype = token_dtype(vocab_size)
     stats = ReadStats()

@@ -2,7 +2,8 @@
 
 An input SRC is
 - an existing file: `.jsonl`/`.json` (one JSON object per line), `.parquet`, `.txt` (one document
-  per line); `.gz` variants of jsonl/txt are read through gzip;
+  per line); `.gz` variants of jsonl/txt are read through gzip (a name and first bytes that
+  disagree about gzip, or gzip data cut short, is a DataError naming the file);
 - an existing folder, or anything else shaped like a hub name (`[owner/]name`, optionally
   `[owner/]name:split`): opened with `datasets.load_dataset(..., streaming=True)`, so nothing is
   downloaded up front and memory stays bounded.
@@ -19,6 +20,7 @@ import gzip
 import json
 import logging
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,16 +105,53 @@ def check_inputs(inputs: list[str]) -> None:
         if p.is_file():
             if not src.endswith(_LOCAL):
                 raise DataError(f"--input {src}: unsupported file type; use one of {', '.join(_LOCAL)}")
+            if not src.endswith(".parquet"):
+                _check_compression(src)
         elif not p.exists():
             looks_local = src.endswith(_LOCAL) or src.startswith((".", "/", "~")) or src.count("/") > 1
             if looks_local:
                 raise DataError(f"--input {src}: file not found")
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _check_compression(src: str) -> None:
+    """DataError when a text input's name and its first bytes disagree about gzip: a `.gz` name on plain text
+    (gzip refused it with a traceback), or gzip data under a plain name (every line was skipped as non-UTF-8)."""
+    try:
+        with open(src, "rb") as f:
+            head = f.read(2)
+    except OSError as e:
+        raise DataError(f"--input {src}: cannot read it ({e.strerror or e}); check the path and its permissions") \
+            from None
+    if src.endswith(".gz") and head and head != _GZIP_MAGIC:
+        plain = src[: -len(".gz")]
+        raise DataError(f"--input {src}: not gzip data (it starts with {head!r}, not the gzip bytes 1f 8b); if it "
+                        f"is plain text, rename it to {Path(plain).name} (or compress it: gzip -c {plain} > {src})")
+    if not src.endswith(".gz") and head == _GZIP_MAGIC:
+        raise DataError(f"--input {src}: is gzip-compressed (it starts with the gzip bytes 1f 8b), but its name "
+                        f"says plain text; rename it to {Path(src).name}.gz (or decompress it: gunzip -c)")
+
+
 def _lines(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
+    gz = path.name.endswith(".gz")
+    n = 0
+    with (gzip.open if gz else open)(path, "rb") as f:
+        lines = enumerate(f, 1)
+        while True:
+            try:
+                n, raw = next(lines)
+            except StopIteration:
+                return
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # only a .gz input raises these
+                if not gz:
+                    raise
+                where = f"after line {n}" if n else "before its first line"
+                kind = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__
+                raise DataError(f"--input {path}: gzip data cut short or corrupt {where} ({kind}: {e}); "
+                                f"copy or download the file again (`gzip -t {path}` tells whether it is whole)") \
+                    from None
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -232,12 +271,15 @@ def _first_bad_json_line(folder: Path) -> str | None:
     A file that is one JSON document (an array, a pretty-printed object) is fine: `datasets` reads those whole."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(_JSON)):
         opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rb") as f:
-            bad = next((n for n, raw in enumerate(f, 1) if raw.strip() and not _parses(raw)), None)
-        if bad is not None:
+        try:
             with opener(path, "rb") as f:
-                if not _parses(f.read()):
-                    return f"{path}:{bad}"
+                bad = next((n for n, raw in enumerate(f, 1) if raw.strip() and not _parses(raw)), None)
+            if bad is not None:
+                with opener(path, "rb") as f:
+                    if not _parses(f.read()):
+                        return f"{path}:{bad}"
+        except (EOFError, OSError, zlib.error):  # a .gz that is not gzip data, or cut short: not a JSON matter
+            continue
     return None
 
 

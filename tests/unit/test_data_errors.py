@@ -440,3 +440,105 @@ def test_sft_conversations_that_would_train_nothing_useful_are_skipped(tmp_path,
     assert _messages_problem(good["messages"], "messages", "llama3.1") is None
     surrogate = [{"role": "user", "content": "a \ud800"}, {"role": "assistant", "content": "b"}]  # valid JSON
     assert _messages_problem(surrogate, "messages", "llama3.1") == "message 1 holds a lone surrogate, no UTF-8 text"
+
+
+def _tokenizer_without_llama3_tokens(out: Path) -> Path:
+    """A byte-level BPE like the toy one, but with other special tokens (<s>, </s>): Llama-3's header and
+    end-of-turn markers are not tokens of its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([d["text"] for d in toy.synthetic_corpus(30, seed=0)], trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(str(out))
+    return out
+
+
+def test_sft_llama31_template_needs_llama3_tokens(tmp_path, tok_dir):
+    """With the default --chat-template llama3.1 and a tokenizer lacking <|start_header_id|>, <|end_header_id|>
+    and <|eot_id|>, sft wrote data in which each marker was ~10 text tokens and no end-of-turn token existed."""
+    other = _tokenizer_without_llama3_tokens(tmp_path / "tok_plain")
+    chats = toy.write_jsonl(tmp_path / "chats.jsonl", toy.synthetic_chats(4, seed=0))
+    base = ["sft", "--input", str(chats), "--output", str(tmp_path / "out"), "--seq-length", "1024", "--quiet"]
+    assert _fail(base + ["--tokenizer", str(other)]) == (
+        f"error: --chat-template llama3.1: tokenizer {other} has no <|start_header_id|> / <|end_header_id|> / "
+        "<|eot_id|> tokens (the template's markers would be split into ordinary text tokens); use the Llama-3.1 "
+        "tokenizer, or --chat-template tokenizer / FILE.jinja")
+    assert _left(tmp_path) == []
+    # the toy tokenizer has Llama-3's special tokens: accepted
+    assert prepare_data.main(base + ["--tokenizer", str(tok_dir)]) == 0
+
+
+def test_gzip_inputs_whose_name_and_bytes_disagree(tmp_path, tok_dir, corpus):
+    """Plain text named .jsonl.gz died with a gzip.BadGzipFile traceback, a cut .jsonl.gz with an EOFError one, and
+    gzip data named .jsonl was read as 'empty corpus ... N non-UTF-8' lines: one line naming the file and fix now."""
+    import gzip
+
+    base = ["--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    chats = toy.write_jsonl(tmp_path / "in" / "chats.jsonl", toy.synthetic_chats(20, seed=0))
+    for kind, source in ((["cpt"], corpus), (["sft", "--seq-length", "256"], chats)):
+        plain = tmp_path / "x.jsonl.gz"
+        plain.write_bytes(source.read_bytes())
+        packed = gzip.compress(source.read_bytes())
+        cut = tmp_path / "cut.jsonl.gz"
+        cut.write_bytes(packed[: len(packed) // 2])
+        named_plain = tmp_path / "g.jsonl"
+        named_plain.write_bytes(packed)
+        assert _fail(kind + base + ["--input", str(plain)]) == (
+            f"error: --input {plain}: not gzip data (it starts with b'{{\"', not the gzip bytes 1f 8b); if it is "
+            f"plain text, rename it to x.jsonl (or compress it: gzip -c {tmp_path / 'x.jsonl'} > {plain})")
+        msg = _fail(kind + base + ["--input", str(cut)])
+        assert msg.startswith(f"error: --input {cut}: gzip data cut short or corrupt after line ") and msg.endswith(
+            "(EOFError: Compressed file ended before the end-of-stream marker was reached); copy or download the "
+            f"file again (`gzip -t {cut}` tells whether it is whole)"), msg
+        assert _fail(kind + base + ["--input", str(named_plain)]) == (
+            f"error: --input {named_plain}: is gzip-compressed (it starts with the gzip bytes 1f 8b), but its name "
+            "says plain text; rename it to g.jsonl.gz (or decompress it: gunzip -c)")
+    assert _left(tmp_path) == []
+    good = tmp_path / "good.jsonl.gz"  # a whole one is read as before
+    good.write_bytes(gzip.compress(corpus.read_bytes()))
+    assert prepare_data.main(["cpt"] + base + ["--input", str(good)]) == 0
+
+
+def test_empty_separator_suggests_none(tmp_path, tok_dir, corpus):
+    argv = ["cpt", "--input", str(corpus), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    assert _fail(argv + ["--separator", ""]) == (
+        "error: --separator '': encodes to no tokens; for no separator between documents pass --separator none, "
+        "else give text (default '<s>') or bos-eos")
+    assert "'none'" in prepare_data._parser()._subparsers._group_actions[0].choices["cpt"].format_help()
+    assert _left(tmp_path) == []
+
+
+def test_sigterm_removes_the_temporary_files(tmp_path, tok_dir):
+    """`kill` / `scancel` (SIGTERM) left OUT.bin.tmpPID behind (corpus-sized at scale); Ctrl-C's cleanup runs now,
+    and the command ends with one `error:` line and exit 143."""
+    import signal
+    import time
+
+    docs = list(toy.synthetic_corpus(300, seed=3))
+    big = toy.write_jsonl(tmp_path / "big.jsonl", (dict(d, id=i) for i in range(12) for d in docs))  # ~7 MB
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "prepare_data.py"), "cpt", "--input", str(big),
+                             "--tokenizer", str(tok_dir), "--output", str(out), "--workers", "1", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tmp = Path(f"{out}.bin.tmp{proc.pid}")
+        deadline = time.time() + 120
+        while not (tmp.exists() and tmp.stat().st_size > 0):  # tokens are being written
+            assert proc.poll() is None, f"prepare_data ended before writing: {proc.communicate()}"
+            assert time.time() < deadline, f"{tmp} was not written"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert err.splitlines() == [f"error: interrupted (SIGTERM); the unfinished output was removed (--output {out} "
+                                "is written only by a complete run)"], err
+    assert _left(tmp_path) == []
