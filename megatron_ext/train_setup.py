@@ -40,7 +40,7 @@ def check_setup(recipe: Recipe) -> None:
     if tok is not None and (tok.startswith((".", "/", "~")) or tok.count("/") > 1) and not Path(tok).expanduser().is_dir():
         # a path, not a hub name: the checkpoint records it for the export and the evaluation, which would not find it
         raise RecipeError(f"model.tokenizer = {tok!r}: no such folder; give the model's tokenizer folder or hub name")
-    largest = _largest_token_id(Path(tok).expanduser() / "tokenizer.json") if tok is not None else None
+    largest = _largest_token_id(_tokenizer_json(tok))
     if largest is not None and largest >= recipe.model.vocab_size:
         # the checkpoint records it: the export ships it and evaluation fails on its first id beyond the embedding
         raise RecipeError(f"model.tokenizer = {tok!r} makes token ids up to {largest}, but model.vocab_size = "
@@ -188,35 +188,56 @@ def check_data(recipe: Recipe) -> None:
     """Every `data.prefix` is a complete dataset of this stage's kind with no token id beyond model.vocab_size
     (RecipeError naming the prefix and the fix). Reads each manifest and index with numpy alone."""
     from megatron_ext.data import DataError
+    from megatron_ext.data.common import vocabulary_hash
     from megatron_ext.data.dataset_files import (check_complete, check_sft_masks, check_token_ids, missing_file,
                                                  read_manifest)
 
     if recipe.data.prefix is None:
         raise RecipeError("data.prefix: missing; set the indexed dataset prefix written by tools/prepare_data.py")
+    try:  # a local model.tokenizer (a hub name is not fetched here); manifests since 2026-12 record the data's
+        vocabulary = vocabulary_hash(_tokenizer_json(recipe.model.tokenizer))
+    except (TypeError, KeyError):
+        vocabulary = None
     for prefix in recipe.data.prefixes:
         for suffix in (".bin", ".idx"):
             if not Path(prefix + suffix).is_file():
                 raise RecipeError(f"data.prefix = {prefix!r}: {missing_file(prefix, suffix)}")
         try:
-            check_token_ids(prefix, read_manifest(prefix, recipe.train.stage), recipe.model.vocab_size)
+            manifest = read_manifest(prefix, recipe.train.stage)
+            if vocabulary and manifest.get("vocabulary_hash", vocabulary) != vocabulary:
+                # the run would learn one tokenizer's ids while the checkpoint records (and the export ships) the other
+                raise RecipeError(f"data.prefix = {prefix!r} was tokenized with {manifest.get('tokenizer')!r}, whose "
+                                  f"vocabulary is not that of model.tokenizer = {recipe.model.tokenizer!r}: set "
+                                  "model.tokenizer to the data's tokenizer, or prepare the data again with this one")
+            check_token_ids(prefix, manifest, recipe.model.vocab_size)
             # a truncated .bin/.idx (or SFT loss mask) fails here, not mid-training
             check_sft_masks(prefix) if recipe.train.stage == "sft" else check_complete(prefix)
         except DataError as e:
             raise RecipeError(str(e)) from None
 
 
-def _largest_token_id(tokenizer_json: Path) -> int | None:
-    """The largest id a fast tokenizer's `tokenizer.json` makes (its model's vocabulary and added tokens), read
-    without transformers; None when there is no such file or it is not of that form."""
+def _tokenizer_json(tokenizer: str | None) -> dict | None:
+    """The parsed `tokenizer.json` of a local tokenizer folder (read without transformers); None for a hub name,
+    a folder without one, or a file that is not JSON."""
     import json
 
+    if tokenizer is None:
+        return None
     try:
-        data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+        return json.loads((Path(tokenizer).expanduser() / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _largest_token_id(data: dict | None) -> int | None:
+    """The largest id a fast tokenizer's `tokenizer.json` (parsed) makes (its model's vocabulary and added tokens);
+    None when it is not of that form."""
+    try:
         vocab = data["model"]["vocab"]
         ids = [len(vocab) - 1] if isinstance(vocab, list) else list(vocab.values())
         ids += [t["id"] for t in data.get("added_tokens") or []]
         return max(int(i) for i in ids) if ids else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None
 
 

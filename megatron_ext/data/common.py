@@ -47,6 +47,19 @@ def tokenizer_hash(tok: Any) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def vocabulary_hash(tokenizer_json: dict) -> str:
+    """sha256 of a tokenizer's vocabulary (`model.vocab` of its tokenizer.json form): the same whether read from
+    the file or from the tokenizer transformers loaded from it (which may add tokens and change the post-processor,
+    so `tokenizer_hash` of the two can differ), and different for another tokenizer family."""
+    text = json.dumps(tokenizer_json["model"]["vocab"], sort_keys=True, ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenizer_vocabulary_hash(tok: Any) -> str:
+    """`vocabulary_hash` of a loaded (fast) tokenizer."""
+    return vocabulary_hash(json.loads(tok.backend_tokenizer.to_str()))
+
+
 def token_dtype(vocab_size: int) -> type:
     """uint16 when every id fits (halves the .bin), else int32 (Llama-3: 128,256 ids)."""
     return np.uint16 if vocab_size <= 65536 else np.int32

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
-                                      load_tokenizer, token_dtype, tokenizer_hash, write_json)
+                                      load_tokenizer, token_dtype, tokenizer_hash, tokenizer_vocabulary_hash,
+                                      write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, input_name, iter_texts
 
 _MASK64 = (1 << 64) - 1
@@ -217,6 +218,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     check_outputs(output, force)
     tok = load_tokenizer(tokenizer)
     tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup
+    vocab_hash = tokenizer_vocabulary_hash(tok)
     pre, post = separator_ids(tok, separator)
     backend = tok.backend_tokenizer
     # A document's own text is text: a web page quoting "<|eot_id|>" or "<|begin_of_text|>" must not train the
@@ -296,7 +298,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
                         "not_object_lines": stats.not_object, "empty_documents": stats.empty},
             "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "max_token_id": max_id, "tokenizer": tokenizer,
-            "tokenizer_hash": tok_hash, "separator": separator,
+            "tokenizer_hash": tok_hash, "vocabulary_hash": vocab_hash, "separator": separator,
             "separator_ids": {"prefix": pre, "suffix": post},
             "settings": {"inputs": list(inputs), "text_field": text_field, "source_field": source_field,
                          "upsample": upsample, "max_tokens": max_tokens, "seed": seed},

@@ -21,7 +21,8 @@ import numpy as np
 
 from megatron_ext.data.chat import LLAMA31_ROLES, resolve_chat_template, tokenize_chat
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
-                                      load_tokenizer, token_dtype, tokenizer_hash, write_json)
+                                      load_tokenizer, token_dtype, tokenizer_hash, tokenizer_vocabulary_hash,
+                                      write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, get_field, iter_rows
 
 
@@ -148,7 +149,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                         "not_object_lines": stats.not_object},
             "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokenizer": tokenizer,
             "max_token_id": max(max_id, _pad_id(tok)),  # the loader pads samples with pad_id
-            "tokenizer_hash": tokenizer_hash(tok), "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
+            "tokenizer_hash": tokenizer_hash(tok), "vocabulary_hash": tokenizer_vocabulary_hash(tok),
+            "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
             "settings": {"inputs": list(inputs), "messages_field": messages_field, "chat_template": chat_template,
                          "seed": seed},
         }

@@ -294,3 +294,16 @@ def test_sft_conversations_longer_than_the_sequence_are_warned(tmp_path, sft_dat
     longer = int((lengths > short).sum())
     assert warning.startswith(f"{longer:,} of {lengths.size:,} conversations") and "are left out" in warning
     assert f"longer than train.seq_length = {short:,}" in warning and warning in setup_warnings(at(short))
+
+
+def test_data_of_another_tokenizer_than_model_tokenizer_is_refused(tmp_path, token_data, toy_tokenizer):
+    """Data prepared with one tokenizer and model.tokenizer another: the run trained, its checkpoint recorded (and the
+    export shipped) the other tokenizer. The manifest's vocabulary fingerprint is compared with model.tokenizer's."""
+    from megatron_ext.data.toy import build_toy_tokenizer
+
+    check_setup(recipe(tmp_path / "run", token_data, f"model.tokenizer={toy_tokenizer}"))  # the data's own
+    other = build_toy_tokenizer(tmp_path / "tok300", vocab_size=300)
+    with pytest.raises(RecipeError, match=rf"data\.prefix = '{token_data}' was tokenized with '{toy_tokenizer}', whose "
+                                          rf"vocabulary is not that of model\.tokenizer = '{other}': set model\.tokenizer "
+                                          r"to the data's tokenizer, or prepare the data again with this one"):
+        check_setup(recipe(tmp_path / "run", token_data, f"model.tokenizer={other}"))
