@@ -3,7 +3,8 @@
 
     python tools/convert.py to-megatron --hf HF_DIR --out MEGATRON_DIR [--dtype bf16|fp32] [--verify]
     python tools/convert.py to-hf --megatron MEGATRON_DIR --out HF_DIR [--iteration N]
-        [--rope-preset ultralong-1m|ultralong-2m|ultralong-4m | --max-position-embeddings N] [--verify]
+        [--rope-preset ultralong-1m|ultralong-2m|ultralong-4m [--rope-preset-differs-ok] | --max-position-embeddings N]
+        [--verify]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _convert(args, to_megatron, to_hf) -> dict:
                            tolerance=args.tolerance, progress=not args.no_progress)
     return to_hf(args.megatron, args.out, iteration=args.iteration, rope_preset=args.rope_preset,
                  max_position_embeddings=args.max_position_embeddings, dtype=args.dtype,
+                 rope_differs_ok=args.rope_preset_differs_ok,
                  tokenizer=args.tokenizer, verify=args.verify, force=args.force, tolerance=args.tolerance,
                  max_shard_bytes=int(args.max_shard_size_gb * 2**30), progress=not args.no_progress)
 
@@ -48,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint root (holds iter_* folders; the latest is read) or one iter_* folder")
     b.add_argument("--out", required=True, type=Path, help="HF folder to create")
     b.add_argument("--iteration", type=int, help="default: latest_checkpointed_iteration.txt")
-    b.add_argument("--rope-preset", choices=sorted(ROPE_PRESETS), help="UltraLong YaRN rope + context length")
+    b.add_argument("--rope-preset", choices=sorted(ROPE_PRESETS), help="UltraLong YaRN rope + context length: the "
+                   "rope the checkpoint was trained with (another one is refused, see --rope-preset-differs-ok)")
+    b.add_argument("--rope-preset-differs-ok", action="store_true", help="export --rope-preset's rope although the "
+                   "checkpoint was trained with another (e.g. a base model with an UltraLong rope, to evaluate it "
+                   "untrained); --verify then checks the weights under the exported rope")
     b.add_argument("--max-position-embeddings", type=int, help="context length to declare (trained length)")
     b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="output dtype (default: the source model's)")
     b.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the one the checkpoint records); an "
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in (a, b):
         p.add_argument("--verify", action="store_true", help="compare HF and Megatron logits (fp32) and fail if off")
         p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| for --verify")
-        p.add_argument("--force", action="store_true", help="replace --out if it exists")
+        p.add_argument("--force", action="store_true", help="replace --out if it is an earlier output of this "
+                       "command (or empty); any other folder is refused")
         p.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     # also refused: a positive size that rounds to 0 bytes, nan (every comparison is false) and inf

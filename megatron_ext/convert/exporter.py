@@ -21,10 +21,11 @@ from megatron_ext.convert.hf_io import (
     export_config,
     folder_generation_defaults,
     generation_config,
+    is_hf_model_folder,
     tokenizer_files,
 )
 from megatron_ext.convert.dist_reader import TorchDistReader
-from megatron_ext.convert.staging import check_separate, peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import check_out, check_separate, peak_rss_bytes, staged_output
 from megatron_ext.hf_config import normalize_hf_config
 
 # Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
@@ -68,6 +69,18 @@ def check_stored(reader: TorchDistReader, cfg: dict, path: Path) -> None:
                                f"{list(shape)}; the metadata does not describe these weights")
 
 
+def _check_tokenizer(tokenizer: str | Path | None) -> None:
+    """--tokenizer names a folder with tokenizer files."""
+    if tokenizer is None:
+        return
+    tokenizer = Path(tokenizer)
+    if tokenizer.is_file():
+        raise ConvertError(f"--tokenizer {tokenizer} is a file; give its folder: --tokenizer {tokenizer.parent}")
+    if not tokenizer_files(tokenizer):
+        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); give the "
+                           "folder of the model's tokenizer, or leave --tokenizer out for the one recorded at import")
+
+
 def _rope_of(cfg: dict) -> tuple:
     """What the rope computes, with transformers' defaults filled in (an implicit and an explicit
     original_max_position_embeddings of the same value are the same rope)."""
@@ -80,8 +93,15 @@ def _rope_of(cfg: dict) -> tuple:
 def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = None, rope_preset: str | None = None,
           max_position_embeddings: int | None = None, dtype: str | None = None, tokenizer: str | Path | None = None,
           verify: bool = False, force: bool = False, tolerance: float = 1e-4, max_shard_bytes: int = 5 * 2**30,
-          progress: bool = True) -> dict:
-    """Export a Megatron checkpoint root to an HF Llama folder `out`. Returns a report dict."""
+          progress: bool = True, rope_differs_ok: bool | None = None) -> dict:
+    """Export a Megatron checkpoint root to an HF Llama folder `out`. Returns a report dict.
+
+    A `rope_preset` whose rope differs from the one the checkpoint was trained with: with `rope_differs_ok=False`
+    (tools/convert.py without --rope-preset-differs-ok) a ConvertError naming both, before anything is written;
+    True exports it (`--verify` then checks the weights under the exported rope); None (the default of library
+    callers) exports it and, like True, reports it as `rope_changed`, but `--verify` compares with the
+    checkpoint's own rope (and fails, the logits differing).
+    """
     from tqdm import tqdm
 
     from megatron_ext.checkpoint_index import CheckpointError
@@ -93,10 +113,16 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         raise ConvertError("pass either --rope-preset or --max-position-embeddings, not both")
     if max_shard_bytes < 1:
         raise ConvertError(f"max_shard_bytes = {max_shard_bytes}: must be positive (--max-shard-size-gb, e.g. 5)")
+    if iteration is not None and (isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0):
+        raise ConvertError(f"--iteration {iteration}: an iteration is a training step number >= 0 (the N of the "
+                           "checkpoint's iter_N folders); leave it out for the latest")
     check_separate(out, Path(megatron_dir), "--megatron")
-    if tokenizer is not None and not tokenizer_files(Path(tokenizer)):
-        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); give the "
-                           "folder of the model's tokenizer, or leave --tokenizer out for the one recorded at import")
+    _check_tokenizer(tokenizer)
+    if is_hf_model_folder(Path(megatron_dir)):
+        raise ConvertError(f"--megatron {megatron_dir} is a Hugging Face model folder (config.json), not a Megatron "
+                           f"checkpoint; to convert it: python tools/convert.py to-megatron --hf {megatron_dir} "
+                           "--out CKPT_DIR")
+    check_out(out, force, "hf")
     try:
         iteration, path = resolve_iteration_dir(megatron_dir, iteration)
         meta = read_metadata(path)
@@ -113,6 +139,17 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     else:
         target = DTYPES.get((meta.get("source") or {}).get("dtype", ""), reader.dtype("embedding.word_embeddings.weight"))
     hf_cfg = export_config(cfg, target, rope_preset, max_position_embeddings)
+    rope_changed = None
+    if _rope_of(hf_cfg) != _rope_of(cfg):  # only --rope-preset changes it (--max-position-embeddings keeps it)
+        rope_changed = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs from the "
+                        f"checkpoint's {cfg['rope_scaling']} (theta {cfg['rope_theta']})")
+        if rope_differs_ok is False and rope_preset is not None:
+            raise ConvertError(f"--rope-preset {rope_preset}: its rope {hf_cfg['rope_scaling']} (theta "
+                               f"{hf_cfg['rope_theta']}) differs from the rope {path} was trained with "
+                               f"{cfg['rope_scaling']} (theta {cfg['rope_theta']}), which its weights know; leave "
+                               "--rope-preset out to export the checkpoint's own rope, or pass "
+                               "--rope-preset-differs-ok to declare this one anyway (e.g. to evaluate a base model "
+                               "with an UltraLong rope it was not trained with)")
 
     table = mapping.entries(cfg["tie_word_embeddings"])
     head = [e for e in table if not e.per_layer and e.megatron.startswith("embedding")]
@@ -120,7 +157,7 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     per_layer = [e for e in table if e.per_layer]
     steps = [(head, None)] + [(per_layer, i) for i in range(cfg["num_hidden_layers"])] + [(tail, None)]
     written: list[str] = []
-    with staged_output(out, force) as tmp:
+    with staged_output(out, force, "hf") as tmp:
         shapes = mapping.hf_shapes(cfg)
         plan = [(n, shapes[n], target) for group, layer in steps for e in group for n in e.hf_names(layer)]
         writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
@@ -151,9 +188,8 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         copied = copy_tokenizer(tok_dir, tmp)
         report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": dtype_name(target),
                   "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
-        if _rope_of(hf_cfg) != _rope_of(cfg):
-            report["rope_changed"] = (f"exported rope {hf_cfg['rope_scaling']} (theta {hf_cfg['rope_theta']}) differs "
-                                      f"from the checkpoint's {cfg['rope_scaling']} (theta {cfg['rope_theta']})")
+        if rope_changed:
+            report["rope_changed"] = rope_changed
         warnings = [] if copied else [f"no tokenizer files copied (tokenizer location {tok_dir}); pass --tokenizer "
                                       "DIR to include them"]
         if hf_cfg.get("eos_token_id") is None and gen.get("eos_token_id") is None:
@@ -165,11 +201,16 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         if verify:
             from megatron_ext.convert.verify import check_rope_far_out, compare_logits
 
-            # the oracle is the checkpoint rounded to the exported dtype (every HF tensor is written in it)
-            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration, round_megatron=target)
+            # the oracle is the checkpoint rounded to the exported dtype (every HF tensor is written in it); with a
+            # rope changed on purpose, our model built with the exported rope (the check is of the weights)
+            under = hf_cfg if rope_changed and rope_differs_ok else None
+            report["max_abs_logit_diff"] = diff = compare_logits(tmp, megatron_dir, iteration, round_megatron=target,
+                                                                 megatron_hf_config=under)
             if diff > tolerance:
+                why = f" ({rope_changed}: pass --rope-preset-differs-ok to verify the weights under it)" \
+                    if rope_changed else ""
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g} between the "
-                                   f"exported model and {path}; nothing written")
-            report["rope_checked_at"] = check_rope_far_out(tmp, cfg, "the exported config")
+                                   f"exported model and {path}{why}; nothing written")
+            report["rope_checked_at"] = check_rope_far_out(tmp, under or cfg, "the exported config")
     report.update(seconds=round(time.time() - start, 2), peak_rss_bytes=peak_rss_bytes())
     return report

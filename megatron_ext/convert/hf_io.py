@@ -38,6 +38,9 @@ def read_hf_config(hf_dir: Path) -> dict:
                            + "; give a Hugging Face model folder")
     path = hf_dir / "config.json"
     if not path.is_file():
+        if is_megatron_checkpoint(hf_dir):
+            raise ConvertError(f"--hf {hf_dir} is a Megatron checkpoint (iter_* folders), not a Hugging Face model "
+                               f"folder; to export it: python tools/convert.py to-hf --megatron {hf_dir} --out HF_DIR")
         raise ConvertError(f"--hf {hf_dir}: no config.json; point --hf at a Hugging Face model folder")
     try:
         raw = read_config_json(path)
@@ -45,6 +48,19 @@ def read_hf_config(hf_dir: Path) -> dict:
         raise ConvertError(f"{path}: {e}") from None
     check_llama(raw, str(path))
     return normalize_hf_config(raw)
+
+
+def is_megatron_checkpoint(folder: Path) -> bool:
+    """A Megatron checkpoint root (the latest pointer or iter_* folders) or one iteration folder (our metadata)."""
+    from megatron_ext.checkpoint_index import METADATA_FILE
+    from megatron_ext.checkpoint_layout import LATEST_FILE, available_iterations
+
+    return (folder / LATEST_FILE).is_file() or (folder / METADATA_FILE).is_file() or bool(available_iterations(folder))
+
+
+def is_hf_model_folder(folder: Path) -> bool:
+    """A config.json and no Megatron checkpoint beside it."""
+    return (folder / "config.json").is_file() and not is_megatron_checkpoint(folder)
 
 
 def check_llama(raw: dict, where: str) -> None:

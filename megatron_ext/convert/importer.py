@@ -19,7 +19,13 @@ from megatron_ext.convert.hf_io import (
     source_dtype,
     tokenizer_files,
 )
-from megatron_ext.convert.staging import check_separate, ensure_cpu_process_group, peak_rss_bytes, staged_output
+from megatron_ext.convert.staging import (
+    check_out,
+    check_separate,
+    ensure_cpu_process_group,
+    peak_rss_bytes,
+    staged_output,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -125,6 +131,7 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
                            "integer (128, the default, matches the trainer)")
     check_separate(out, hf_dir, "--hf")
     cfg = read_hf_config(hf_dir)
+    check_out(out, force, "megatron")
     reader = SafetensorsReader(hf_dir)
     check_hf_tensors(reader, cfg)
     target = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype]
@@ -132,7 +139,7 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
         target = torch.float32 if source_dtype(cfg) == torch.float32 else torch.bfloat16
     padded = padded_vocab_size(cfg["vocab_size"], make_vocab_size_divisible_by, 1)
     ensure_cpu_process_group()
-    with staged_output(out, force) as tmp:
+    with staged_output(out, force, "megatron") as tmp:
         precision = "bf16" if target == torch.bfloat16 else "fp32"
         state = build_state(reader, cfg, precision, make_vocab_size_divisible_by, progress)
         gen = hf_dir / GENERATION_CONFIG

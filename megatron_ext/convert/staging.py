@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import resource
 import shutil
 import signal
@@ -28,19 +29,72 @@ def check_separate(out: Path, source: Path, source_flag: str) -> None:
                            "write the output to a separate folder")
 
 
+# What a conversion writes at its --out, by kind: `--force` replaces a folder holding only these (or nothing).
+_MEGATRON = "megatron"
+_HF = "hf"
+_KIND_NAMES = {_MEGATRON: "a Megatron checkpoint", _HF: "a Hugging Face model folder"}
+_OTHER_COMMAND = {_MEGATRON: "to-hf", _HF: "to-megatron"}
+
+
+def _output_kind(name: str, is_dir: bool) -> str | None:
+    """The kind of conversion output a folder entry belongs to (None: no conversion writes it)."""
+    from megatron_ext.checkpoint_layout import LATEST_FILE
+    from megatron_ext.convert.hf_io import GENERATION_CONFIG, TOKENIZER_FILES
+
+    if is_dir:  # iteration folders, and a save that was interrupted
+        return _MEGATRON if re.fullmatch(r"iter_\d+|\.iter_\d+\.partial", name) else None
+    if name == LATEST_FILE:
+        return _MEGATRON
+    if name in ("config.json", GENERATION_CONFIG, "model.safetensors.index.json", *TOKENIZER_FILES) \
+            or name.endswith(".safetensors"):
+        return _HF
+    return None
+
+
+def _listing(names: list[str], most: int = 6) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
+def check_out(out: Path, force: bool, kind: str) -> None:
+    """Refuse an `--out` the conversion may not write: an existing one without `force`; with `force`, anything but
+    an empty folder or a previous output of the same `kind` ("megatron": latest_checkpointed_iteration.txt and
+    iter_* folders; "hf": config.json, *.safetensors, the generation config and tokenizer files). `--force` once
+    deleted whatever folder --out named (notes, data sets, another model)."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConvertError(f"--out {out} is a file, not a folder; choose another path")
+    try:
+        entries = sorted(out.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        raise ConvertError(f"--out {out}: cannot list it ({e.strerror or e}); choose another path") from None
+    kinds = {p.name + ("/" if p.is_dir() else ""): _output_kind(p.name, p.is_dir()) for p in entries}
+    foreign = [name for name, k in kinds.items() if k is None]
+    found = {k for k in kinds.values() if k is not None}
+    if foreign:
+        raise ConvertError(f"--out {out} holds {_listing(foreign)} (not a checkpoint); --force replaces only a "
+                           "previous conversion; give a new --out")
+    if found - {kind}:
+        other = (found - {kind}).pop()
+        raise ConvertError(f"--out {out} is {_KIND_NAMES[other]}, not {_KIND_NAMES[kind]}: --force replaces only a "
+                           f"previous output of this command, not one of {_OTHER_COMMAND[kind]}; give a new --out")
+    if not force:
+        what = "an empty folder" if not entries else _KIND_NAMES[kind]
+        raise ConvertError(f"--out {out} already exists ({what}); choose another path or pass --force to replace it")
+
+
 @contextlib.contextmanager
-def staged_output(out: Path, force: bool) -> Iterator[Path]:
+def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block succeeds.
 
-    An existing `out` is an error unless `force`, and is replaced only after the new one is complete.
-    Any exception, including KeyboardInterrupt (Ctrl-C, and SIGTERM under `sigterm_as_interrupt`),
-    removes the temporary folder: it is as large as the model.
+    An existing `out` is an error unless `force` and it is empty or a previous output of `kind` (`check_out`),
+    and is replaced only after the new one is complete. Any exception, including KeyboardInterrupt (Ctrl-C, and
+    SIGTERM under `sigterm_as_interrupt`), removes the temporary folder: it is as large as the model.
     """
     out = Path(out).absolute()
-    if out.exists() and not force:
-        raise ConvertError(f"--out {out} already exists; choose another path or pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"--out {out} is a file, not a folder; choose another path")
+    check_out(out, force, kind)
     tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

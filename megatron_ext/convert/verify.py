@@ -102,11 +102,12 @@ def random_tokens(vocab_size: int, batch: int = 2, seq_len: int = 32, seed: int 
 
 def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int | None = None, *,
                    round_hf: dict[str, torch.dtype] | None = None, round_megatron: torch.dtype | None = None,
-                   batch: int = 2, seq_len: int = 32, seed: int = 0) -> float:
+                   batch: int = 2, seq_len: int = 32, seed: int = 0, megatron_hf_config: dict | None = None) -> float:
     """Max |logit difference| of the HF folder vs the Megatron checkpoint on random tokens (fp32).
 
     The source side of a conversion is rounded to what the converted side stores: `round_hf`
     (per HF parameter) after an import, `round_megatron` (the exported dtype) after an export.
+    `megatron_hf_config`: build the Megatron model with this config (an export's rope) instead of the checkpoint's.
     """
     import json
 
@@ -116,7 +117,7 @@ def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = random_tokens(vocab, batch, seq_len, seed)
     ref = hf_logits(hf_dir, tokens, round_hf)
-    ours = megatron_logits(megatron_root, tokens, iteration, round_to=round_megatron)
+    ours = megatron_logits(megatron_root, tokens, iteration, hf_config=megatron_hf_config, round_to=round_megatron)
     # NaN compares as no difference at all (nan > tolerance is False): a diverged model would pass
     bad = [what for what, t in (("the Hugging Face model's", ref), ("the Megatron checkpoint's", ours))
            if not torch.isfinite(t).all()]

@@ -30,7 +30,7 @@ from megatron_ext.runtime.signals import sigterm_as_interrupt
 def _model(args):
     """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out, removed
     on errors, Ctrl-C and SIGTERM too), with --tokenizer's tokenizer when given."""
-    from megatron_ext.evaluate.loading import check_vocab, convert_megatron, load_hf, load_tokenizer
+    from megatron_ext.evaluate.loading import check_convertible, check_vocab, convert_megatron, load_hf, load_tokenizer
 
     if args.model is not None:
         given = None
@@ -42,7 +42,9 @@ def _model(args):
                     f"--tokenizer {args.tokenizer}" if given is not None else f"the tokenizer in {args.model}")
         yield model, tokenizer
         return
-    # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds.
+    # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds, and an HF
+    # folder or a missing path before "converting ..." is printed.
+    check_convertible(args.megatron)
     tokenizer = _megatron_tokenizer(args)
     made = args.out is not None and not args.out.exists()
     if args.out is not None:  # beside the results: the same file system, removed with the directory
@@ -108,6 +110,7 @@ def _run_niah(args) -> None:
         return (write_json_atomic(args.out / "results.json", result.to_dict()),
                 plot_niah_heatmap(result, args.out / "heatmap.png", title=args.title))
 
+    _refuse_earlier_results(args, "results.json")
     previous = _previous_grid(args, version) if args.resume else None
     if _megatron_engine(args):
         _run_niah_megatron(args, lengths, depths, save, previous)
@@ -139,6 +142,38 @@ def _megatron_engine(args) -> bool:
         raise EvalError("--tp, --pp, --cp and --no-kv-cache belong to --engine megatron; add it "
                         "(with --megatron CKPT)")
     return False
+
+
+def _refuse_earlier_results(args, name: str) -> None:
+    """An --out that holds results (`name`) of an earlier run, of any model, is refused unless --resume extends them
+    or --force replaces them: they were overwritten without a word, another model's too. ppl (no --resume) refuses
+    another model's ppl.json only: running the same model again makes the same curve anew."""
+    path = args.out / name
+    if getattr(args, "resume", False) or args.force or not path.is_file():
+        return
+    model = str(args.model or args.megatron)
+    try:
+        earlier = json.loads(path.read_text())
+        of = earlier["settings"]["model"]
+    except (OSError, ValueError, TypeError, KeyError):
+        earlier, of = None, None
+    if name == "ppl.json" and of == model:
+        return
+    if earlier is None:
+        what = f"a {name} this command cannot read"
+    else:
+        lengths, cells = earlier.get("lengths"), earlier.get("cells")
+        detail = [f"lengths {', '.join(map(str, lengths))}" if isinstance(lengths, list) and lengths else "",
+                  _count(cells, "cell") if isinstance(cells, list) else "",
+                  _count(earlier["documents"], "document") if isinstance(earlier.get("documents"), int) else ""]
+        what = f"results of {of} ({'; '.join([name, *filter(None, detail)])})"
+    resume = "--resume to extend them, " if name != "ppl.json" else ""
+    raise EvalError(f"--out {args.out} holds {what}; pass {resume}--force to replace them, or another --out")
+
+
+def _count(items, noun: str) -> str:
+    n = items if isinstance(items, int) else len(items)
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _previous_grid(args, version: str | None, name: str = "results.json", kind=None):
@@ -197,6 +232,7 @@ def _run_ruler(args) -> None:
         return (write_json_atomic(args.out / "ruler.json", result.to_dict()),
                 write_text_atomic(args.out / "ruler.md", title + result.table() + "\n"))
 
+    _refuse_earlier_results(args, "ruler.json")
     previous = _previous_grid(args, version, "ruler.json", RulerResult) if args.resume else None
     common = dict(samples=args.samples, seed=args.seed, chat=args.chat, haystack=args.haystack,
                   max_new_tokens=args.max_new_tokens, allow_beyond_max_positions=args.force, previous=previous,
@@ -226,6 +262,7 @@ def _run_ruler(args) -> None:
 def _run_ppl(args) -> None:
     from megatron_ext.evaluate.perplexity import indexed_documents, perplexity_by_position
 
+    _refuse_earlier_results(args, "ppl.json")
     if args.text:
         missing = [f"{t} {not_there(t)}" for t in args.text if not t.is_file()]
         if missing:

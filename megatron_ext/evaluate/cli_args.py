@@ -54,7 +54,7 @@ def parse_depths(spec: str) -> list[float]:
         if len(values) != 3 or values[2] <= 0 or values[1] < values[0]:
             raise EvalError(f"--depths: {spec!r} must be START:END:STEP with START <= END and STEP > 0 (e.g. 0:100:10)")
         lo, hi, step = values
-        depths = [round(x, 6) for x in np.arange(lo, hi + step / 2, step)]
+        depths = [round(float(x), 6) for x in np.arange(lo, hi + step / 2, step)]  # plain floats in messages
     bad = [d for d in depths if not 0 <= d <= 100]
     if bad:
         raise EvalError(f"--depths: {bad} are outside 0..100 (depth is the needle's position in percent of the haystack)")
@@ -119,9 +119,11 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     niah.add_argument("--batch-tokens", type=int, default=65536,
                       help="prompt tokens per batch (batch = this // length); hf engine only")
     _no_kv_cache(niah)
-    niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
+    niah.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings, and "
+                      "replace the results of an earlier run in --out (without --resume)")
     niah.add_argument("--resume", action="store_true", help="keep the cells OUT/results.json already scored (a sweep "
-                      "that was stopped, or more lengths/depths/samples): only the others run")
+                      "that was stopped, or more lengths/depths/samples): only the others run; without it (or "
+                      "--force) an --out with results is refused")
     niah.add_argument("--title", default=None, help="heatmap title")
     ppl = argparse.ArgumentParser(prog="niah.py ppl", description="Loss by token position (log-spaced buckets) over "
                                   "long documents -> ppl.json and ppl.png.")
@@ -135,6 +137,8 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
                      "(default: max_position_embeddings)")
     ppl.add_argument("--per-octave", type=int, default=2, help="buckets per doubling of the position")
     ppl.add_argument("--label", default=None, help="curve label (default: the model directory name)")
+    ppl.add_argument("--force", action="store_true", help="replace another model's ppl.json in --out (the same "
+                     "model's is replaced without it)")
     gen = argparse.ArgumentParser(prog="niah.py generate", description="Greedy answer of the model to a document "
                                   "and a question, printed (and written to OUT/generation.json with --out).")
     _common(gen, out_required=False)
@@ -161,9 +165,10 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
                        "per task: 128 retrieval, 50 vt, 120 cwe, 50 fwe)")
     ruler.add_argument("--batch-tokens", type=int, default=65536, help="prompt tokens per batch; hf engine only")
     _no_kv_cache(ruler)
-    ruler.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings")
+    ruler.add_argument("--force", action="store_true", help="also run lengths above max_position_embeddings, and "
+                       "replace the results of an earlier run in --out (without --resume)")
     ruler.add_argument("--resume", action="store_true", help="keep the cells OUT/ruler.json already scored; only the "
-                       "others run")
+                       "others run; without it (or --force) an --out with results is refused")
     return {"niah": niah, "ppl": ppl, "generate": gen, "ruler": ruler}
 
 

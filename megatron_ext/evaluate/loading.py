@@ -211,8 +211,26 @@ def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
     EvalError when the converter is not part of this installation.
     """
     megatron_dir, out_dir = Path(megatron_dir), Path(out_dir)
-    hint = (f"convert it first with `python tools/convert.py to-hf --megatron {megatron_dir} --out HF_DIR` "
+    script = check_convertible(megatron_dir)
+    cmd = [sys.executable, str(script), "to-hf", "--megatron", str(megatron_dir), "--out", str(out_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise EvalError(f"converting {megatron_dir} to HF failed: {tail[0].removeprefix('error: ')}; "
+                        f"{_convert_hint(megatron_dir)}")
+    return out_dir
+
+
+def _convert_hint(megatron_dir: Path) -> str:
+    return (f"convert it first with `python tools/convert.py to-hf --megatron {megatron_dir} --out HF_DIR` "
             "and pass --model HF_DIR")
+
+
+def check_convertible(megatron_dir: str | Path) -> Path:
+    """EvalError unless `megatron_dir` is a folder that may be a Megatron checkpoint (not a file, not an HF model
+    folder) and the converter is installed; the path of tools/convert.py. Checked before the conversion starts
+    (and before tools/niah.py says it does)."""
+    megatron_dir = Path(megatron_dir)
     if megatron_dir.exists() and not megatron_dir.is_dir():
         raise EvalError(f"--megatron {megatron_dir} is a file, not a Megatron checkpoint folder")
     if not megatron_dir.is_dir():
@@ -222,10 +240,6 @@ def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
                         f"checkpoint: pass --model {megatron_dir}")
     script = ROOT / "tools" / "convert.py"
     if importlib.util.find_spec("megatron_ext.convert") is None or not script.is_file():
-        raise EvalError(f"--megatron needs the converter (megatron_ext.convert), which this installation lacks: {hint}")
-    cmd = [sys.executable, str(script), "to-hf", "--megatron", str(megatron_dir), "--out", str(out_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise EvalError(f"converting {megatron_dir} to HF failed: {tail[0].removeprefix('error: ')}; {hint}")
-    return out_dir
+        raise EvalError("--megatron needs the converter (megatron_ext.convert), which this installation lacks: "
+                        + _convert_hint(megatron_dir))
+    return script

@@ -108,12 +108,50 @@ def test_missing_lm_head_when_untied(src, tmp_path, cpu_parallel_state):
 def test_output_exists_needs_force(src, mcore, tmp_path, cpu_parallel_state):
     out = tmp_path / "o"
     out.mkdir()
-    (out / "keep").write_text("x")
-    fails(["to-megatron", "--hf", str(src), "--out", str(out)], "already exists", "--force")
-    assert (out / "keep").is_file()
+    fails(["to-megatron", "--hf", str(src), "--out", str(out)], "already exists (an empty folder)", "--force")
     fails(["to-hf", "--megatron", str(mcore), "--out", str(out)], "already exists")
     assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(out), "--force", "--no-progress"]) == 0
-    assert not (out / "keep").exists() and (out / "config.json").is_file()
+    assert (out / "config.json").is_file()
+    (out / "config.json").write_text("{}")  # an earlier export: replaced by the new one
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(out)], "already exists (a Hugging Face model folder)")
+    assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(out), "--force", "--no-progress"]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def _tree(folder):
+    return sorted((str(p.relative_to(folder)), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*"))
+
+
+def test_force_replaces_only_a_previous_conversion(src, mcore, tmp_path, cpu_parallel_state):
+    """--force deleted whatever folder --out named (notes, a data set, a sub-folder): now only an earlier output of
+    the same command, or an empty folder, is replaced."""
+    out = tmp_path / "work"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("my notes")
+    (out / "sub/data.bin").write_bytes(b"data")
+    (out / "config.json").write_text("{}")  # beside HF-looking files, other files still make it no export
+    (out / "model.safetensors").write_bytes(b"x")
+    before = _tree(out)
+    for argv in (["to-megatron", "--hf", str(src)], ["to-hf", "--megatron", str(mcore)]):
+        fails([*argv, "--out", str(out), "--force"], f"--out {out} holds notes.txt, sub/ (not a checkpoint); "
+              "--force replaces only a previous conversion; give a new --out")
+        fails([*argv, "--out", str(out)], "holds notes.txt, sub/")
+    assert _tree(out) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".work.")]
+    # a previous output of the other direction is not replaced either
+    hf_out, mc_out = tmp_path / "hf_out", tmp_path / "mc_out"
+    shutil.copytree(src, hf_out)
+    shutil.copytree(mcore, mc_out)
+    fails(["to-megatron", "--hf", str(src), "--out", str(hf_out), "--force"], "is a Hugging Face model folder, not a "
+          "Megatron checkpoint", "not one of to-hf")
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(mc_out), "--force"], "is a Megatron checkpoint, not a "
+          "Hugging Face model folder", "not one of to-megatron")
+    # the same direction's is: a Megatron root replaced by to-megatron, an HF folder by to-hf
+    (mc_out / "iter_0000007").mkdir()
+    assert cli.main(["to-megatron", "--hf", str(src), "--out", str(mc_out), "--force", "--no-progress"]) == 0
+    assert sorted(p.name for p in mc_out.iterdir()) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(hf_out), "--force", "--no-progress"]) == 0
+    assert not (hf_out / "model.safetensors").exists() and (hf_out / "model.safetensors.index.json").is_file()
 
 
 def test_megatron_dir_without_latest(tmp_path, mcore, cpu_parallel_state):
@@ -130,6 +168,44 @@ def test_iteration_that_does_not_exist(tmp_path, mcore, cpu_parallel_state):
     fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--iteration", "7"],
           "no iteration 7", "available: [0]")
     no_leftovers(tmp_path, "o")
+
+
+def test_iteration_must_be_a_step_number(tmp_path, mcore, cpu_parallel_state):
+    msg = fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--iteration", "-1"],
+                "--iteration -1: an iteration is a training step number >= 0")
+    assert "iter_-" not in msg
+    no_leftovers(tmp_path, "o")
+
+
+def test_tokenizer_file_instead_of_its_folder(tmp_path, mcore, src, cpu_parallel_state):
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--tokenizer",
+           str(src / "tokenizer_config.json")], f"--tokenizer {src / 'tokenizer_config.json'} is a file; give its "
+          f"folder: --tokenizer {src}")
+    no_leftovers(tmp_path, "o")
+
+
+def test_the_other_direction_is_suggested(tmp_path, mcore, src, cpu_parallel_state):
+    fails(["to-megatron", "--hf", str(mcore), "--out", str(tmp_path / "o")],
+          f"--hf {mcore} is a Megatron checkpoint", f"tools/convert.py to-hf --megatron {mcore}")
+    fails(["to-megatron", "--hf", str(mcore / "iter_0000000"), "--out", str(tmp_path / "o")], "to-hf --megatron")
+    fails(["to-hf", "--megatron", str(src), "--out", str(tmp_path / "o")],
+          f"--megatron {src} is a Hugging Face model folder", f"tools/convert.py to-megatron --hf {src}")
+    no_leftovers(tmp_path, "o")
+
+
+def test_rope_preset_other_than_the_trained_rope(tmp_path, mcore, cpu_parallel_state):
+    """The tiny checkpoint was trained with llama3 rope: an UltraLong preset declared a rope its weights never saw,
+    with only a warning (and --verify failed as a "logit diff"). It is refused unless opted in; then --verify checks
+    the weights under the exported rope."""
+    msg = fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--rope-preset", "ultralong-1m",
+                 "--verify"], "--rope-preset ultralong-1m: its rope {'rope_type': 'yarn', 'factor': 128.0",
+                "differs from the rope", "{'rope_type': 'llama3'", "--rope-preset-differs-ok")
+    assert "logit diff" not in msg
+    no_leftovers(tmp_path, "o")
+    assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--rope-preset", "ultralong-1m",
+                     "--rope-preset-differs-ok", "--verify", "--no-progress"]) == 0
+    cfg = json.loads((tmp_path / "o/config.json").read_text())
+    assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["max_position_embeddings"] == 2**20
 
 
 def test_rope_preset_and_max_positions_exclusive(tmp_path, mcore, cpu_parallel_state):

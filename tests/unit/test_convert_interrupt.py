@@ -45,7 +45,8 @@ def _wait_for(pattern: str, parent: Path, proc: subprocess.Popen, timeout: float
 def test_sigterm_removes_temporary_output_and_keeps_old_out(direction, src, mcore, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep").write_text("previous conversion")
+    keep = "latest_checkpointed_iteration.txt" if direction == "to-megatron" else "config.json"  # an earlier output
+    (out / keep).write_text("previous conversion")
     source = ["--hf", str(src)] if direction == "to-megatron" else ["--megatron", str(mcore)]
     # --verify keeps the process busy (loading transformers) after the output is written in the temp folder
     cmd = [sys.executable, str(ROOT / "tools/convert.py"), direction, *source, "--out", str(out), "--force",
@@ -62,7 +63,7 @@ def test_sigterm_removes_temporary_output_and_keeps_old_out(direction, src, mcor
     assert lines == [f"error: interrupted (SIGTERM); the unfinished output was removed (--out {out} is replaced "
                      "only by a complete conversion)"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .out.partial-* / .out.old-* left
-    assert sorted(p.name for p in out.iterdir()) == ["keep"]
+    assert sorted(p.name for p in out.iterdir()) == [keep]
 
 
 def _writers_blocked(partial: Path, proc: subprocess.Popen, shards: int = 2) -> None:
@@ -105,7 +106,8 @@ def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
     now they ignore it and the converter kills them, removes its temporary folder and exits 143."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep").write_text("previous conversion")
+    keep = "latest_checkpointed_iteration.txt"  # an earlier output
+    (out / keep).write_text("previous conversion")
     cmd = [sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(src), "--out", str(out),
            "--force", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -123,7 +125,7 @@ def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
     assert lines == [f"error: interrupted (SIGTERM); the unfinished output was removed (--out {out} is replaced "
                      "only by a complete conversion)"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert sorted(p.name for p in out.iterdir()) == ["keep"]
+    assert sorted(p.name for p in out.iterdir()) == [keep]
     deadline = time.time() + 10  # multiprocessing's resource tracker ends when it sees the converter gone
     while _group_alive(proc.pid) and time.time() < deadline:
         time.sleep(0.02)

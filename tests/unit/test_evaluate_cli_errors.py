@@ -237,3 +237,19 @@ def test_megatron_engine_stops_at_the_generation_configs_eos(no_tokenizer, tmp_p
     meta["generation_config"] = None  # control: config.json's alone
     meta_file.write_text(json.dumps(meta))
     assert load_megatron_for_eval(ckpt)[1].get("eos_token_id") == eos
+
+
+def test_depths_out_of_range_are_plain_numbers(tmp_path):
+    """A START:END:STEP range beyond 100 printed numpy reprs: [np.float64(110.0), ...]."""
+    msg = _error(["--model", "m", "--out", str(tmp_path / "o"), "--depths", "0:200:50"])
+    assert msg == "error: --depths: [150.0, 200.0] are outside 0..100 (depth is the needle's position in percent " \
+                  "of the haystack)"
+
+
+def test_megatron_given_an_hf_folder_is_said_before_converting(tiny_dir, tmp_path, capsys):
+    """tools/niah.py --megatron HF_DIR printed "[niah] converting ..." and created --out before its error."""
+    msg = _error(["--megatron", str(tiny_dir), "--out", str(tmp_path / "o"), "--lengths", "64", "--no-progress"])
+    assert msg == (f"error: --megatron {tiny_dir} is a Hugging Face model folder (config.json), not a Megatron "
+                   f"checkpoint: pass --model {tiny_dir}")
+    assert "converting" not in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -99,3 +99,44 @@ def test_an_edited_haystack_file_is_another_haystack(tmp_path):
     with pytest.raises(EvalError, match="made with haystack_sha256 = .*use another --out, or drop --resume"):
         run_niah(None, tok, LENGTHS, DEPTHS, haystack=hay, generate=Recorder(tok, half_right), previous=earlier,
                  progress=False, log=None)
+
+
+def test_cli_refuses_to_overwrite_earlier_results_without_resume(tmp_path):
+    """An --out holding results.json (of another model, or of this one) was overwritten without a word; --resume
+    alone noticed another model's. Now, without --resume, --force replaces them; RULER alike; ppl (no --resume)
+    refuses another model's ppl.json only."""
+    from megatron_ext.evaluate.cli import main
+
+    one, two = save_tiny(tmp_path / "one"), save_tiny(tmp_path / "two")
+    out = tmp_path / "a"
+    common = ["--depths", "0,100", "--lengths", "96", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]
+    assert main(["--model", str(one), *common]) == 0
+    before = (out / "results.json").read_bytes()
+    for model in (two, one):  # another model's results, and a second run of the same model
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(model), *common])
+        assert e.value.code == (f"error: --out {out} holds results of {one} (results.json; lengths 96; 2 cells); "
+                                "pass --resume to extend them, --force to replace them, or another --out")
+    assert (out / "results.json").read_bytes() == before
+    assert main(["--model", str(one), *common, "--resume"]) == 0  # extends them (all kept)
+    assert main(["--model", str(two), *common, "--force"]) == 0
+    assert json.loads((out / "results.json").read_text())["settings"]["model"] == str(two)
+
+    ruler = ["ruler", "--tasks", "vt", "--lengths", "200", "--samples", "1", "--max-new-tokens", "2", "--no-progress",
+             "--out", str(tmp_path / "r")]
+    assert main([*ruler, "--model", str(one)]) == 0
+    with pytest.raises(SystemExit, match=r"holds results of .*one \(ruler\.json; lengths 200; 1 cell\); pass "
+                                         "--resume to extend them, --force to replace them"):
+        main([*ruler, "--model", str(two)])
+    assert main([*ruler, "--model", str(two), "--force"]) == 0
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The old river passes the garden near the hill. " * 20)
+    ppl = ["ppl", "--text", str(doc), "--no-progress", "--out", str(tmp_path / "p")]
+    assert main([*ppl, "--model", str(one)]) == 0
+    assert main([*ppl, "--model", str(one)]) == 0  # the same model's curve, made anew
+    with pytest.raises(SystemExit, match=r"holds results of .*one \(ppl\.json; 1 document\); pass --force to "
+                                         "replace them, or another --out"):
+        main([*ppl, "--model", str(two)])
+    assert main([*ppl, "--model", str(two), "--force"]) == 0
+    assert json.loads((tmp_path / "p/ppl.json").read_text())["settings"]["model"] == str(two)
