@@ -88,6 +88,9 @@ def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalS
             continue
         check_lengths(f"--{ev.name}", lengths, last)
         out = str(last.checkpoint.dir).rstrip("/") + f"_{ev.name}"
+        if not args.dry_run and (Path(out) / ev.results).exists():  # the job would refuse it after the training
+            raise RecipeError(f"--{ev.name}: {out} holds an earlier evaluation's {ev.results}, which the {ev.name} "
+                              "job does not overwrite; move or remove that folder first")
         argv = [*ev.command, "--megatron", str(last.checkpoint.dir), "--engine", "megatron", "--tp", str(tp),
                 "--cp", str(cp), "--lengths", lengths, *ev.arguments, "--out", out, "--no-progress"]
         argv += ["--chat"] if last.train.stage == "sft" else []

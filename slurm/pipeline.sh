@@ -161,6 +161,15 @@ if ((!DRY)); then
     echo "error: --export $EXPORT: exists, and the export job does not overwrite; give a new folder" >&2
     exit 1
   fi
+  # the evaluation jobs refuse an --out holding an earlier run's results (they would find it after the training)
+  for pair in "niah:$NIAH:results.json" "ruler:$RULER:ruler.json"; do
+    IFS=: read -r name asked results <<<"$pair"
+    if [[ -n $asked && -e ${LAST_DIR%/}_$name/$results ]]; then
+      echo "error: --$name: ${LAST_DIR%/}_$name holds an earlier evaluation's $results, which the $name job does" \
+        "not overwrite; move or remove that folder first" >&2
+      exit 1
+    fi
+  done
   "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-data || exit 1
   if ((SFT)); then "$PYTHON" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data || exit 1; fi
 fi

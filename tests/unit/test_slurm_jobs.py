@@ -332,3 +332,26 @@ def test_tensor_parallel_groups_stay_within_a_node(monkeypatch):
                                           r"would span nodes"):
         launch.check("recipes/cpt_1m.yaml", [], 256, tasks_per_node=4, gpus_per_node=4, paths=False)
     assert launch.check("recipes/cpt_1m.yaml", [], 256, tasks_per_node=8, gpus_per_node=8, paths=False)
+
+
+def test_launch_refuses_an_evaluation_folder_with_earlier_results(tmp_path):
+    """The NIAH job refuses an --out holding an earlier run's results.json: found before submitting, not by the job
+    after the whole training (a dry run does not look at paths)."""
+    import argparse
+
+    from megatron_ext.launch_eval import eval_jobs
+    from megatron_ext.recipe import load_recipe
+
+    last = load_recipe("recipes/cpt_1m.yaml", [f"checkpoint.dir={tmp_path}/run"])
+    args = argparse.Namespace(niah="128K", ruler=None, dry_run=False)
+
+    def params(a, recipe, name):
+        return {"nodes": 1, "ntasks_per_node": 8}
+
+    assert len(eval_jobs(args, [last], params)) == 1
+    (tmp_path / "run_niah").mkdir()
+    (tmp_path / "run_niah/results.json").write_text("{}")
+    with pytest.raises(RecipeError, match=rf"--niah: {tmp_path}/run_niah holds an earlier evaluation's results\.json, "
+                                          r"which the niah job does not overwrite; move or remove that folder first"):
+        eval_jobs(args, [last], params)
+    assert len(eval_jobs(argparse.Namespace(niah="128K", ruler=None, dry_run=True), [last], params)) == 1

@@ -291,6 +291,15 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == (f"error: --export {tmp_path}/.: exists, and the export job does not overwrite; give a new "
                            "folder\n")
+    # an evaluation folder with an earlier run's results: the job would refuse to overwrite them after the training
+    sft_recipe.write_text(good.replace("dir: checkpoints/sft_1m", f"dir: {tmp_path}/sft_1m"))
+    (tmp_path / "sft_1m_ruler").mkdir()
+    (tmp_path / "sft_1m_ruler/ruler.json").write_text("{}")
+    proc = pipeline("--ruler", "1M", f"data.prefix={token_data}")
+    assert proc.returncode == 1 and not calls.exists(), proc.stderr
+    assert proc.stderr == (f"error: --ruler: {tmp_path}/sft_1m_ruler holds an earlier evaluation's ruler.json, which "
+                           "the ruler job does not overwrite; move or remove that folder first\n")
+    sft_recipe.write_text(good)
     proc = pipeline(f"data.prefix={token_data}")
     assert proc.returncode == 0, proc.stderr
     cpt, sft = calls.read_text().splitlines()
