@@ -8,6 +8,8 @@ so 1M-token documents still give a readable curve.
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -93,8 +95,9 @@ def indexed_documents(prefix: str | Path, max_documents: int | None = None,
                       vocab_size: int | None = None) -> list[np.ndarray]:
     """Token-id documents of a Megatron indexed dataset `PREFIX.bin/.idx`, the longest first.
 
-    A document is the concatenation of its sequences (Megatron's document index). With
-    `max_documents`, only the longest ones: those say most about long positions. With `vocab_size` (the model's),
+    A document is the concatenation of its sequences (Megatron's document index); each text counts once (the copies
+    `--upsample` writes are skipped). With `max_documents`, only the longest ones: those say most about long
+    positions. With `vocab_size` (the model's),
     EvalError for a token id the model has no embedding for (data of another tokenizer).
     """
     prefix = str(prefix).removesuffix(".bin").removesuffix(".idx")
@@ -113,8 +116,18 @@ def indexed_documents(prefix: str | Path, max_documents: int | None = None,
     ds = IndexedDataset(prefix)
     bounds = ds.document_indices  # [D+1] sequence index where each document starts
     lengths = np.add.reduceat(ds.sequence_lengths, bounds[:-1]) if len(bounds) > 1 else np.zeros(0, np.int64)
-    order = np.lexsort((np.arange(len(lengths)), -lengths))[:max_documents]  # longest first, then in file order
-    docs = [np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])]).astype(np.int64) for i in order]
+    order = np.lexsort((np.arange(len(lengths)), -lengths))  # longest first, then in file order
+    # Distinct documents only: prepare_data.py cpt --upsample writes a document's copies one after another, and the
+    # longest are the ones upsampled (`gt8k=2.0`: the 8 longest would be 4 texts twice).
+    docs, seen = [], set()
+    for i in order:
+        if max_documents is not None and len(docs) == max_documents:
+            break
+        doc = np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])]).astype(np.int64)
+        key = hashlib.sha256(doc.tobytes()).digest()
+        if key not in seen:
+            seen.add(key)
+            docs.append(doc)
     largest = max((int(d.max()) for d in docs if len(d)), default=-1)
     if vocab_size is not None and largest >= vocab_size:
         raise EvalError(f"--indexed {prefix}: token ids up to {largest}, but the model's vocab_size is {vocab_size} "

@@ -47,12 +47,13 @@ def _text_documents(path: Path) -> Iterator[str]:
         raise QuantizeError(f"calibration directory {path} has no {'/'.join(TEXT_SUFFIXES)} files")
     for f in files:
         if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)["text"]
-                    except (ValueError, KeyError, TypeError):
-                        raise QuantizeError(f"{f}:{n}: expected a JSON object with a \"text\" field") from None
+            with open(f, encoding="utf-8") as lines:  # line by line: a corpus file may be tens of GB
+                for n, line in enumerate(lines, 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)["text"]
+                        except (ValueError, KeyError, TypeError):
+                            raise QuantizeError(f"{f}:{n}: expected a JSON object with a \"text\" field") from None
         else:
             yield f.read_text(encoding="utf-8")
 

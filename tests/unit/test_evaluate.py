@@ -553,3 +553,20 @@ def test_a_haystack_without_sentence_ends_is_refused():
     assert hay.needle_slots(200).tolist() == [0, 200]  # a short prompt: one sentence may fill it
     # CJK sentences end in full-width marks, with no space after them
     assert [m.end() for m in _SENTENCE_END.finditer("他来了。她走了！真的吗？好")] == [4, 8, 12]
+
+
+def test_perplexity_documents_count_each_upsampled_text_once(tmp_path, toy_tokenizer):
+    """prepare_data.py cpt --upsample writes a long document's copies one after another, and the longest are the
+    ones upsampled: the 4 longest "documents" were 2 texts, each twice."""
+    from megatron_ext.data import prepare_cpt
+    from megatron_ext.data.toy import synthetic_corpus, write_jsonl
+    from megatron_ext.evaluate.perplexity import indexed_documents
+
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_corpus(40, seed=3))
+    plain, upsampled = str(tmp_path / "plain"), str(tmp_path / "up")
+    prepare_cpt([str(corpus)], toy_tokenizer, plain, progress=False)
+    prepare_cpt([str(corpus)], toy_tokenizer, upsampled, upsample="gt1=2.0", progress=False)  # every document twice
+    want = indexed_documents(plain, 4)
+    got = indexed_documents(upsampled, 4)
+    assert len({d.tobytes() for d in got}) == 4
+    assert [d.tolist() for d in got] == [d.tolist() for d in want]
