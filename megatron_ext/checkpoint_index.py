@@ -61,20 +61,28 @@ class _IndexUnpickler(pickle.Unpickler):
     `stubs`: torch's classes become `_Stub`s (same allow-list; torch is not imported).
     """
 
-    _MODULES = ("torch.distributed.checkpoint.",)
-    _TORCH = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last",
-              "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+    # Exact (module, name) pairs: what torch 2.x's torch_dist indexes hold. Not "any name of a module": pickle
+    # resolves a dotted name attribute by attribute (torch.distributed.checkpoint.filesystem + "os.system").
+    _DCP = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.planner", n) for n in (
+            "SavePlan", "TensorWriteData", "WriteItem", "WriteItemType")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    _TORCH = {("torch", n) for n in ("Size", "strided", "contiguous_format", "preserve_format", "channels_last",
+                                      "device", "float32", "float16", "bfloat16", "float64", "int64", "int32",
+                                      "int16", "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")}
     _OTHER = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-              ("builtins", "slice"), ("torch", "device"),
+              ("builtins", "slice"),
               ("torch.serialization", "_get_layout")}  # looks a layout up by name in torch
+    ALLOWED = _DCP | _TORCH | _OTHER
 
     def __init__(self, file, stubs: bool = False) -> None:
         super().__init__(file)
         self.stubs = stubs
 
     def find_class(self, module: str, name: str):
-        if module.startswith(self._MODULES) or (module == "torch" and name in self._TORCH) \
-                or (module, name) in self._OTHER:
+        if (module, name) in self.ALLOWED:
             if self.stubs and module.split(".")[0] == "torch":
                 return _Stub
             return super().find_class(module, name)

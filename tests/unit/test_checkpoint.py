@@ -10,6 +10,7 @@ import torch
 
 from megatron_ext.checkpoint import METADATA_FILE, CheckpointError, load_checkpoint, save_checkpoint
 from megatron_ext.checkpoint_layout import latest_iteration, read_metadata
+from megatron_ext.checkpoint_index import read_dcp_index
 from megatron_ext.model import BuildOptions, build_model
 from megatron_ext.presets import TINY
 
@@ -218,6 +219,18 @@ def test_crafted_index_is_refused_before_torch_unpickles_it(tmp_path, cpu_parall
     with pytest.raises(CheckpointError, match="refusing to load posix.system"):
         load_checkpoint(root, [model], weights_only=True)
     assert not (tmp_path / "pwned").exists()
+    # an allowed module with a dotted name: pickle (protocol 4+) resolves it attribute by attribute, so a module
+    # allow-list let torch.distributed.checkpoint.filesystem + "os.system" through, in the vetting itself (convert)
+    # and, with torch's classes stubbed, to torch's own unpickling of the same file (every load)
+    payload = f"touch {tmp_path / 'pwned'}".encode()
+    dotted = (b"\x80\x04\x8c'torch.distributed.checkpoint.filesystem\x94\x8c\tos.system\x94\x93\x94"
+              + b"\x8c" + bytes([len(payload)]) + payload + b"\x94\x85\x94R\x94.")
+    (root / "iter_0000001/.metadata").write_bytes(dotted)
+    for read in (lambda: load_checkpoint(root, [model], weights_only=True),
+                 lambda: read_dcp_index(root / "iter_0000001")):
+        with pytest.raises(CheckpointError, match="refusing to load torch.distributed.checkpoint.filesystem.os.system"):
+            read()
+        assert not (tmp_path / "pwned").exists()
 
 
 def _saved(tensor=1, pipeline=1, context=1, data=2, distributed=True, has_optimizer=True, **train):
