@@ -112,8 +112,9 @@ submit() {
 tool_job() {
   local name=$1
   shift
-  local wrap
-  wrap=$(printf '%q ' "$PYTHON" "$@")
+  local wrap="" word
+  # POSIX single quotes: sbatch runs --wrap under /bin/sh, which reads bash's printf %q forms ($'...') literally
+  for word in "$PYTHON" "$@"; do wrap+="'${word//\'/\'\\\'\'}' "; done
   # an 8B conversion holds the model (16 GB in bf16) and more: not the site's default memory
   submit "$name" --job-name="$name" --nodes=1 --ntasks=1 --cpus-per-task=8 --mem=64G --time=04:00:00 \
     --output="slurm-%x-%j.out" --wrap="$wrap"
@@ -162,14 +163,15 @@ if ((!DRY)); then
     exit 1
   fi
   # the evaluation jobs refuse an --out holding an earlier run's results (they would find it after the training)
-  for pair in "niah:$NIAH:results.json" "ruler:$RULER:ruler.json"; do
-    IFS=: read -r name asked results <<<"$pair"
-    if [[ -n $asked && -e ${LAST_DIR%/}_$name/$results ]]; then
-      echo "error: --$name: ${LAST_DIR%/}_$name holds an earlier evaluation's $results, which the $name job does" \
-        "not overwrite; move or remove that folder first" >&2
+  refuse_earlier_results() { # NAME LENGTHS RESULTS_FILE
+    if [[ -n $2 && -e ${LAST_DIR%/}_$1/$3 ]]; then
+      echo "error: --$1: ${LAST_DIR%/}_$1 holds an earlier evaluation's $3, which the $1 job does not overwrite;" \
+        "move or remove that folder first" >&2
       exit 1
     fi
-  done
+  }
+  refuse_earlier_results niah "$NIAH" results.json
+  refuse_earlier_results ruler "$RULER" ruler.json
   "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-data || exit 1
   if ((SFT)); then "$PYTHON" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data || exit 1; fi
 fi

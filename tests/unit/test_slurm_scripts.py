@@ -259,14 +259,15 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     bin_dir.mkdir()
     calls = tmp_path / "calls"
     (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\nprintf "RECIPE=%s ARGS=%s\\n" "${RECIPE:-}" "$*" '
-                                    '>>"$FAKE_CALLS"\necho 7\n')
+                                    '>>"$FAKE_CALLS"\nfor a; do [[ $a == --wrap=* ]] && printf %s "${a#--wrap=}" '
+                                    '>"$FAKE_CALLS.wrap"; done\necho 7\n')
     (bin_dir / "sbatch").chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, PYTHONPATH=str(ROOT),
                PYTHONWARNINGS="ignore", FAKE_CALLS=str(calls))
     env.pop("RECIPE", None)
-    def pipeline(*overrides):
+    def pipeline(*overrides, **extra):
         return subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--sft-recipe", str(sft_recipe), *overrides],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                              cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=120)
 
     # no CPT data: one line, nothing submitted; the SFT's data missing alike
     proc = pipeline("data.prefix=/nonexistent/cpt")
@@ -300,6 +301,16 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     assert proc.stderr == (f"error: --ruler: {tmp_path}/sft_1m_ruler holds an earlier evaluation's ruler.json, which "
                            "the ruler job does not overwrite; move or remove that folder first\n")
     sft_recipe.write_text(good)
+    # the export job's command: sbatch runs --wrap under /bin/sh, which took the $'...' quoting of bash's printf %q
+    # (the C locale of many login nodes) literally
+    export = tmp_path / "out" / "modèle l'été"
+    proc = pipeline("--export", str(export), f"data.prefix={token_data}", LC_ALL="C")
+    assert proc.returncode == 0, proc.stderr
+    words = subprocess.run(["sh", "-c", 'for a in ' + Path(f"{calls}.wrap").read_text() + '; do echo "[$a]"; done'],
+                           capture_output=True, text=True, env={"LC_ALL": "C"}).stdout.splitlines()
+    assert words[1:] == ["[tools/convert.py]", "[to-hf]", "[--megatron]", "[checkpoints/sft_1m]", "[--out]",
+                         f"[{export}]"], words
+    calls.unlink()
     proc = pipeline(f"data.prefix={token_data}")
     assert proc.returncode == 0, proc.stderr
     cpt, sft = calls.read_text().splitlines()
