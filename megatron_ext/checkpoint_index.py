@@ -156,9 +156,11 @@ def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
             if sh.key in _VOCAB_KEYS and tuple(stored[sh.key].global_shape)[1:] == tuple(sh.global_shape)[1:]:
                 vocab_rows = True
     if problems:
-        meta_file = path / METADATA_FILE
-        arch = _architecture_mismatch(json.loads(meta_file.read_text()), model_chunks[0].config) \
-            if meta_file.is_file() else None
+        try:
+            saved = json.loads((path / METADATA_FILE).read_text())
+        except (OSError, ValueError):  # a corrupt or missing run metadata: the shapes say what differs
+            saved = {}
+        arch = _architecture_mismatch(saved, model_chunks[0].config)
         why = f" (architecture differs, {arch})" if arch else ""
         if not arch and vocab_rows:
             why = (" (padded vocabulary rows differ: padding is vocab_size rounded up to "

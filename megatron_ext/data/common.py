@@ -111,6 +111,9 @@ def atomic_outputs(prefix: str, with_lossmask: bool = False) -> Iterator[dict[st
         for t in tmp.values():
             Path(t).unlink(missing_ok=True)
         raise
+    # An older dataset under these names (--force) loses its manifest first: killed between the renames, the new
+    # .bin beside the old .idx must not look complete.
+    final[-1].unlink(missing_ok=True)
     for dst in final:  # json last
         os.replace(tmp[str(dst)], dst)
 

@@ -52,7 +52,10 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
 
     # 0 + a: the "released" model, cached (it is the expensive, unchanging part).
     stamp = base_hf / "demo_base.json"
-    cached = stamp.is_file() and json.loads(stamp.read_text()) == s.base_key() and (tok_dir / "tokenizer.json").is_file()
+    try:  # a stamp cut short by a killed run is no stamp (it is written last, after the base model)
+        cached = json.loads(stamp.read_text()) == s.base_key() and (tok_dir / "tokenizer.json").is_file()
+    except (OSError, ValueError):
+        cached = False
     if cached:
         print(f"[demo] reusing the cached base model {base_hf} (make demo FRESH=1 retrains it)")
         steps.cached.add("base")

@@ -217,7 +217,9 @@ def export(model, out_dir: str | Path, tokenizer=None, extra_files: dict[str, st
             tokenizer.save_pretrained(str(tmp))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a folder made the usual way honours the umask
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
