@@ -295,8 +295,10 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
         os.replace(pointer, root / LATEST_FILE)
         if keep_last:
             for old_it in available_iterations(root)[:-keep_last]:
-                if old_it != iteration:
-                    shutil.rmtree(root / iter_dir_name(old_it), ignore_errors=True)
+                if old_it != iteration:  # renamed first: a kill mid-delete leaves no half iter_* folder to pick
+                    os.replace(root / iter_dir_name(old_it), root / f".{iter_dir_name(old_it)}.deleting")
+            for doomed in root.glob(".iter_*.deleting"):  # this save's, and any a killed save left
+                shutil.rmtree(doomed, ignore_errors=True)
     _barrier()
 
 
