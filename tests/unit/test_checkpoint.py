@@ -109,7 +109,8 @@ def test_layout_metadata_and_plain_tensors(tmp_path, cpu_parallel_state):
     # a folder a killed prune left (renamed before its removal, so never a half iter_*) goes at the next save
     (root / ".iter_0000005.deleting").mkdir()
     save_checkpoint(root, 40, [model], metadata={"hf_config": TINY}, keep_last=2)
-    assert sorted(p.name for p in root.iterdir() if "iter" in p.name) == ["iter_0000030", "iter_0000040"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith((".iter", "iter"))) == ["iter_0000030",
+                                                                                            "iter_0000040"]
 
 
 def test_crashed_save_leaves_previous_checkpoint(tmp_path, cpu_parallel_state, monkeypatch):
