@@ -67,9 +67,16 @@ class BuildOptions:
                 raise RecipeError(f"{field} but transformer_engine does not import here (or the device is not "
                                   "cuda); install the [gpu] extra on a GPU machine, or use runtime.attention=sdpa "
                                   "and runtime.fp8=null")
-            if self.fp8 is not None and torch.cuda.get_device_capability() < (8, 9):
-                raise RecipeError(f"{field}: FP8 needs an sm89/sm90+ GPU, this one is "
-                                  f"sm{''.join(map(str, torch.cuda.get_device_capability()))}; set runtime.fp8=null")
+            arch = torch.cuda.get_device_capability()
+            here = f"sm{''.join(map(str, arch))}"
+            if self.fp8 is not None and arch < (8, 9):
+                raise RecipeError(f"{field}: FP8 needs an sm89/sm90+ GPU, this one is {here}; set runtime.fp8=null")
+            if self.fp8_attention and arch < (9, 0):  # cuDNN's FP8 attention
+                raise RecipeError(f"runtime.fp8_attention = true: FP8 attention needs an sm90+ GPU, this one is {here}; "
+                                  "set runtime.fp8_attention=false")
+            if self.fp8_attention and self.fp8_recipe == "tensorwise" and arch < (10, 0):
+                raise RecipeError(f"runtime.fp8_attention = true with runtime.fp8_recipe = 'tensorwise': TE runs it "
+                                  f"only on sm100+, this GPU is {here}; use runtime.fp8_recipe=delayed")
             return True
         return self.attention == "auto" and self.device == "cuda" and te_available()
 
@@ -98,9 +105,10 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
     elif opts.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     fused = use_te  # fusions need TE/Apex kernels
-    # TE's linears fuse the weight-gradient accumulation themselves, but the output layer is always Megatron's
-    # ColumnParallelLinear, which refuses the flag at build without Apex's fused_weight_gradient_mlp_cuda (NGC
-    # images have it, a pip-installed TE stack does not).
+    # With the flag TE's linears add their weight gradients straight into DDP's fp32 main_grad; but the output layer
+    # is always Megatron's ColumnParallelLinear, which refuses it at build without Apex's fused_weight_gradient_mlp_cuda
+    # (NGC images have it, a pip-installed TE stack does not). Without it each linear returns a bf16 weight gradient
+    # that DDP adds into main_grad: one more temporary and a bf16 rounding per microbatch.
     from megatron.core.tensor_parallel import layers as tp_layers
 
     fuse_grad_accumulation = fused and tp_layers._grad_accum_fusion_available

@@ -149,6 +149,15 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _require(not (r.fp8_attention and p.context > 1 and p.cp_comm_type in ("all_gather", "a2a+p2p")),
              f"runtime.fp8_attention with parallel.cp_comm_type = {p.cp_comm_type!r}: TE supports FP8 attention "
              "under CP only with p2p or a2a")
+    # TE's FP8 attention (cuDNN FusedAttention; FP8 turns its flash and unfused backends off) takes BSHD/SBHD
+    # sequences only, and with current scaling only on sm100: otherwise no backend is left at the first forward.
+    _require(not (r.fp8_attention and t.stage == "sft"),
+             "runtime.fp8_attention = true with train.stage = 'sft': TE's FP8 attention does not take SFT's packed "
+             "(THD) sequences; set runtime.fp8_attention=false (runtime.fp8 still runs the linear layers in FP8)")
+    _require(not (r.fp8_attention and r.fp8_recipe == "tensorwise" and recipe.cluster.gpu != "b200-180gb"),
+             "runtime.fp8_attention = true with runtime.fp8_recipe = 'tensorwise': TE runs FP8 attention with current "
+             "scaling only on sm100 GPUs (B200); on H100/H200 use runtime.fp8_recipe=delayed (on a B200 cluster set "
+             "cluster.gpu=b200-180gb)")
     _require(not (r.fp8 is not None and r.attention == "sdpa"),
              "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
     _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")

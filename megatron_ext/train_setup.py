@@ -127,7 +127,19 @@ def _check_attention_backend_variables(recipe: Recipe) -> None:
 def setup_warnings(recipe: Recipe) -> list[str]:
     """What `launch --check` and the trainer's log warn about before a run: `positions_warning`, `epochs_warning`,
     `sft_length_warning`."""
-    return [w for w in (positions_warning(recipe), epochs_warning(recipe), sft_length_warning(recipe)) if w]
+    return [w for w in (positions_warning(recipe), epochs_warning(recipe), sft_length_warning(recipe),
+                        selective_recompute_warning(recipe)) if w]
+
+
+def selective_recompute_warning(recipe: Recipe) -> str | None:
+    """train.recompute = selective on GPUs: Megatron recomputes the core attention, which under Transformer Engine is
+    fused and keeps next to nothing (its inputs, output and a log-sum-exp): no memory saved, its forward paid again."""
+    rt = recipe.runtime
+    if recipe.train.recompute != "selective" or rt.device != "cuda" or rt.attention == "sdpa":
+        return None
+    return ("train.recompute = selective recomputes the core attention, which Transformer Engine's fused kernel runs "
+            "keeping next to nothing: no memory saved, and the attention forward (most of the FLOPs at long "
+            "sequences) runs twice; use train.recompute=none, or full with train.recompute_layers=N (tools/plan.py)")
 
 
 def sft_length_warning(recipe: Recipe) -> str | None:

@@ -49,8 +49,9 @@ def test_chunked_head_on_cuda(gpu_state):
     theirs = _run(megatron, hidden, weight, labels)
     ours = _run(lambda hd, w, lab: vocab_parallel_linear_cross_entropy(hd, w, lab, chunk_tokens=1024),
                 hidden, weight, labels)
-    assert (ours[0] - theirs[0]).abs().max() < 1e-3  # the same bf16 logits, fp32 arithmetic
-    for i in (1, 2):
+    # against the float64 oracle, not each other: the chunk GEMM and the whole GEMM may round a bf16 logit one step
+    # apart (cuBLAS picks kernels by shape), ~0.008 of one token's loss
+    for i in (0, 1, 2):
         err_ours, err_theirs = (ours[i] - ref[i]).abs().max(), (theirs[i] - ref[i]).abs().max()
         assert err_ours <= 2 * err_theirs + 1e-6, (i, err_ours, err_theirs)
     # Megatron: bf16 logits + fp32 copy of all 8192 tokens (1.6 GB); ours: one 1024-token chunk of them

@@ -41,9 +41,11 @@ def pretend_te(monkeypatch):
 
 
 @pytest.mark.parametrize("recipe_fp8, fp8_recipe", [("hybrid", "delayed"), ("e4m3", "tensorwise")])
-def test_te_fp8_config_fields(pretend_te, recipe_fp8, fp8_recipe):
+def test_te_fp8_config_fields(pretend_te, monkeypatch, recipe_fp8, fp8_recipe):
     from megatron.core.transformer.enums import AttnBackend
 
+    if fp8_recipe == "tensorwise":  # TE runs FP8 attention with current scaling on sm100 only
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
     opts = BuildOptions(device="cuda", fp8=recipe_fp8, fp8_attention=True, fp8_recipe=fp8_recipe,
                         context=4, cp_comm_type="p2p", precision="bf16")
     assert opts.use_te() and opts.attention_backend() == "te"
@@ -55,6 +57,21 @@ def test_te_fp8_config_fields(pretend_te, recipe_fp8, fp8_recipe):
     assert cfg.bias_activation_fusion
     assert not cfg.apply_rope_fusion  # fused RoPE would drop YaRN's attention factor
     assert cfg.params_dtype == torch.bfloat16 and cfg.bf16
+
+
+@pytest.mark.parametrize("arch, fp8_recipe, message", [
+    ((9, 0), "tensorwise", r"fp8_recipe = 'tensorwise': TE runs it only on sm100\+, this GPU is sm90; use "
+                           r"runtime\.fp8_recipe=delayed"),
+    ((8, 9), "delayed", r"runtime\.fp8_attention = true: FP8 attention needs an sm90\+ GPU, this one is sm89"),
+])
+def test_fp8_attention_that_te_cannot_run_here_is_refused(pretend_te, monkeypatch, arch, fp8_recipe, message):
+    """TE turns its flash and unfused backends off for FP8 attention, and cuDNN's FP8 attention needs sm90 (current
+    scaling: sm100): the first forward found no backend (a ValueError from TE)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: arch)
+    opts = BuildOptions(device="cuda", fp8="hybrid", fp8_attention=True, fp8_recipe=fp8_recipe, precision="bf16")
+    with pytest.raises(RecipeError, match=message):
+        opts.use_te()
+    assert BuildOptions(device="cuda", fp8="hybrid", fp8_recipe=fp8_recipe, precision="bf16").use_te()  # FP8 linears
 
 
 @pytest.mark.parametrize("apex", [True, False])

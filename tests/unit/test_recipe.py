@@ -85,6 +85,15 @@ def test_missing_architecture():
     (["runtime.fp8=hybrid"], 2, r"runtime\.fp8 = 'hybrid': FP8 needs Transformer Engine on an sm90\+ GPU"),
     (["runtime.attention=te"], 2, r"runtime\.attention = 'te': Transformer Engine needs runtime\.device=cuda"),
     (["runtime.device=cuda", "runtime.fp8_attention=true"], 2, r"runtime\.fp8_attention = true: needs runtime\.fp8"),
+    # TE would find no attention backend at the first forward (FP8 attention: BSHD/SBHD only, current scaling sm100+)
+    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "train.stage=sft",
+      "parallel.context=1"], 2, r"runtime\.fp8_attention = true with train\.stage = 'sft': TE's FP8 attention does not "
+                                r"take SFT's packed \(THD\) sequences"),
+    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "runtime.fp8_recipe=tensorwise"], 2,
+     r"runtime\.fp8_recipe = 'tensorwise': TE runs FP8 attention with current scaling only on sm100 GPUs"),
+    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "runtime.fp8_recipe=tensorwise",
+      "cluster.gpu=b200-180gb"], 2, None),
+    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true"], 2, None),  # delayed, CPT: fine
     (["parallel.pipeline=4"], 4, r"parallel\.pipeline = 4: must divide model\.num_hidden_layers = 2"),
     # Megatron asserted these at model build / parallel-state setup
     (["parallel.tensor=2", "model.intermediate_size=129"], 2,

@@ -307,3 +307,13 @@ def test_data_of_another_tokenizer_than_model_tokenizer_is_refused(tmp_path, tok
                                           rf"vocabulary is not that of model\.tokenizer = '{other}': set model\.tokenizer "
                                           r"to the data's tokenizer, or prepare the data again with this one"):
         check_setup(recipe(tmp_path / "run", token_data, f"model.tokenizer={other}"))
+
+
+def test_selective_recompute_under_transformer_engine_is_warned(tmp_path, token_data):
+    """Megatron's selective recompute is the core attention, which TE's fused kernel runs keeping next to nothing."""
+    from megatron_ext.train_setup import selective_recompute_warning
+
+    gpu = ["runtime.device=cuda", "train.recompute=selective"]
+    assert "no memory saved" in selective_recompute_warning(recipe(tmp_path, token_data, *gpu))
+    assert selective_recompute_warning(recipe(tmp_path, token_data, *gpu, "runtime.attention=sdpa")) is None
+    assert selective_recompute_warning(recipe(tmp_path, token_data, "train.recompute=selective")) is None  # CPU
