@@ -70,6 +70,29 @@ def _skeleton(cfg: dict, precision: str, divisible: int) -> dict:
     return model.sharded_state_dict()
 
 
+MAX_TP_PIECES = 8  # one node's GPUs; Llama-3.1's 8 KV heads allow no larger TP
+
+
+def tp_piece_count(cfg: dict) -> int:
+    """How many pieces a TP-split tensor is saved in: the largest power of two up to MAX_TP_PIECES that divides the
+    KV heads (whole KV groups per piece) and the MLP width. A load at any TP dividing it then reads exactly its
+    own pieces; one piece per tensor had every TP rank read (and deserialize) the whole tensor to keep 1/TP of it."""
+    n = MAX_TP_PIECES
+    while n > 1 and (cfg["num_key_value_heads"] % n or cfg["intermediate_size"] % n):
+        n //= 2
+    return n
+
+
+def tp_pieces(entry, t: torch.Tensor, pieces: int, prepend: int) -> list[tuple[torch.Tensor, tuple]]:
+    """`t` (the whole tensor, Megatron layout) in pieces along its TP axis, each with its `from_rank_offsets` axis
+    fragment: `pieces` of them (fc1: of each SwiGLU half, as Megatron's factory splits them); one if replicated."""
+    if entry.tp_axis is None or pieces == 1:
+        return [(t, ())]
+    count = pieces * (2 if entry.kind == "gate_up" else 1)
+    axis = entry.tp_axis
+    return [(chunk.contiguous(), ((prepend + axis, j, count),)) for j, chunk in enumerate(torch.chunk(t, count, axis))]
+
+
 def build_state(reader: SafetensorsReader, cfg: dict, precision: str, divisible: int,
                 progress: bool = True) -> dict:
     """The torch_dist sharded state dict of the HF model: every table entry, layer by layer, real tensors."""
@@ -82,6 +105,7 @@ def build_state(reader: SafetensorsReader, cfg: dict, precision: str, divisible:
     padded = padded_vocab_size(cfg["vocab_size"], divisible, 1)
     shapes = megatron_shapes(cfg, padded)
     layers = cfg["num_hidden_layers"]
+    pieces = tp_piece_count(cfg)
     state = _skeleton(cfg, precision, divisible)
     consumed: set[str] = set()
     todo = [(name, sh) for name, sh in state.items() if isinstance(sh, (ShardedTensor, ShardedTensorFactory))]
@@ -98,11 +122,10 @@ def build_state(reader: SafetensorsReader, cfg: dict, precision: str, divisible:
         want = shapes[sh.key][1:] if entry.per_layer else shapes[sh.key]
         if tuple(t.shape) != tuple(want):
             raise ConvertError(f"{names[0]}: converted shape {list(t.shape)} != expected {list(want)}")
-        if entry.per_layer:
-            state[name] = ShardedTensor.from_rank_offsets(sh.key, t, (0, layer, layers), replica_id=0,
-                                                          prepend_axis_num=1)
-        else:
-            state[name] = ShardedTensor.from_rank_offsets(sh.key, t, replica_id=0)
+        layer_axis = ((0, layer, layers),) if entry.per_layer else ()
+        state[name] = [ShardedTensor.from_rank_offsets(sh.key, piece, *layer_axis, *offsets, replica_id=0,
+                                                       prepend_axis_num=len(layer_axis))
+                       for piece, offsets in tp_pieces(entry, t, pieces, len(layer_axis))]
         consumed.update(names)
     if cfg["tie_word_embeddings"] and "lm_head.weight" in reader.names():
         # transformers ignores a stored lm_head when tied; it must then equal the embedding

@@ -29,6 +29,7 @@ class Entry:
     hf: tuple[str, ...]
     kind: Kind = "copy"
     untied_only: bool = False  # absent when input and output embeddings are shared
+    tp_axis: int | None = None  # the axis Megatron splits over TP ranks (of the per-layer tensor); None: replicated
 
     @property
     def per_layer(self) -> bool:
@@ -40,18 +41,20 @@ class Entry:
 
 _L = "model.layers.{layer}."
 TABLE: tuple[Entry, ...] = (
-    Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", tp_axis=0),
     Entry("decoder.layers.self_attention.linear_qkv.layer_norm_weight", (_L + "input_layernorm.weight",)),
     # rows grouped per KV group g: [q heads of g; k_g; v_g] (Megatron's SelfAttention layout)
     Entry("decoder.layers.self_attention.linear_qkv.weight",
-          (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), "qkv"),
-    Entry("decoder.layers.self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",)),
+          (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"), "qkv",
+          tp_axis=0),
+    Entry("decoder.layers.self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), tp_axis=1),
     Entry("decoder.layers.mlp.linear_fc1.layer_norm_weight", (_L + "post_attention_layernorm.weight",)),
-    # SwiGLU: Megatron's MLP chunks fc1's output in two, silu(first) * second
-    Entry("decoder.layers.mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "gate_up"),
-    Entry("decoder.layers.mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",)),
+    # SwiGLU: Megatron's MLP chunks fc1's output in two, silu(first) * second; each half is split over TP
+    Entry("decoder.layers.mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "gate_up",
+          tp_axis=0),
+    Entry("decoder.layers.mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), tp_axis=1),
     Entry("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Entry("output_layer.weight", ("lm_head.weight",), "vocab", untied_only=True),
+    Entry("output_layer.weight", ("lm_head.weight",), "vocab", untied_only=True, tp_axis=0),
 )
 
 # Module (state_dict) names of the per-layer norms inside a live model, by layer spec. Checkpoint

@@ -66,3 +66,31 @@ def test_resaved_at_tp2_and_pp2_export_bit_exact(work, torchrun, cpu_parallel_st
         assert sorted(back) == sorted(ref)
         assert all(torch.equal(back[k], ref[k]) for k in ref), name
         assert back["model.embed_tokens.weight"].shape == (500, 64)
+
+
+def test_converted_tensors_are_stored_in_tp_pieces(work):
+    """Each TP-split tensor is stored in pieces along its TP axis (fc1: each SwiGLU half), so a rank at TP 2 reads its
+    own pieces; stored whole, every rank read the whole tensor to keep half of it (at TP 8, 12x the bytes)."""
+    from megatron_ext.checkpoint_index import read_dcp_index
+    from megatron_ext.convert.importer import tp_piece_count
+
+    _, d = work
+    cfg = read_json(d / "hf/config.json")
+    pieces = tp_piece_count(cfg)
+    assert pieces == 2  # the fixture's 2 KV heads
+    index = read_dcp_index(d / "mcore/iter_0000000")
+    chunks = {key: len(meta.chunks) for key, meta in index.state_dict_metadata.items() if hasattr(meta, "chunks")}
+    layers = cfg["num_hidden_layers"]
+    assert chunks["decoder.layers.self_attention.linear_qkv.weight"] == layers * pieces
+    assert chunks["decoder.layers.self_attention.linear_proj.weight"] == layers * pieces
+    assert chunks["decoder.layers.mlp.linear_fc1.weight"] == layers * 2 * pieces
+    assert chunks["decoder.layers.mlp.linear_fc2.weight"] == layers * pieces
+    assert chunks["embedding.word_embeddings.weight"] == pieces
+    assert chunks["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == layers  # replicated: whole
+    qkv = index.state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
+    rows = sorted({c.offsets[1] for c in qkv.chunks})  # [layer, rows, hidden]: split along the rows
+    assert len(rows) == pieces and rows[1] == qkv.size[1] // pieces
+    fc2 = index.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"]
+    assert sorted({c.offsets[2] for c in fc2.chunks}) == [0, fc2.size[2] // pieces]  # along its input axis
+    assert tp_piece_count({"num_key_value_heads": 8, "intermediate_size": 14336}) == 8  # Llama-3.1-8B
+    assert tp_piece_count({"num_key_value_heads": 8, "intermediate_size": 14340}) == 4
