@@ -87,8 +87,11 @@ def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tup
                                   "pass the directory that holds iter_* folders, or name an iteration")
     path = root / iter_dir_name(iteration)
     if not path.is_dir():
+        kept = root / f".{path.name}.old"  # a save of the same iteration again, stopped between its two renames
+        hint = (f"; {kept.name} holds it from a save of iteration {iteration} again that was stopped: rename it to "
+                f"{path.name}") if kept.is_dir() else ""
         raise CheckpointError(f"{root} has no iteration {iteration} ({path.name}); "
-                              f"available: {available_iterations(root) or 'none'}")
+                              f"available: {available_iterations(root) or 'none'}{hint}")
     return iteration, path
 
 

@@ -167,6 +167,11 @@ def test_init_from_whose_pointer_is_garbage(tmp_path, token_data):
     (root / "latest_checkpointed_iteration.txt").write_text("3\n")
     with pytest.raises(RecipeError, match=r"has no iteration 3 \(iter_0000003\); available: \[2\]"):
         check_setup(load_recipe(ROOT / "recipes/tiny/cpt.yaml", run, world_size=1))
+    (root / ".iter_0000003.old").mkdir()  # a save of iteration 3 again, stopped between its two renames
+    with pytest.raises(RecipeError, match=r"available: \[2\]; \.iter_0000003\.old holds it from a save of iteration 3 "
+                                          r"again that was stopped: rename it to iter_0000003"):
+        check_setup(load_recipe(ROOT / "recipes/tiny/cpt.yaml", run, world_size=1))
+    (root / ".iter_0000003.old").rmdir()
     (root / "iter_0000003").write_text("a file, not a save")
     assert available_iterations(root) == [2]  # was [2, 3]: "no iteration 3 ... available: [2, 3]"
 
