@@ -3,6 +3,8 @@
     ROOT/latest_checkpointed_iteration.txt   the latest finished iteration (Megatron-LM's pointer file)
     ROOT/iter_0000010/                       one finished save (megatron_ext.checkpoint writes it)
     ROOT/.iter_0000010.partial/              a save still being written, or interrupted
+    ROOT/.iter_0000010.old/                  while iteration 10 is saved again (between two renames)
+    ROOT/.iter_0000002.deleting/             an iteration being pruned (checkpoint.keep_last)
 
 The iteration folders, the latest pointer and our metadata file (`megatron_ext.json`) in an iteration.
 """

@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint.dir; fails while another queued or running job holds it (slurm/*.sh do this)")
     p.add_argument("--get", metavar="KEY", help="print one resolved recipe field (e.g. checkpoint.dir) and exit")
     p.add_argument("--check-data", action="store_true", help="only check the recipe's data.prefix datasets (complete, "
-                   "ids within model.vocab_size) and exit (slurm/pipeline.sh does before it submits)")
+                   "ids within model.vocab_size, tokenized with a local model.tokenizer) and exit (slurm/pipeline.sh "
+                   "does before it submits)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
     return p
 

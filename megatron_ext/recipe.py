@@ -206,8 +206,9 @@ class RuntimeConfig:
     attention: Literal["auto", "te", "sdpa"] = _f(
         "auto", "Core attention: te (Transformer Engine), sdpa (torch), auto = te when importable on cuda."
     )
-    fp8: Literal["hybrid", "e4m3"] | None = _f(None, "FP8 format for TE linear layers (needs TE and an sm90+ GPU).")
-    fp8_attention: bool = _f(False, "FP8 dot-product attention (TE FusedAttention; needs fp8).")
+    fp8: Literal["hybrid", "e4m3"] | None = _f(None, "FP8 format for TE linear layers (needs TE and an sm89+ GPU).")
+    fp8_attention: bool = _f(False, "FP8 dot-product attention (TE FusedAttention; needs fp8 and an sm90+ GPU; not "
+                                    "for SFT's packed sequences; with fp8_recipe tensorwise only on sm100, B200).")
     fp8_recipe: Literal["delayed", "tensorwise"] = _f(
         "delayed", "FP8 scaling: delayed (amax history) or tensorwise (current scaling, TE >= 2.2).")
     timeout_minutes: int = _f(

@@ -126,7 +126,7 @@ def _check_attention_backend_variables(recipe: Recipe) -> None:
 
 def setup_warnings(recipe: Recipe) -> list[str]:
     """What `launch --check` and the trainer's log warn about before a run: `positions_warning`, `epochs_warning`,
-    `sft_length_warning`."""
+    `sft_length_warning`, `selective_recompute_warning`."""
     return [w for w in (positions_warning(recipe), epochs_warning(recipe), sft_length_warning(recipe),
                         selective_recompute_warning(recipe)) if w]
 

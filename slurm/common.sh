@@ -8,7 +8,8 @@
 #   2. validates the recipe for this job's size before any worker starts (`megatron_ext.launch
 #      --check`: unknown keys, TP x PP x CP not dividing the task count, missing data, GPUs),
 #   3. starts one task per GPU with srun (rank/world/rendezvous come from Slurm's env; the
-#      trainer reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST, SLURM_JOB_ID),
+#      trainer reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_NODELIST or SLURM_JOB_NODELIST,
+#      SLURM_JOB_ID and SLURM_STEP_ID),
 #   4. on the warning signal (--signal=B:USR1@T reaches this shell) forwards USR1 to the tasks;
 #      the trainer saves a checkpoint and exits with EXIT_REQUEUE, and this script then runs
 #      `scontrol requeue`. The requeued job resumes from the latest checkpoint by itself.
