@@ -56,3 +56,41 @@ def test_sft_losses_equal_with_megatron_head_and_at_tp2(tmp_path, torchrun, sft_
     metrics = run_sft(torchrun, tmp_path, sft_data, *overrides)
     assert [m["loss_tokens"] for m in metrics] == [m["loss_tokens"] for m in dp2]
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in dp2], atol=1e-5, rtol=0)
+
+
+def test_sft_gradient_is_the_token_mean_over_every_pack(tmp_path, torchrun, sft_data):
+    """The gradient of a step is that of (loss summed over the assistant tokens of all 4 packs) / (their count), over
+    2 ranks x 2 microbatches, as transformers computes it on the same conversations one at a time; a mean per
+    microbatch (Megatron's other mode) weighs packs with few loss tokens up, and gives another gradient."""
+    from transformers import LlamaForCausalLM
+
+    from megatron_ext.convert.exporter import to_hf
+    from megatron_ext.data import SFTPackedDataset
+
+    out = tmp_path / "run"
+    metrics = run_sft(torchrun, out, sft_data, "train.steps=1", "train.lr=1e-9")  # the step moves no weight by 1e-7
+    to_hf(out, tmp_path / "hf", iteration=1, progress=False)
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    packs = SFTPackedDataset(sft_data, 256, seed=1234)
+    sums, counts = [], []
+    for pack in (packs[i] for i in range(4)):
+        cu, total, count = pack["cu_seqlens"].tolist(), 0.0, 0
+        for a, b in zip(cu[:-1], cu[1:]):
+            mask = pack["loss_mask"][a:b].bool()
+            if mask.any():  # a conversation (the padding tail has no loss)
+                losses = torch.nn.functional.cross_entropy(model(pack["tokens"][a:b][None]).logits[0],
+                                                           pack["labels"][a:b], reduction="none")
+                total, count = total + losses[mask].sum(), count + int(mask.sum())
+        sums.append(total)
+        counts.append(count)
+    assert len(set(counts)) > 1  # packs with different numbers of loss tokens: the two weightings differ
+
+    def grad_norm(loss) -> float:
+        model.zero_grad()
+        loss.backward(retain_graph=True)
+        return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+
+    token_mean = grad_norm(sum(sums) / sum(counts))
+    per_pack_mean = grad_norm(sum(s / c for s, c in zip(sums, counts)) / 4)
+    assert metrics[0]["grad_norm"] == pytest.approx(token_mean, rel=1e-4)
+    assert abs(per_pack_mean / token_mean - 1) > 1e-2  # the control: the other weighting is far outside that
