@@ -31,8 +31,15 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
                                   "train.seq_length=256", "train.global_batch_size=2", "train.steps=1"])
     rope = {k: v for k, v in recipe.to_dict()["rope"].items() if v is not None and k != "rope_theta"}
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**{**TINY, "rope_scaling": rope, "max_position_embeddings": 2048,
-                                         "bos_token_id": 1, "eos_token_id": [2, 7]}))
+    # weights 5x HF's init and random norms: at the default init the mean loss barely moves with the rope or a
+    # head permutation (7e-6 and 3e-5, under this test's 1e-4)
+    arch = {**TINY, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": [2, 7],
+            "initializer_range": 0.1}
+    hf = LlamaForCausalLM(LlamaConfig(**{**arch, "rope_scaling": rope}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     hf.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], temperature=0.6, do_sample=True)
     hf.save_pretrained(tmp_path / "hf")
     AutoTokenizer.from_pretrained(toy_tokenizer).save_pretrained(tmp_path / "hf")
@@ -53,6 +60,13 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
         logits = hf(batch["tokens"]).logits.float()
     theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
     assert abs(ours - theirs.item()) <= 1e-4, (ours, theirs.item())
+    # control: the same weights with the plain (unscaled) rope give a loss far outside that tolerance
+    plain = LlamaForCausalLM(LlamaConfig(**{**arch, "rope_scaling": None}))
+    plain.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        other = plain(batch["tokens"]).logits.float()
+    unscaled = torch.nn.functional.cross_entropy(other.reshape(-1, other.shape[-1]), batch["labels"].reshape(-1))
+    assert abs(unscaled.item() - theirs.item()) > 1e-3, (unscaled.item(), theirs.item())
 
     report = to_hf(tmp_path / "run", tmp_path / "export", progress=False)
     config = json.loads((tmp_path / "export/config.json").read_text())
