@@ -55,7 +55,8 @@ def test_demo_quick_pipeline(tmp_path):
         assert png.read_bytes()[:8] == PNG
     assert len(list(out.glob("eval/niah*/heatmap.png"))) == 5
     assert set(results["mean_loss"]) == {"base", "after YaRN CPT", "after CPT + SFT"}  # loss-by-position curves
-    engine = results["megatron_engine"]  # the final grid on the Megatron checkpoint (scores compared in the full demo)
+    engine = results["megatron_engine"]  # the final grid on the Megatron checkpoint, cell by cell against transformers'
+    assert engine["same_cells"] == engine["cells"], engine
     # with the KV cache: one pass over each prompt (or over its tokens after a prefix shared with the one before),
     # further tokens as decode steps
     assert engine["cells"] == 4 and engine["forward_passes"] + engine["extension_passes"] == 4

@@ -37,7 +37,9 @@ def _megatron_engine_check(evals: Path, rows) -> dict | None:
     for j, _ in enumerate(ours["lengths"]):
         vals = [row[j] for row in ours["scores"] if row[j] is not None]
         by_length.append(sum(vals) / len(vals) if vals else None)
-    same = sum(a["score"] == b["score"] for a, b in zip(ours["cells"], theirs["cells"]))
+    key = lambda c: (c["length"], c["depth"], c.get("sample"))  # noqa: E731 - the cell's place in the grid
+    scored = {key(c): c["score"] for c in theirs["cells"]}
+    same = sum(scored.get(key(c)) == c["score"] for c in ours["cells"])
     settings = ours["settings"]
     return {"by_length": by_length, "cells": len(ours["cells"]), "same_cells": same,
             "forward_passes": settings.get("forward_passes"), "extension_passes": settings.get("extension_passes", 0),
