@@ -15,12 +15,15 @@ def tp1(tmp_path_factory, torchrun):
 
 
 def test_tp2_loss_equals_tp1(tp1, torchrun):
+    """... and so does the gradient of the TP-split weights (the norm over their slices on both ranks)."""
     torchrun(WORKER, 2, "--tp", "2", "--load", str(tp1 / "ckpt"), "--out", str(tp1 / "tp2.json"))
-    loss1, loss2 = read_json(tp1 / "tp1.json")["loss"], read_json(tp1 / "tp2.json")["loss"]
-    assert abs(loss1 - loss2) < 1e-5, (loss1, loss2)
+    one, two = read_json(tp1 / "tp1.json"), read_json(tp1 / "tp2.json")
+    assert abs(one["loss"] - two["loss"]) < 1e-5, (one, two)
+    assert abs(one["split_grad_norm"] / two["split_grad_norm"] - 1) < 1e-5, (one, two)
 
 
 def test_negative_control_changed_weight_changes_loss(tp1, torchrun):
     torchrun(WORKER, 2, "--tp", "2", "--load", str(tp1 / "ckpt"), "--perturb", "--out", str(tp1 / "bad.json"))
-    loss1, bad = read_json(tp1 / "tp1.json")["loss"], read_json(tp1 / "bad.json")["loss"]
-    assert abs(loss1 - bad) > 1e-4, (loss1, bad)
+    one, bad = read_json(tp1 / "tp1.json"), read_json(tp1 / "bad.json")
+    assert abs(one["loss"] - bad["loss"]) > 1e-4, (one, bad)
+    assert abs(one["split_grad_norm"] / bad["split_grad_norm"] - 1) > 1e-4, (one, bad)
