@@ -119,7 +119,7 @@ def signal_delay_s(args, stage_name: str) -> int:
     (`#SBATCH --signal=B:USR1@S` in slurm/<stage>.sh: 1200 for cpt_4m, whose step and save take longer), else 600."""
     if args.signal_delay_s is not None:
         return args.signal_delay_s
-    script = PROJECT_ROOT / "slurm" / f"{stage_name}.sh"
+    script = PROJECT_ROOT / "slurm" / f"{'niah' if stage_name == 'ruler' else stage_name}.sh"  # RULER runs niah.sh
     found = re.search(r"^#SBATCH --signal=B:USR1@(\d+)", script.read_text(), re.M) if script.is_file() else None
     return int(found.group(1)) if found else DEFAULT_SIGNAL_DELAY_S
 

@@ -65,6 +65,7 @@ def test_dry_run_ruler_job_after_the_last_stage_too():
     # after the last training stage, not after NIAH: a failed NIAH does not cancel it
     assert ruler.startswith("32 processes, after stage 2") and "dependency': 'afterok:<job of stage 2>'" in ruler
     assert "sbatch job_name: ruler\n" in ruler and "sbatch nodes: 4\n" in ruler
+    assert "sbatch signal_delay_s: 300\n" in ruler  # slurm/niah.sh's, which runs RULER too
     assert ("run per task: python tools/niah.py ruler --megatron checkpoints/sft_1m --engine megatron --tp 8 --cp 4 "
             "--lengths 128K,1M --tasks all --out checkpoints/sft_1m_ruler --no-progress --chat") in ruler
     alone = launch("--recipe", "recipes/cpt_1m.yaml", "--ruler", "128K", "--dry-run")
