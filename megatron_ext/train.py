@@ -10,9 +10,9 @@ OptimizerParamScheduler, `get_forward_backward_func` schedules, `finalize_model_
 `finalize_model_grads` divides the gradients by the global token count.
 
 Exit codes: 0 done; 1 user error (one line on stderr); `EXIT_REQUEUE` (= 3) after SIGTERM/SIGUSR1/SIGUSR2,
-once a checkpoint is written, so that the Slurm scripts requeue the job (not after a USR2 stop, slurm/common.sh); `EXIT_DIVERGED` (= 4) at the
-first step whose loss or gradient norm is not finite, without saving: the newest checkpoint is from
-before (a requeue would only repeat the divergence).
+once a checkpoint is written, so that the Slurm scripts requeue the job (not after a USR2 stop,
+slurm/common.sh); `EXIT_DIVERGED` (= 4) at the first step whose loss or gradient norm is not finite,
+without saving: the newest checkpoint is from before (a requeue would only repeat the divergence).
 """
 
 from __future__ import annotations
