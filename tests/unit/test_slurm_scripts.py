@@ -175,6 +175,14 @@ def test_a_missing_project_is_one_error_line(tmp_path):
     assert Path(tmp_path / "slurm").exists() is False
 
 
+def _wrapped_words(dry_run_line: str) -> list[str]:
+    """The words of a dry-run sbatch line's `--wrap` command as sbatch's /bin/sh splits them."""
+    wrap = subprocess.run(["bash", "-c", 'eval "set -- $1"; for a; do [[ $a == --wrap=* ]] && printf %s "${a#--wrap=}"; '
+                           'done', "_", dry_run_line], capture_output=True, text=True).stdout
+    return subprocess.run(["sh", "-c", f'for a in {wrap}; do printf "%s\\n" "$a"; done'], capture_output=True,
+                          text=True).stdout.splitlines()
+
+
 def test_pipeline_paths_are_the_callers(tmp_path):
     """pipeline.sh moves to the project root to submit; --hf/--export given from another folder used to be read
     from the project root (the export written into the project, the conversion failing on a path that exists)."""
@@ -182,7 +190,9 @@ def test_pipeline_paths_are_the_callers(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", "--no-sft", "--hf", "../models/m",
                            "--export", "out/x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert f"--hf\\ {tmp_path}/../models/m\\ " in proc.stdout and f"--out\\ {tmp_path}/out/x\\ " in proc.stdout
+    convert, *_, export = proc.stdout.splitlines()
+    assert ["tools/convert.py", "to-megatron", "--hf", f"{tmp_path}/../models/m"] == _wrapped_words(convert)[1:5]
+    assert ["--out", f"{tmp_path}/out/x"] == _wrapped_words(export)[-2:]
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--export"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help)\n"
