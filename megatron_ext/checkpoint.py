@@ -294,11 +294,16 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
         pointer.write_text(f"{iteration}\n")
         os.replace(pointer, root / LATEST_FILE)
         if keep_last:
+            for doomed in root.glob(".iter_*.deleting"):  # what a killed save left
+                shutil.rmtree(doomed, ignore_errors=True)
             for old_it in available_iterations(root)[:-keep_last]:
                 if old_it != iteration:  # renamed first: a kill mid-delete leaves no half iter_* folder to pick
-                    os.replace(root / iter_dir_name(old_it), root / f".{iter_dir_name(old_it)}.deleting")
-            for doomed in root.glob(".iter_*.deleting"):  # this save's, and any a killed save left
-                shutil.rmtree(doomed, ignore_errors=True)
+                    doomed = root / f".{iter_dir_name(old_it)}.deleting"
+                    try:
+                        os.replace(root / iter_dir_name(old_it), doomed)
+                    except OSError:  # pruning must not fail the save (the other ranks wait at the barrier)
+                        doomed = root / iter_dir_name(old_it)
+                    shutil.rmtree(doomed, ignore_errors=True)
     _barrier()
 
 

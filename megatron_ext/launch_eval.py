@@ -6,6 +6,7 @@ per rank, at the TP x CP of the stage with the longest sequences, chat prompts a
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +43,13 @@ class EvalStage:
         from megatron_ext.evaluate.cli import main
         from megatron_ext.slurm_jobs import requeue_ends_the_task
 
+        argv = self.argv
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 and "--resume" not in argv:
+            # requeued by Slurm itself (node failure, scontrol requeue, preemption), not through `checkpoint`: go on
+            # from the saved cells, as slurm/niah.sh does (without it the earlier results would be refused)
+            argv = [*argv, "--resume"]
         with requeue_ends_the_task():
-            main(self.argv)  # a mistake ends in SystemExit("error: ..."), which submitit reports
+            main(argv)  # a mistake ends in SystemExit("error: ..."), which submitit reports
         out = Path(self.argv[self.argv.index("--out") + 1])
         path = out / self.results
         result = json.loads(path.read_text()) if path.is_file() else {}

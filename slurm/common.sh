@@ -154,7 +154,7 @@ check_rendezvous() {
 
 # wait_step PID: wait for the srun step PID; its exit status in STEP_RC. `wait` returns early (> 128) when a
 # trap ran: while srun still runs, wait again; when srun ended during the trap, that status is the signal's, and
-# a second `wait` gives srun's own (127: already collected, the first status was srun's).
+# a second `wait` gives srun's own (bash 5.2 keeps it; 127 where a shell has forgotten the pid: keep the first).
 wait_step() {
   while :; do
     STEP_RC=0
@@ -179,10 +179,17 @@ requeue_job() {
   exit 0
 }
 
+# note_signal SIGNAL: remember the signal for after the tasks end; a USR2 stop stays one (a time-limit USR1 that
+# comes while the tasks save must not turn it into a requeue).
+note_signal() {
+  [[ ${SIGNALLED:-} == USR2 ]] || SIGNALLED=$1
+  SIGNAL_AT=$SECONDS
+}
+
 # on_signal SIGNAL: ask the tasks to save and exit (TERM and USR1 as they came; USR2, the stop without a requeue,
 # as USR1).
 on_signal() {
-  SIGNALLED=$1 SIGNAL_AT=$SECONDS
+  note_signal "$1"
   local task_signal=$1 note=""
   if [[ $1 == USR2 ]]; then task_signal=USR1 note=" (stop requested: the job will not be requeued)"; fi
   log "received $1: asking the tasks to save a checkpoint and exit$note"
@@ -236,9 +243,9 @@ stage_main() {
   build_launcher
   log_job "$@"
   # Trapped from here on: an early warning signal must not kill this shell (bash's default).
-  trap 'SIGNALLED=USR1' USR1
-  trap 'SIGNALLED=TERM' TERM
-  trap 'SIGNALLED=USR2' USR2
+  trap 'note_signal USR1' USR1
+  trap 'note_signal TERM' TERM
+  trap 'note_signal USR2' USR2
   check_rendezvous
   preflight "$@"
   if [[ ${SIGNALLED:-} == USR2 ]]; then

@@ -90,6 +90,8 @@ def tp_pieces(entry, t: torch.Tensor, pieces: int, prepend: int) -> list[tuple[t
         return [(t, ())]
     count = pieces * (2 if entry.kind == "gate_up" else 1)
     axis = entry.tp_axis
+    while count > 1 and t.shape[axis] % count:  # equal pieces only (a vocabulary padded to an odd multiple)
+        count //= 2
     return [(chunk.contiguous(), ((prepend + axis, j, count),)) for j, chunk in enumerate(torch.chunk(t, count, axis))]
 
 

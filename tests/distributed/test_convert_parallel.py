@@ -94,3 +94,10 @@ def test_converted_tensors_are_stored_in_tp_pieces(work):
     assert sorted({c.offsets[2] for c in fc2.chunks}) == [0, fc2.size[2] // pieces]  # along its input axis
     assert tp_piece_count({"num_key_value_heads": 8, "intermediate_size": 14336}) == 8  # Llama-3.1-8B
     assert tp_piece_count({"num_key_value_heads": 8, "intermediate_size": 14340}) == 4
+    # a vocabulary padded to a multiple of 4 only (make_vocab_size_divisible_by=4): equal pieces, fewer of them
+    from megatron_ext.convert.importer import tp_pieces
+    from megatron_ext.convert.mapping import TABLE
+
+    embedding = next(e for e in TABLE if e.megatron == "embedding.word_embeddings.weight")
+    split = tp_pieces(embedding, torch.zeros(32004, 2), 8, 0)
+    assert [p.shape[0] for p, _ in split] == [8001] * 4 and [o for _, o in split][-1] == ((0, 3, 4),)

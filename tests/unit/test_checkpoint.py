@@ -106,8 +106,11 @@ def test_layout_metadata_and_plain_tensors(tmp_path, cpu_parallel_state):
     # re-saving an iteration replaces it; keep_last prunes old ones
     save_checkpoint(root, 30, [model], metadata={"hf_config": TINY}, keep_last=2)
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000020", "iter_0000030"]
-    # a folder a killed prune left (renamed before its removal, so never a half iter_*) goes at the next save
+    # a folder a killed prune left (renamed before its removal, so never a half iter_*) goes at the next save, also
+    # one under the name the next prune renames to (iteration 20 after a rollback)
     (root / ".iter_0000005.deleting").mkdir()
+    (root / ".iter_0000020.deleting").mkdir()
+    (root / ".iter_0000020.deleting/common.pt").write_text("left")
     save_checkpoint(root, 40, [model], metadata={"hf_config": TINY}, keep_last=2)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith((".iter", "iter"))) == ["iter_0000030",
                                                                                             "iter_0000040"]

@@ -89,10 +89,15 @@ def test_missing_architecture():
     (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "train.stage=sft",
       "parallel.context=1"], 2, r"runtime\.fp8_attention = true with train\.stage = 'sft': TE's FP8 attention does not "
                                 r"take SFT's packed \(THD\) sequences"),
-    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "runtime.fp8_recipe=tensorwise"], 2,
-     r"runtime\.fp8_recipe = 'tensorwise': TE runs FP8 attention with current scaling only on sm100 GPUs"),
+    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "runtime.fp8_recipe=tensorwise",
+      "cluster.gpu=h100-80gb"], 2,
+     r"runtime\.fp8_recipe = 'tensorwise' on cluster\.gpu = 'h100-80gb': TE runs FP8 attention with current scaling "
+     r"only on sm100 GPUs"),
     (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "runtime.fp8_recipe=tensorwise",
       "cluster.gpu=b200-180gb"], 2, None),
+    # no GPU named (or one the schema does not list, GB200): the build checks the device itself (model.py)
+    (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true", "runtime.fp8_recipe=tensorwise"], 2,
+     None),
     (["runtime.device=cuda", "runtime.fp8=hybrid", "runtime.fp8_attention=true"], 2, None),  # delayed, CPT: fine
     (["parallel.pipeline=4"], 4, r"parallel\.pipeline = 4: must divide model\.num_hidden_layers = 2"),
     # Megatron asserted these at model build / parallel-state setup

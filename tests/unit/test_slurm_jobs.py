@@ -355,3 +355,20 @@ def test_launch_refuses_an_evaluation_folder_with_earlier_results(tmp_path):
                                           r"which the niah job does not overwrite; move or remove that folder first"):
         eval_jobs(args, [last], params)
     assert len(eval_jobs(argparse.Namespace(niah="128K", ruler=None, dry_run=True), [last], params)) == 1
+
+
+def test_an_evaluation_requeued_by_slurm_itself_resumes(monkeypatch, tmp_path):
+    """Requeued without submitit's checkpoint (node failure, scontrol requeue, preemption by TERM), the job reran its
+    first arguments, which the evaluation now refuses over the saved results: --resume is added, as niah.sh does."""
+    import megatron_ext.evaluate.cli as cli
+    from megatron_ext.launch_eval import EvalStage
+
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda argv: seen.append(list(argv)))
+    stage = EvalStage("niah", ["--megatron", "ckpt", "--out", str(tmp_path)], "results.json")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    stage()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    stage()
+    assert seen == [["--megatron", "ckpt", "--out", str(tmp_path)], ["--megatron", "ckpt", "--out", str(tmp_path),
+                                                                     "--resume"]]

@@ -20,7 +20,7 @@ STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
     "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n'
             '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
-            '[[ -n ${FAKE_SIGNAL:-} ]] && kill -"$FAKE_SIGNAL" "$PPID"\nsleep 0.3\n'
+            'for s in ${FAKE_SIGNAL:-}; do kill -"$s" "$PPID"; sleep 0.1; done\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
               '*) echo RUNNING ;; esac',
@@ -111,6 +111,9 @@ def test_usr2_saves_and_stops_without_a_requeue(job, tmp_path):
     assert "stopped on request (USR2): checkpoint saved; not requeued" in proc.stdout
     proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="3")  # control: the warning signal requeues
     assert calls == "requeue 42\n"
+    # the time-limit warning while the stopped tasks save: still a stop, not a requeue
+    proc, calls = job(FAKE_SIGNAL="USR2 USR1", FAKE_RC="3", FAKE_LIMIT="UNLIMITED")
+    assert calls == "requeue 42\n" and "stopped on request (USR2)" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_term_at_the_time_limit_still_requeues(job):
