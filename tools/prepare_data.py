@@ -45,7 +45,15 @@ def _parser() -> argparse.ArgumentParser:
                            help="optional: fail unless the corpus fills one sequence of this length")
         else:
             s.add_argument("--seq-length", type=int, required=True, help="drop samples longer than this")
-            s.add_argument("--messages-field", default="messages")
+            s.add_argument("--messages-field", default="messages",
+                           help="dotted field holding the list of {role, content} messages (default: messages)")
+            s.add_argument("--answer-field", default=None, metavar="FIELD",
+                           help="dotted field holding the reply to the last message, kept apart from the messages "
+                                "(AceMath-Instruct, the paper's SFT source: --answer-field answer); it becomes the "
+                                "last assistant turn")
+            s.add_argument("--max-samples", type=int, default=None, metavar="N",
+                           help="keep N rows drawn uniformly at random with --seed (the paper subsampled ~100K), "
+                                "before dropping those too long or without a reply")
             s.add_argument("--chat-template", default="llama3.1", help="llama3.1 | tokenizer | FILE.jinja")
     return p
 
@@ -72,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                             max_tokens=args.max_tokens, seq_length=args.seq_length, **common)
             else:
                 prepare_sft(args.input, args.tokenizer, args.output, args.seq_length,
-                            messages_field=args.messages_field, chat_template=args.chat_template, **common)
+                            messages_field=args.messages_field, answer_field=args.answer_field,
+                            max_samples=args.max_samples, chat_template=args.chat_template, **common)
     except DataError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt as e:

@@ -21,13 +21,16 @@ CPT corpus (the paper: per-source length upsampling, documents separated by the 
 SFT chat data (records with a `messages` list of {role, content})::
 
     python tools/prepare_data.py sft --input chats.jsonl --tokenizer TOK_DIR --output data/sft \\
-        --seq-length 8192 [--chat-template llama3.1 | tokenizer | FILE.jinja]
+        --seq-length 8192 [--chat-template llama3.1 | tokenizer | FILE.jinja] \\
+        [--answer-field answer] [--max-samples N]
 
   writes data/sft.bin/.idx (tokens), data/sft_lossmask.bin/.idx (uint8, 1 on assistant tokens)
   and data/sft.json. The built-in llama3.1 template needs a tokenizer with Llama-3's
   `<|start_header_id|>`/`<|end_header_id|>`/`<|eot_id|>` tokens (refused otherwise). Samples
   without an assistant turn, longer than --seq-length, or malformed (with the built-in llama3.1
   template: a role other than system/user/assistant/tool/ipython) are dropped and counted.
+  `--answer-field` appends a row's separately kept reply as the last assistant turn (AceMath-Instruct's
+  `answer`); `--max-samples N` keeps N rows drawn uniformly with --seed.
 
 Reading (trainer side)::
 

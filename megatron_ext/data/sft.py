@@ -15,7 +15,7 @@ import bisect
 import sys
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -55,20 +55,25 @@ def pack_samples(lengths: np.ndarray, seq_length: int, seed: int = 0) -> list[li
 
 
 def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int, *,
-                messages_field: str = "messages", chat_template: str = "llama3.1", seed: int = 1234,
-                force: bool = False, progress: bool = True) -> dict:
+                messages_field: str = "messages", answer_field: str | None = None, max_samples: int | None = None,
+                chat_template: str = "llama3.1", seed: int = 1234, force: bool = False, progress: bool = True) -> dict:
     """Render chats, mask non-assistant tokens, drop samples > seq_length; write PREFIX(+_lossmask).
 
     Returns the manifest. Samples with no assistant turn or longer than `seq_length` are dropped
     and counted, as are malformed ones ("bad_messages"): not a list of {role, content} strings, or, with the
     built-in llama3.1 template, a role Llama-3.1 does not know (`usr`, `human`). A custom template decides
-    itself what a role means: such roles are kept then, with a warning. Raises DataError on user mistakes;
-    nothing is left at `output` then.
+    itself what a role means: such roles are kept then, with a warning. `answer_field` names a row's final
+    reply kept apart from its messages (AceMath-Instruct, the paper's SFT source: `messages` + `answer`): it
+    becomes the conversation's last assistant turn. `max_samples` keeps that many rows, drawn uniformly with
+    `seed` (the paper subsamples ~100K), before the drops above. Raises DataError on user mistakes; nothing is
+    left at `output` then.
     """
     from tqdm import tqdm
 
     if seq_length <= 0:
         raise DataError(f"--seq-length {seq_length}: must be positive")
+    if max_samples is not None and max_samples <= 0:
+        raise DataError(f"--max-samples {max_samples}: must be a positive number of rows (leave it out for all)")
     check_inputs(inputs)
     check_outputs(output, force, with_lossmask=True)
     tok = load_tokenizer(tokenizer)
@@ -77,6 +82,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     dtype = token_dtype(vocab_size)
     stats = ReadStats()
     dropped = {"no_assistant_turn": 0, "too_long": 0, "bad_messages": 0}
+    ends_with_prompt = 0  # kept samples whose last turn is a prompt: its reply is missing (in another field?)
+    reply_fields: Counter[str] = Counter()  # rows' top-level string fields that look like that reply
     odd_roles: Counter[str] = Counter()  # roles outside LLAMA31_ROLES, for the end report
     lengths: list[int] = []
     n_read = n_tokens = n_trained = 0
@@ -88,8 +95,11 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     with atomic_outputs(output, with_lossmask=True) as tmp:
         tokens_b = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         mask_b = IndexedDatasetBuilder(tmp[output + "_lossmask.bin"], dtype=np.uint8)
+        rows = iter_rows(inputs, stats)
+        if max_samples is not None:
+            rows = _sample_rows(rows, max_samples, seed, progress)
         bar = tqdm(unit="sample", disable=not progress, desc="sft", file=sys.stderr)
-        for _name, where, row in iter_rows(inputs, stats):
+        for _name, where, row in rows:
             n_read += 1
             bar.update(1)
             try:
@@ -97,7 +107,19 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             except KeyError:
                 raise DataError(f"{where}: no field '{messages_field}' (fields: {', '.join(sorted(row))}); "
                                 "pass --messages-field NAME") from None
-            problem = _messages_problem(messages, messages_field, chat_template)
+            problem = None
+            if answer_field is not None:
+                try:
+                    answer = get_field(row, answer_field)
+                except KeyError:
+                    raise DataError(f"{where}: no field '{answer_field}' (fields: {', '.join(sorted(row))}); "
+                                    "pass --answer-field NAME, or leave it out when the replies are in the "
+                                    "messages") from None
+                if not isinstance(answer, str):
+                    problem = f"'{answer_field}' is a {type(answer).__name__}, not a string"
+                elif isinstance(messages, list):
+                    messages = [*messages, {"role": "assistant", "content": answer}]
+            problem = problem or _messages_problem(messages, messages_field, chat_template)
             role = None if problem else next((m["role"] for m in messages if m["role"] not in LLAMA31_ROLES), None)
             if role is not None:
                 odd_roles[role] += 1
@@ -113,7 +135,13 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                           "at the end)", file=sys.stderr)
                 dropped["bad_messages"] += 1
                 continue
-            if not any(m["role"] == "assistant" for m in messages):
+            if messages and messages[-1]["role"] == "user":
+                reply_fields.update(k for k in REPLY_FIELDS if isinstance(row.get(k), str))
+                if not any(m["role"] == "assistant" for m in messages):
+                    dropped["no_assistant_turn"] += 1
+                    continue
+                ends_with_prompt += 1
+            elif not any(m["role"] == "assistant" for m in messages):
                 dropped["no_assistant_turn"] += 1
                 continue
             try:
@@ -138,12 +166,13 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         mask_b.finalize(tmp[output + "_lossmask.idx"])
         if not lengths:
             raise DataError(f"--input {' '.join(inputs)}: no usable SFT samples ({n_read} read; dropped: "
-                            f"{dropped}{_roles_note(odd_roles)}; lines skipped: {stats.summary()})")
+                            f"{dropped}{_roles_note(odd_roles)}; lines skipped: {stats.summary()})"
+                            f"{_reply_hint(reply_fields, answer_field)}")
         packs = pack_samples(np.array(lengths), seq_length, seed)
         manifest = {
             "format_version": FORMAT_VERSION, "kind": "sft", "samples": len(lengths), "samples_read": n_read,
             "documents": len(lengths), "tokens": n_tokens, "trained_tokens": n_trained, "dropped": dropped,
-            "seq_length": seq_length, "packs": len(packs), "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
+            "ends_with_prompt": ends_with_prompt, "seq_length": seq_length, "packs": len(packs), "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
                         "not_object_lines": stats.not_object},
@@ -151,8 +180,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             "max_token_id": max(max_id, _pad_id(tok)),  # the loader pads samples with pad_id
             "tokenizer_hash": tokenizer_hash(tok), "vocabulary_hash": tokenizer_vocabulary_hash(tok),
             "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
-            "settings": {"inputs": list(inputs), "messages_field": messages_field, "chat_template": chat_template,
-                         "seed": seed},
+            "settings": {"inputs": list(inputs), "messages_field": messages_field, "answer_field": answer_field,
+                         "max_samples": max_samples, "chat_template": chat_template, "seed": seed},
         }
         write_json(tmp[output + ".json"], manifest)
     stats.report()
@@ -161,6 +190,9 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         print(f"warning: dropped {dropped_total} samples: {dropped}{_roles_note(odd_roles)}", file=sys.stderr)
     elif odd_roles:
         print(f"warning: kept samples with roles Llama-3.1 does not know{_roles_note(odd_roles)}", file=sys.stderr)
+    if ends_with_prompt:
+        print(f"warning: {ends_with_prompt} kept samples end with a user turn: their last prompt has no reply to "
+              f"learn{_reply_hint(reply_fields, answer_field)}", file=sys.stderr)
     if progress:
         print(f"wrote {output}(.bin/.idx, _lossmask.bin/.idx, .json): {len(lengths)} samples, {n_tokens} tokens, "
               f"{len(packs)} packs of {seq_length} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -190,6 +222,43 @@ def _messages_problem(messages: Any, field: str, chat_template: str) -> str | No
         if not m["content"].strip() and "tool_calls" not in m:
             return f"message {j} is an empty assistant turn (the model would learn to answer nothing)"
     return None
+
+
+# Top-level row fields that datasets use for the reply to the last message (AceMath-Instruct: `answer`).
+REPLY_FIELDS = ("answer", "response", "output", "completion")
+
+
+def _reply_hint(reply_fields: Counter[str], answer_field: str | None) -> str:
+    """'; the rows have a string field 'answer': pass --answer-field answer ...' when conversations ended with
+    a prompt and their rows hold a reply-like field not already used; else ''."""
+    found = [f for f, _ in reply_fields.most_common() if f != answer_field]
+    if not found:
+        return ""
+    return (f"; these rows have a string field '{found[0]}': if it holds the reply, pass --answer-field {found[0]} "
+            "(it becomes the last assistant turn)")
+
+
+def _sample_rows(rows: Iterator[tuple[str, str, dict]], k: int, seed: int,
+                 progress: bool) -> Iterator[tuple[str, str, dict]]:
+    """`k` of `rows` drawn uniformly without replacement (reservoir sampling, deterministic in `seed`), in their
+    input order. Holds the k rows in memory: ~100K chat rows are a few hundred MB."""
+    from tqdm import tqdm
+
+    rng = np.random.default_rng([seed, 0x5eed])  # a stream apart from the packing's default_rng(seed)
+    kept: list[tuple[int, tuple[str, str, dict]]] = []
+    for i, item in enumerate(tqdm(rows, unit="row", disable=not progress, desc="sft: drawing rows", file=sys.stderr)):
+        if i < k:
+            kept.append((i, item))
+        else:
+            j = int(rng.integers(0, i + 1))
+            if j < k:
+                kept[j] = (i, item)
+    kept.sort(key=lambda t: t[0])
+    if progress:
+        print(f"sft: drew {len(kept)} of {i + 1 if kept else 0} rows (--max-samples {k}, --seed {seed})",
+              file=sys.stderr)
+    for _, item in kept:
+        yield item
 
 
 def _roles_note(odd_roles: Counter[str]) -> str:

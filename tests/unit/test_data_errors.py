@@ -91,6 +91,8 @@ def test_sft_bad_input(tmp_path, tok_dir):
     msg = _fail(base + ["--input", str(only_user)])
     assert "no usable SFT samples" in msg and "'no_assistant_turn': 4" in msg
     assert "--chat-template" in _fail(base + ["--input", str(only_user), "--chat-template", "nope.jinja"])
+    assert "--max-samples 0: must be a positive" in _fail(base + ["--input", str(only_user), "--max-samples", "0"])
+    assert "no field 'answer'" in _fail(base + ["--input", str(only_user), "--answer-field", "answer"])
     assert _left(tmp_path) == []
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.data import SFTPackedDataset, collate_packed, pack_samples, prepare_sft, toy
+from megatron_ext.data import DataError, SFTPackedDataset, collate_packed, pack_samples, prepare_sft, toy
 from megatron_ext.data.chat import LLAMA31_CHAT_TEMPLATE, tokenize_chat
 
 
@@ -157,3 +157,88 @@ def test_tool_messages_use_llama31_ipython_header(hf_tok):
                                                                  "The code of the cat is 42.<|eot_id|>"]
     ref = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert ids == list(ref["input_ids"]) and mask == list(ref["assistant_masks"])
+
+
+def _acemath_rows(n: int, seed: int) -> list[dict]:
+    """Rows shaped as AceMath-Instruct's (the paper's SFT source): the prompt turns in `messages`, the final reply
+    apart in `answer`; every third row is multi-turn (its earlier replies are in `messages`)."""
+    rows = []
+    for i, chat in enumerate(toy.synthetic_chats(n, seed=seed)):
+        msgs = [m for m in chat["messages"] if m["role"] != "system"]
+        last = max(j for j, m in enumerate(msgs) if m["role"] == "assistant")
+        prompt = msgs[:last]
+        if i % 3 == 0:
+            prompt = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "first reply"},
+                      *prompt]
+        rows.append({"messages": prompt, "answer": msgs[last]["content"], "category": "general"})
+    return rows
+
+
+def test_answer_field_becomes_the_last_assistant_turn(tmp_path, tok_dir, hf_tok, capsys):
+    """AceMath-shaped rows: with --answer-field each sample is the messages plus the answer as the last assistant
+    turn, masked as such (compared with rendering that conversation directly); without it the single-turn rows
+    are dropped and the multi-turn ones kept with their final reply missing, which the warning names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = _acemath_rows(12, seed=3)
+    path = tmp_path / "acemath.parquet"  # AceMath ships parquet
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    man = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "with"), 4096, answer_field="answer",
+                      progress=False)
+    assert man["samples"] == 12 and man["dropped"] == {"no_assistant_turn": 0, "too_long": 0, "bad_messages": 0}
+    assert man["ends_with_prompt"] == 0 and man["settings"]["answer_field"] == "answer"
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    toks, masks = IndexedDataset(str(tmp_path / "with")), IndexedDataset(str(tmp_path / "with_lossmask"))
+    for i, row in enumerate(rows):
+        conv = [*row["messages"], {"role": "assistant", "content": row["answer"]}]
+        ids, mask = tokenize_chat(hf_tok, conv, LLAMA31_CHAT_TEMPLATE)
+        assert toks[i].tolist() == ids and masks[i].tolist() == mask
+        last_run = _runs(mask)[-1]
+        assert hf_tok.decode(ids[last_run[0]:last_run[1]]).startswith(row["answer"])  # the answer is trained on
+    capsys.readouterr()
+
+    man = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "without"), 4096, progress=False)
+    multi = [any(m["role"] == "assistant" for m in r["messages"]) for r in rows]
+    assert 4 <= sum(multi) < 12  # every third row at least, not all
+    assert man["dropped"]["no_assistant_turn"] == 12 - sum(multi) and man["samples"] == man["ends_with_prompt"] == sum(multi)
+    err = capsys.readouterr().err
+    assert f"{sum(multi)} kept samples end with a user turn" in err and "pass --answer-field answer" in err
+
+    only_single = tmp_path / "single.jsonl"
+    toy.write_jsonl(only_single, [r for r, m in zip(rows, multi) if not m])
+    with pytest.raises(DataError, match="no usable SFT samples.*pass --answer-field answer"):
+        prepare_sft([str(only_single)], str(tok_dir), str(tmp_path / "none"), 4096, progress=False)
+    with pytest.raises(DataError, match="no field 'reply'.*--answer-field"):
+        prepare_sft([str(path)], str(tok_dir), str(tmp_path / "none"), 4096, answer_field="reply", progress=False)
+    bad = tmp_path / "bad.jsonl"
+    toy.write_jsonl(bad, [{**rows[1], "answer": None}, rows[2]])
+    man = prepare_sft([str(bad)], str(tok_dir), str(tmp_path / "bad"), 4096, answer_field="answer", progress=False)
+    assert man["dropped"]["bad_messages"] == 1 and man["samples"] == 1
+
+
+def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
+    """--max-samples keeps k rows in input order, the same for a seed; over many seeds every row is drawn about
+    k/n of the time (a draw biased to the first or last rows fails), and k >= n keeps them all."""
+    from megatron_ext.data.sft import _sample_rows
+
+    items = [("in", f"row {i}", {"i": i}) for i in range(20)]
+    counts = np.zeros(20)
+    for seed in range(400):
+        picked = [row["i"] for _, _, row in _sample_rows(iter(items), 5, seed, progress=False)]
+        assert len(picked) == 5 and picked == sorted(set(picked))
+        counts[picked] += 1
+    assert counts.min() > 60 and counts.max() < 140, counts  # expected 100 each; binomial sd 8.7
+    assert [r["i"] for _, _, r in _sample_rows(iter(items), 50, 0, progress=False)] == list(range(20))
+
+    chats = list(toy.synthetic_chats(30, seed=5))
+    path = toy.write_jsonl(tmp_path / "c.jsonl", chats)
+    a = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "a"), 4096, max_samples=10, progress=False)
+    b = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "b"), 4096, max_samples=10, progress=False)
+    c = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "c"), 4096, max_samples=10, seed=7, progress=False)
+    assert a["samples_read"] == 10 and a["samples"] == 10 and a["settings"]["max_samples"] == 10
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    assert (tmp_path / "a.bin").read_bytes() != (tmp_path / "c.bin").read_bytes()
+    with pytest.raises(DataError, match="--max-samples 0: must be a positive"):
+        prepare_sft([str(path)], str(tok_dir), str(tmp_path / "d"), 4096, max_samples=0, progress=False)
