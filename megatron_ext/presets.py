@@ -95,5 +95,6 @@ def _ultralong_rope(factor: int) -> dict:
 # RoPE blocks (HF transformers-5 `rope_parameters` form) of UltraLong-8B 1M / 2M / 4M: YaRN on Llama-3.1's
 # theta and 8192 original positions, factor = target length / 8192, beta_fast 4 / beta_slow 1 (paper's
 # beta = 4, alpha = 1); attention factor left to the HF default 0.1 ln(factor) + 1. Recipes: `rope: {preset: ...}`.
+# From the paper's text: the released models' config.json rope blocks were not found (UNCONFIRMED; recipes/README.md).
 ROPE_PRESETS: dict[str, dict] = {"ultralong-1m": _ultralong_rope(128), "ultralong-2m": _ultralong_rope(256),
                                  "ultralong-4m": _ultralong_rope(512)}
