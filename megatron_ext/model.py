@@ -113,6 +113,7 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
 
     fuse_grad_accumulation = fused and tp_layers._grad_accum_fusion_available
     return TransformerConfig(
+        cuda_graph_scope=[],  # = the default "full", which 0.16 warns is deprecated on every rank
         num_layers=cfg["num_hidden_layers"],
         hidden_size=cfg["hidden_size"],
         ffn_hidden_size=cfg["intermediate_size"],

@@ -22,6 +22,7 @@ import math
 import signal
 import sys
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -232,18 +233,20 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                                   f"({'; '.join(resume.architecture_changed)}): use the checkpoint's model.* "
                                   "settings, or a new checkpoint.dir (with checkpoint.init_from for a new stage)")
         began = time.time()
+        position = f"sample {resume.consumed_samples:,}, {resume.tokens:,} tokens trained"
+        log(f"[train] loading {root}/iter_{done:07d} ...")  # minutes at scale: not a hang
         if resume.full_state:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler, iteration=done,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
-            log(f"[train] resumed from {root} at step {start} ({time.time() - began:.1f} s)" + (
+            log(f"[train] resumed from {root} at step {start}, {position} ({time.time() - began:.1f} s)" + (
                 f" (parallel layout {resume.saved_layout} -> {resume.layout})"
                 if resume.saved_layout != resume.layout else ""))
         else:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, iteration=done, weights_only=True,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
             scheduler.step(increment=start)
-            log(f"[train] resumed weights from {root} at step {start} ({time.time() - began:.1f} s) with a fresh "
-                f"optimizer state: {resume.why_not_full}")
+            log(f"[train] resumed weights from {root} at step {start}, {position} ({time.time() - began:.1f} s) "
+                f"with a fresh optimizer state: {resume.why_not_full}")
         # The recipe's schedule and Adam settings win over those saved in the optimizer's param groups (loading
         # them replaced the groups' betas and eps with the saved run's).
         for group in optimizer.param_groups:
@@ -265,6 +268,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 " the run goes on with positions its weights were not trained with so far")
     elif recipe.checkpoint.init_from:
         began = time.time()
+        log(f"[train] loading {recipe.checkpoint.init_from} ...")
         load_checkpoint(Path(recipe.checkpoint.init_from), [model], optimizer=optimizer, weights_only=True,
                         fully_parallel=recipe.checkpoint.fully_parallel_load)
         try:
@@ -296,8 +300,10 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     peak = (gpu_from_device_name(torch.cuda.get_device_name()) if recipe.runtime.device == "cuda"
             and t.precision == "bf16" else None)
     forward_backward = get_forward_backward_func()
+    planned = (t.steps - start) * t.global_batch_size * t.seq_length
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
-        f"DP{dp_size}, {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps}")
+        f"DP{dp_size} ({world} ranks), {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps} "
+        f"({planned:,} tokens); checkpoints and metrics.jsonl in {root}")
     for warning in setup_warnings(recipe):
         log(f"[train] warning: {warning}")
 
@@ -337,6 +343,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 "loss_tokens": n_tokens, "tokens_per_s": step_tokens / elapsed,
                 "tflops_per_device": train_flops(shape, step_tokens, pairs) / elapsed / world / 1e12,
                 "memory_gib": memory_gib(), "step_time_s": elapsed, "update_ok": bool(ok),
+                "consumed_samples": data.samples_before(step), "time": round(time.time(), 3),
             }
             if peak is not None:
                 record["mfu"] = record["tflops_per_device"] / peak.bf16_tflops
@@ -344,7 +351,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             if step % t.log_interval == 0 or step == t.steps:
                 mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
                 log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
-                    f"grad_norm {record['grad_norm'] or float('nan'):.3f} tokens/s {record['tokens_per_s']:.0f} "
+                    f"grad_norm {float('nan') if grad_norm is None else record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
                     f"TFLOP/s/dev {record['tflops_per_device']:.2f}{mfu} mem {record['memory_gib']:.2f} GiB eta "
                     f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
             # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
@@ -373,8 +380,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
                            wait=stopping or step == t.steps)
             if stopping and step < t.steps:
-                log(f"[train] received signal {stop.signal}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
+                log(f"[train] received {signal.Signals(stop.signal).name}; checkpoint saved, exiting with "
+                    f"{EXIT_REQUEUE} to requeue")
                 return EXIT_REQUEUE
+        took = time.time() - loop_start
+        log(f"[train] done: steps {start + 1}..{t.steps} in {format_duration(took)}, {planned:,} tokens "
+            f"({planned / took:,.0f} tokens/s with validation and saves); checkpoint {root}/iter_{t.steps:07d}, "
+            f"metrics {root / 'metrics.jsonl'}")
         return 0
     finally:
         profiler.close()  # a run that stops inside the traced steps writes what it traced
@@ -390,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
 
     env = process_env()
+    if env.rank != 0:
+        # Library warnings (Megatron's TE/Apex fallbacks, torch's deprecations) are alike on every rank: rank 0 says
+        # them once; every other rank's copy added ~20 lines per start to the job log (5,000 at 256 GPUs).
+        warnings.simplefilter("ignore")
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=env.world_size)
         check_setup(recipe)

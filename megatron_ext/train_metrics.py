@@ -25,7 +25,7 @@ class MetricsLog:
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
         if enabled and path.exists():
-            kept, broken = [], []
+            kept, broken, redone = [], [], []
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if not line.strip():
                     continue
@@ -38,10 +38,15 @@ class MetricsLog:
                     continue
                 if step <= start_step:
                     kept.append(line)
+                else:
+                    redone.append(step)
             if broken:
                 log(f"[train] warning: {path}: dropped {len(broken)} unreadable line(s) (line "
                     f"{', '.join(map(str, broken[:5]))}{', ...' if len(broken) > 5 else ''}; a run killed while "
                     "writing leaves one)")
+            if redone:  # a run stopped without saving (kill -9, node failure): the steps after the checkpoint
+                log(f"[train] {path}: dropped the lines of steps {min(redone)}..{max(redone)}, written after the "
+                    f"checkpoint of step {start_step}: those steps run again")
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)

@@ -69,11 +69,13 @@ def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straig
     out = subprocess.run(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3", tensorboard),
                          env=env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from" in out.stdout and "at step 3" in out.stdout
+    assert "resumed from" in out.stdout and "at step 3, sample 6, 3,072 tokens trained" in out.stdout
+    assert "[train] done: steps 4..6 in " in out.stdout and " 3,072 tokens " in out.stdout
     assert json.loads((resumed / "iter_0000006/megatron_ext.json").read_text())["data_samples"] == 12  # 6 x 2
 
     a, b = metrics(straight), metrics(resumed)
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    assert [m["consumed_samples"] for m in b] == [2, 4, 6, 8, 10, 12]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise on CPU
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
     from tests.unit.test_train_metrics import _tensorboard_scalars
@@ -217,6 +219,7 @@ def test_kill9_while_saving_in_background_then_resume_is_exact(tmp_path, token_d
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # the killed save's folder: written again
     a, b = metrics(straight), metrics(run)
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    assert [m["consumed_samples"] for m in b] == [2, 4, 6, 8, 10, 12]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise on CPU
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
 

@@ -1,0 +1,44 @@
+"""What a multi-rank run prints: library warnings once (rank 0's), not once per rank; a header naming the layout and
+where the outputs go; a closing line with the steps, tokens and the final checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+from megatron_ext.runtime.job_env import free_port
+from tests.conftest import CUDA, ROOT
+
+RECIPE = ROOT / "recipes/tiny/cpt.yaml"
+
+
+def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
+    # no PYTHONWARNINGS=ignore here (the other tests set it): the warnings are what this test counts
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    env.pop("PYTHONWARNINGS", None)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={out}",
+           f"data.prefix={token_data}", "parallel.context=1", "train.seq_length=512", "train.global_batch_size=2",
+           "train.steps=2"]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-3000:]
+    stdout = results[0][0] + results[1][0]
+    stderr = results[0][1] + results[1][1]
+    warnings = Counter(line for line in stderr.splitlines() if "Warning: " in line)
+    if not CUDA:  # on the CPU Megatron warns that TE and Apex are missing: there is something to count
+        assert any("Transformer Engine and Apex are not installed" in w for w in warnings), stderr[-3000:]
+    assert all(n == 1 for n in warnings.values()), warnings.most_common(3)
+    assert results[1][0] == ""  # the other rank prints nothing on stdout
+    header = [line for line in stdout.splitlines() if line.startswith("[train] cpt: ")]
+    assert len(header) == 1 and "DP2 (2 ranks)" in header[0] and "(2,048 tokens)" in header[0]
+    assert f"metrics.jsonl in {out}" in header[0]
+    done = stdout.strip().splitlines()[-1]
+    assert done.startswith("[train] done: steps 1..2 in ") and " 2,048 tokens " in done, stdout
+    assert done.endswith(f"checkpoint {out}/iter_0000002, metrics {out / 'metrics.jsonl'}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["consumed_samples"] for r in records] == [2, 4]
+    assert records[0]["time"] <= records[1]["time"]
