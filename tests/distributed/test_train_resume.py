@@ -135,7 +135,7 @@ def test_signal_to_every_process_after_an_earlier_save(tmp_path, token_data, sav
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_REQUEUE, stderr[-3000:]
     last = metrics(out)[-1]["step"]
-    assert latest(out) == last and "received signal" in stdout
+    assert latest(out) == last and "received SIGUSR1; checkpoint saved" in stdout
     check_complete(out / f"iter_{last:07d}")
 
 
