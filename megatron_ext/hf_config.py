@@ -41,10 +41,11 @@ def normalize_hf_config(cfg: dict) -> dict:
         out["rope_scaling"] = None if scaling.get("rope_type") == "default" and len(scaling) == 1 else scaling
     out.setdefault("rope_theta", 10000.0)
     out.setdefault("rope_scaling", None)
-    out.setdefault("num_key_value_heads", out["num_attention_heads"])
+    if out.get("num_key_value_heads") is None:  # absent or null: transformers takes one KV head per head (MHA)
+        out["num_key_value_heads"] = out["num_attention_heads"]
     if out.get("head_dim") is None:
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
-    out.setdefault("rms_norm_eps", 1e-5)
+    out.setdefault("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default (Llama-3's configs state 1e-5)
     out.setdefault("tie_word_embeddings", False)
     return out
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 # Conversion runs on the CPU (Megatron-Core through megatron_ext's CPU backend), also on a node with GPUs: hide them
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("to-megatron", help="HF safetensors folder -> Megatron torch_dist checkpoint (iteration 0)")
     a.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json + *.safetensors)")
     a.add_argument("--out", required=True, type=Path, help="checkpoint root to create")
-    a.add_argument("--dtype", choices=["bf16", "fp32"], help="stored dtype (default: the HF config's)")
+    a.add_argument("--dtype", choices=["bf16", "fp32"], help="stored dtype (default: the HF config's; fp16 is stored as fp32, losslessly)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     b = sub.add_parser("to-hf", help="Megatron checkpoint (any TP/PP) -> HF safetensors folder")
     b.add_argument("--megatron", required=True, type=Path,
@@ -75,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --tolerance {args.tolerance}: the largest |logit difference| --verify accepts, a number >= 0 "
                  "(default 1e-4)")
 
+    # Libraries' notes that concern no conversion broke into the progress bar (~20 lines at a to-hf --verify):
+    # Megatron-Core's on optional GPU libraries (Apex, Transformer Engine) and its own deprecations, torch's on
+    # loading a checkpoint in a single process (on purpose here), and torch's ShardedTensor deprecation, which
+    # Megatron-Core's checkpoint loading triggers through our CPU backend's hook (so it names that module).
+    # Other warnings, ours and transformers' (about the HF folder written or read), stay.
+    warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)\.")
+    warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor", category=FutureWarning)
     from megatron_ext.checkpoint import CheckpointError
     from megatron_ext.convert import ConvertError, to_hf, to_megatron
     from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt

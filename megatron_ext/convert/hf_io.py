@@ -80,6 +80,7 @@ def check_llama(raw: dict, where: str) -> None:
             raise ConvertError(f"{where}: {key} is missing; a Llama config.json needs {', '.join(REQUIRED_INTS)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConvertError(f"{where}: {key} = {value!r}: must be a positive integer")
+    _check_optional_fields(raw, where)
     cfg = normalize_hf_config(raw)
     rope = (cfg.get("rope_scaling") or {}).get("rope_type", "default")
     if rope not in SUPPORTED_ROPE:
@@ -89,6 +90,27 @@ def check_llama(raw: dict, where: str) -> None:
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise ConvertError(f"{where}: num_attention_heads={cfg['num_attention_heads']} is not a multiple of "
                            f"num_key_value_heads={cfg['num_key_value_heads']}")
+
+
+def _check_optional_fields(raw: dict, where: str) -> None:
+    """Raise ConvertError for a field transformers and our model would read differently, or a value neither can
+    use (a null, a string for a number): these converted, and only --verify, if given, noticed (as a logit
+    difference naming no field), or crashed with a traceback."""
+    for key in ("num_key_value_heads", "head_dim"):  # null: derived, as transformers does
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConvertError(f"{where}: {key} = {value!r}: must be a positive integer (or absent)")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], (int, float)) or raw[key] <= 0):
+            raise ConvertError(f"{where}: {key} = {raw[key]!r}: must be a positive number")
+    if "tie_word_embeddings" in raw and not isinstance(raw["tie_word_embeddings"], bool):
+        raise ConvertError(f"{where}: tie_word_embeddings = {raw['tie_word_embeddings']!r}: must be true or false")
+    for block in (raw, raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}):
+        factor = block.get("partial_rotary_factor", 1.0) if isinstance(block, dict) else 1.0
+        if factor != 1.0:
+            raise ConvertError(f"{where}: partial_rotary_factor = {factor!r}: transformers' Llama rotates every "
+                               "dimension (it ignores the field for the default rope and fails on scaled ones), so "
+                               "no Llama checkpoint matches a model that rotates part of each head; only 1.0")
 
 
 def check_rope(raw: dict, where: str) -> None:

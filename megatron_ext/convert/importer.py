@@ -160,8 +160,8 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
     reader = SafetensorsReader(hf_dir)
     check_hf_tensors(reader, cfg)
     target = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype]
-    if target is None:
-        target = torch.float32 if source_dtype(cfg) == torch.float32 else torch.bfloat16
+    if target is None:  # fp16 (Llama-2's releases) in fp32: lossless, where bf16 drops 3 bits of each weight
+        target = torch.float32 if source_dtype(cfg) in (torch.float32, torch.float16) else torch.bfloat16
     padded = padded_vocab_size(cfg["vocab_size"], make_vocab_size_divisible_by, 1)
     ensure_cpu_process_group()
     with staged_output(out, force, "megatron") as tmp:
@@ -189,7 +189,8 @@ def to_megatron(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None
             report["max_abs_logit_diff"] = diff = compare_logits(hf_dir, tmp, round_hf=stored)
             if diff > tolerance:
                 raise ConvertError(f"--verify: max |logit diff| {diff:.3e} > tolerance {tolerance:g}; "
-                                   f"conversion of {hf_dir} is wrong, nothing written")
+                                   f"conversion of {hf_dir} is wrong (a weight mapped wrongly, or a config.json "
+                                   "field that transformers reads otherwise than our model), nothing written")
             report["rope_checked_at"] = check_rope_far_out(hf_dir, cfg, str(hf_dir))
     report.update(seconds=round(time.time() - start, 2), peak_rss_bytes=peak_rss_bytes())
     return report

@@ -9,6 +9,7 @@ transposed tensor). With rounding on the source side a correct conversion matche
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -113,6 +114,10 @@ def compare_logits(hf_dir: str | Path, megatron_root: str | Path, iteration: int
 
     from megatron_ext.convert.staging import ensure_cpu_process_group
 
+    # Loading both models takes minutes at 8B and prints no bar: say what runs (stderr, beside the progress bars;
+    # the result line below and the JSON report go to stdout)
+    print(f"verify: comparing the logits of the Hugging Face model and the Megatron checkpoint on {batch}x{seq_len} "
+          "random tokens (loads both models in fp32)", file=sys.stderr, flush=True)
     ensure_cpu_process_group()
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = random_tokens(vocab, batch, seq_len, seed)

@@ -266,6 +266,16 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embedding
     ({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 32, "rope_theta": 1e4}},
      "rope_parameters.factor: missing"),
     ({"vocab_size": "512"}, "vocab_size = '512': must be a positive integer"),
+    # fields transformers and our model read differently, or that neither can use (were tracebacks, or converted
+    # to a model that only --verify, if given, found different)
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5: transformers' Llama rotates every dimension"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor = 0.5"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads = '2': must be a positive integer (or absent)"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads = 0: must be a positive integer"),
+    ({"head_dim": "16"}, "head_dim = '16': must be a positive integer"),
+    ({"rms_norm_eps": None}, "rms_norm_eps = None: must be a positive number"),
+    ({"tie_word_embeddings": None}, "tie_word_embeddings = None: must be true or false"),
 ])
 def test_bad_rope_or_sizes_refused(src, tmp_path, cpu_parallel_state, changes, fragment):
     d = copy_src(src, tmp_path)

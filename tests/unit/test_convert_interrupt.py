@@ -182,10 +182,18 @@ def test_a_killed_conversions_staging_folder_is_removed_by_the_next(src, mcore, 
     for folder in (stale, other_host, running):
         folder.mkdir()
         (folder / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    # --verify: this complete to-hf run also shows what a user sees of the check (a few seconds at this size)
     proc = subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-hf", "--megatron", str(mcore), "--out",
-                           str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "out"), "--no-progress", "--verify"], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"note: removing {stale}, left by an interrupted conversion (process {dead.pid})" in proc.stderr
+    # the check loads two models for minutes at 8B: a line says so first; Megatron-Core's and torch's notes on
+    # missing Apex / Transformer Engine and on their deprecations (~20 lines) no longer break into the output
+    assert "verify: comparing the logits of the Hugging Face model and the Megatron checkpoint on 2x32 random " \
+        "tokens (loads both models in fp32)\n" in proc.stderr, proc.stderr
+    assert "Warning" not in proc.stderr and "Transformer Engine and Apex are not installed" not in proc.stderr, \
+        proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", other_host.name, running.name])
 
 

@@ -222,3 +222,23 @@ def test_max_position_embeddings_pins_implicit_original_length(tmp_path, cpu_par
     assert out["rope_scaling"]["original_max_position_embeddings"] == 256  # TINY's max_position_embeddings
     assert r["max_abs_logit_diff"] <= TOL
     assert "rope_changed" not in r  # the same rope, only stated explicitly
+
+
+def test_fp16_source_without_rms_norm_eps(tmp_path, cpu_parallel_state):
+    """An fp16 model (Llama-2's releases) is stored in fp32, so the round trip is bit-exact (bf16 storage rounded
+    each weight, 3.9e-3 off); a config.json without rms_norm_eps means transformers' default 1e-6 (ours was 1e-5:
+    --verify failed at 9e-3), and the export states it."""
+    from transformers import LlamaForCausalLM
+
+    src = make_hf_model(tmp_path / "hf")
+    LlamaForCausalLM.from_pretrained(src).half().save_pretrained(tmp_path / "fp16")
+    cfg = json.loads((tmp_path / "fp16/config.json").read_text())
+    del cfg["rms_norm_eps"]
+    (tmp_path / "fp16/config.json").write_text(json.dumps(cfg))
+    report = to_megatron(tmp_path / "fp16", tmp_path / "m", verify=True, progress=False)
+    assert report["dtype"] == "float32" and report["max_abs_logit_diff"] <= TOL
+    to_hf(tmp_path / "m", tmp_path / "back", verify=True, progress=False)
+    a, b = read_all(tmp_path / "fp16"), read_all(tmp_path / "back")
+    assert a.keys() == b.keys()
+    assert all(b[k].dtype == torch.float16 and torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "back/config.json").read_text())["rms_norm_eps"] == 1e-6
