@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
-                                      load_tokenizer, token_dtype, tokenizer_hash, tokenizer_vocabulary_hash,
-                                      write_json)
+                                      load_tokenizer, progress_bar, token_dtype, tokenizer_hash,
+                                      tokenizer_vocabulary_hash, write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, input_name, iter_texts
 
 _MASK64 = (1 << 64) - 1
@@ -200,8 +200,6 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     Returns the manifest. Raises DataError on user mistakes; nothing is left at `output` then.
     `seq_length`, when given, checks the corpus holds at least one training sequence.
     """
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     check_inputs(inputs)
     rules = parse_upsample(upsample)
@@ -216,6 +214,8 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     if seq_length is not None and seq_length <= 0:
         raise DataError(f"--seq-length {seq_length}: must be positive")
     check_outputs(output, force)
+    if progress:  # the setup takes seconds (a hub tokenizer: a download): say what runs
+        print(f"cpt: loading tokenizer {tokenizer}", file=sys.stderr, flush=True)
     tok = load_tokenizer(tokenizer)
     tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup
     vocab_hash = tokenizer_vocabulary_hash(tok)
@@ -237,7 +237,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
 
     with atomic_outputs(output) as tmp:
         builder = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
-        bar = tqdm(unit="tok", unit_scale=True, disable=not progress, desc="cpt", file=sys.stderr)
+        bar = progress_bar(desc="cpt", unit="tok", unit_scale=True, total=max_tokens, enabled=progress)
         t_stream = time.perf_counter()  # setup (tokenizer load) excluded from the streaming rate
         cpu_stream = time.process_time()  # all threads' CPU time: robust on a shared machine
         batches = _prefetch(_batches(iter_texts(inputs, text_field, source_field, stats), batch_docs, batch_chars))
@@ -262,9 +262,11 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                     s["documents_written"] += k
                     s["tokens_written"] += k * doc.size
                     n_tokens += k * doc.size
+                    done = max_tokens is not None and n_tokens >= max_tokens
+                    if done:  # documents are not cut: the last one may overshoot --max-tokens; the bar ends at 100%
+                        bar.total = n_tokens
                     bar.update(k * doc.size)
-                    if max_tokens is not None and n_tokens >= max_tokens:
-                        done = True
+                    if done:
                         break
                 if done:
                     break

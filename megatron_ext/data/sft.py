@@ -21,8 +21,8 @@ import numpy as np
 
 from megatron_ext.data.chat import LLAMA31_ROLES, resolve_chat_template, tokenize_chat
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
-                                      load_tokenizer, token_dtype, tokenizer_hash, tokenizer_vocabulary_hash,
-                                      write_json)
+                                      load_tokenizer, progress_bar, token_dtype, tokenizer_hash,
+                                      tokenizer_vocabulary_hash, write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, get_field, iter_rows
 
 
@@ -68,14 +68,14 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     `seed` (the paper subsamples ~100K), before the drops above. Raises DataError on user mistakes; nothing is
     left at `output` then.
     """
-    from tqdm import tqdm
-
     if seq_length <= 0:
         raise DataError(f"--seq-length {seq_length}: must be positive")
     if max_samples is not None and max_samples <= 0:
         raise DataError(f"--max-samples {max_samples}: must be a positive number of rows (leave it out for all)")
     check_inputs(inputs)
     check_outputs(output, force, with_lossmask=True)
+    if progress:  # the setup takes seconds (a hub tokenizer: a download): say what runs
+        print(f"sft: loading tokenizer {tokenizer}", file=sys.stderr, flush=True)
     tok = load_tokenizer(tokenizer)
     template = resolve_chat_template(chat_template, tok, tokenizer)
     vocab_size = len(tok)
@@ -96,9 +96,11 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         tokens_b = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         mask_b = IndexedDatasetBuilder(tmp[output + "_lossmask.bin"], dtype=np.uint8)
         rows = iter_rows(inputs, stats)
+        total = None
         if max_samples is not None:
             rows = _sample_rows(rows, max_samples, seed, progress)
-        bar = tqdm(unit="sample", disable=not progress, desc="sft", file=sys.stderr)
+            total = len(rows)
+        bar = progress_bar(desc="sft", unit="sample", total=total, enabled=progress)
         for _name, where, row in rows:
             n_read += 1
             bar.update(1)
@@ -239,14 +241,12 @@ def _reply_hint(reply_fields: Counter[str], answer_field: str | None) -> str:
 
 
 def _sample_rows(rows: Iterator[tuple[str, str, dict]], k: int, seed: int,
-                 progress: bool) -> Iterator[tuple[str, str, dict]]:
+                 progress: bool) -> list[tuple[str, str, dict]]:
     """`k` of `rows` drawn uniformly without replacement (reservoir sampling, deterministic in `seed`), in their
     input order. Holds the k rows in memory: ~100K chat rows are a few hundred MB."""
-    from tqdm import tqdm
-
     rng = np.random.default_rng([seed, 0x5eed])  # a stream apart from the packing's default_rng(seed)
     kept: list[tuple[int, tuple[str, str, dict]]] = []
-    for i, item in enumerate(tqdm(rows, unit="row", disable=not progress, desc="sft: drawing rows", file=sys.stderr)):
+    for i, item in enumerate(progress_bar(rows, desc="sft: drawing rows", unit="row", enabled=progress)):
         if i < k:
             kept.append((i, item))
         else:
@@ -257,8 +257,7 @@ def _sample_rows(rows: Iterator[tuple[str, str, dict]], k: int, seed: int,
     if progress:
         print(f"sft: drew {len(kept)} of {i + 1 if kept else 0} rows (--max-samples {k}, --seed {seed})",
               file=sys.stderr)
-    for _, item in kept:
-        yield item
+    return [item for _, item in kept]  # a list: its length is the total of the progress bar that follows
 
 
 def _roles_note(odd_roles: Counter[str]) -> str:

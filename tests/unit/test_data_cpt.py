@@ -233,3 +233,35 @@ def test_special_token_text_in_a_document_stays_text(tmp_path, tok_dir, hf_tok):
     ds = IndexedDataset(str(tmp_path / "cpt"))
     ids = ds[0].tolist()
     assert not specials & set(ids) and hf_tok.decode(ids) == text
+
+
+def test_progress_in_a_log_file_is_plain_lines(tmp_path, tok_dir, corpus, capsys, monkeypatch):
+    """stderr a file (a Slurm log): every update of the bar was a '\\r' redraw on one line (~100 KB for 40 minutes of
+    CPT), with no percentage even for --max-tokens. Now each update is a line of its own (every
+    LOG_PROGRESS_SECONDS, 0 here: every document), with the percentage of --max-tokens."""
+    from megatron_ext.data import common
+
+    monkeypatch.setattr(common, "LOG_PROGRESS_SECONDS", 0.0)
+    prepare_cpt([str(corpus[0])], str(tok_dir), str(tmp_path / "cut"), max_tokens=2000)
+    err = capsys.readouterr().err  # not a terminal, as a log file
+    bars = [ln for ln in err.splitlines() if ln.startswith("cpt: ") and "tok/s" in ln]
+    assert "\r" not in err and err.startswith(f"cpt: loading tokenizer {tok_dir}\n"), err
+    assert len(bars) >= 4 and all("%|" in ln for ln in bars) and "/2.00k [" in bars[1], err
+    assert bars[-1].startswith("cpt: 100%|"), err  # the last document overshoots --max-tokens: still 100%
+
+
+def test_progress_on_a_terminal_redraws_in_place():
+    """On a terminal the bar stays tqdm's own: redrawn in place, one line."""
+    import io
+
+    from megatron_ext.data.common import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    with progress_bar(desc="cpt", unit="tok", total=10, file=out) as bar:
+        for _ in range(10):
+            bar.update(1)
+    assert out.getvalue().startswith("\rcpt:") and out.getvalue().count("\n") == 1, repr(out.getvalue())

@@ -126,6 +126,9 @@ def test_cli_subprocess(tmp_path, tok_dir, corpus):
                                  "--upsample", "all=1.5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s, 1 threads" in proc.stderr and "Traceback" not in proc.stderr
+    # stderr is a pipe, as in a Slurm log: the progress is plain lines, no '\r' redraws piled up on one line
+    assert "\r" not in proc.stderr and f"cpt: loading tokenizer {tok_dir}\n" in proc.stderr, proc.stderr
+    assert any(ln.startswith("cpt: ") and "tok/s]" in ln for ln in proc.stderr.splitlines()), proc.stderr
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"w1{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
     proc = subprocess.run(cli + ["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")],

@@ -242,3 +242,19 @@ def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
     assert (tmp_path / "a.bin").read_bytes() != (tmp_path / "c.bin").read_bytes()
     with pytest.raises(DataError, match="--max-samples 0: must be a positive"):
         prepare_sft([str(path)], str(tok_dir), str(tmp_path / "d"), 4096, max_samples=0, progress=False)
+
+
+def test_progress_in_a_log_file_is_plain_lines(tmp_path, tok_dir, capsys, monkeypatch):
+    """stderr a file (a Slurm log): the bars' '\\r' redraws piled up on one line. Now each update is a line of its
+    own; with --max-samples the rows drawn are the total, so the lines give the percentage."""
+    from megatron_ext.data import common
+
+    monkeypatch.setattr(common, "LOG_PROGRESS_SECONDS", 0.0)
+    path = toy.write_jsonl(tmp_path / "c.jsonl", list(toy.synthetic_chats(30, seed=5)))
+    prepare_sft([str(path)], str(tok_dir), str(tmp_path / "a"), 4096, max_samples=10)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.startswith(f"sft: loading tokenizer {tok_dir}\n"), err
+    lines = err.splitlines()
+    assert "sft: drawing rows: 30row [" in err and "sft: drew 10 of 30 rows" in err, err
+    assert [ln.split("|")[0] for ln in lines if ln.startswith("sft: ") and "sample/s" in ln] == \
+        [f"sft: {p:3d}%" for p in range(0, 101, 10)] + ["sft: 100%"], err  # the last: the bar's close
