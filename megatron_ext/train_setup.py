@@ -126,9 +126,19 @@ def _check_attention_backend_variables(recipe: Recipe) -> None:
 
 def setup_warnings(recipe: Recipe) -> list[str]:
     """What `launch --check` and the trainer's log warn about before a run: `positions_warning`, `epochs_warning`,
-    `sft_length_warning`, `selective_recompute_warning`."""
+    `sft_length_warning`, `selective_recompute_warning`, `partial_rotary_warning`."""
     return [w for w in (positions_warning(recipe), epochs_warning(recipe), sft_length_warning(recipe),
-                        selective_recompute_warning(recipe)) if w]
+                        selective_recompute_warning(recipe), partial_rotary_warning(recipe)) if w]
+
+
+def partial_rotary_warning(recipe: Recipe) -> str | None:
+    """rope.partial_rotary_factor != 1: our model rotates part of each head, transformers' Llama all of it, so
+    `tools/convert.py to-hf` refuses the checkpoint: said before the run, not after it."""
+    factor = recipe.rope.partial_rotary_factor
+    if factor == 1.0:
+        return None
+    return (f"rope.partial_rotary_factor = {factor:g}: transformers' Llama rotates every dimension, so "
+            "tools/convert.py to-hf will refuse this run's checkpoints (no Hugging Face Llama matches them)")
 
 
 def selective_recompute_warning(recipe: Recipe) -> str | None:

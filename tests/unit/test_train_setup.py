@@ -317,3 +317,12 @@ def test_selective_recompute_under_transformer_engine_is_warned(tmp_path, token_
     assert "no memory saved" in selective_recompute_warning(recipe(tmp_path, token_data, *gpu))
     assert selective_recompute_warning(recipe(tmp_path, token_data, *gpu, "runtime.attention=sdpa")) is None
     assert selective_recompute_warning(recipe(tmp_path, token_data, "train.recompute=selective")) is None  # CPU
+
+
+def test_partial_rotary_is_warned_before_the_run(tmp_path, token_data):
+    """A model rotating part of each head trains, but tools/convert.py to-hf refuses it (no HF Llama matches)."""
+    from megatron_ext.train_setup import setup_warnings
+
+    warnings = setup_warnings(recipe(tmp_path, token_data, "rope.partial_rotary_factor=0.5"))
+    assert any("rope.partial_rotary_factor = 0.5" in w and "to-hf will refuse" in w for w in warnings), warnings
+    assert not any("partial_rotary" in w for w in setup_warnings(recipe(tmp_path, token_data)))
