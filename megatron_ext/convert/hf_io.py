@@ -194,6 +194,11 @@ class SafetensorsReader:
             if not path.is_file():
                 raise ConvertError(f"{index}: names shard {name}, which does not exist in {hf_dir}")
             for key, entry in _read_header(path).items():
+                if weight_map is not None and weight_map.get(key, name) != name:
+                    continue  # a copy in another shard: the index names the model's
+                if key in self.file_of:  # two copies (a stray file from another save): which is the model's?
+                    raise ConvertError(f"--hf {hf_dir}: tensor {key} is in both {self.file_of[key]} and {name}; "
+                                       "remove the file that is not part of this model")
                 self.file_of[key], self._entries[key] = name, entry
         if weight_map is not None:
             missing = [k for k, f in weight_map.items() if self.file_of.get(k) != f]

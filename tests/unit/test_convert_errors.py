@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 from tests.unit.test_convert_fixtures import make_hf_model
@@ -85,6 +86,28 @@ def test_index_names_missing_shard(src, tmp_path, cpu_parallel_state):
     fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], "model-00002-of-00002.safetensors",
           "does not exist")
     no_leftovers(tmp_path, "o")
+
+
+def test_a_tensor_in_two_files_without_an_index(src, tmp_path, cpu_parallel_state):
+    """A stray safetensors file beside the model's (another save) holding one of its tensors: the alphabetically
+    last copy was taken silently; now refused, naming both files. With an index, the index decides."""
+    from safetensors.torch import load_file, save_file
+
+    d = copy_src(src, tmp_path)
+    norm = "model.norm.weight"
+    save_file({norm: load_file(str(d / "model.safetensors"))[norm] * 2}, str(d / "zz-old.safetensors"))
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")],
+          f"tensor {norm} is in both model.safetensors and zz-old.safetensors")
+    no_leftovers(tmp_path, "o")
+    from megatron_ext.convert.hf_io import SafetensorsReader
+
+    names = list(load_file(str(d / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map["extra.weight"] = "zz-old.safetensors"  # the index names the stray file too, for another tensor
+    save_file({norm: load_file(str(d / "model.safetensors"))[norm] * 2, "extra.weight": torch.zeros(1)},
+              str(d / "zz-old.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert SafetensorsReader(d).file_of[norm] == "model.safetensors"
 
 
 def test_corrupt_shard(src, tmp_path, cpu_parallel_state):
