@@ -238,14 +238,14 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         if resume.full_state:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler, iteration=done,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
-            log(f"[train] resumed from {root} at step {start}, {position} ({time.time() - began:.1f} s)" + (
+            log(f"[train] resumed from {root} at step {start} ({position}; {time.time() - began:.1f} s)" + (
                 f" (parallel layout {resume.saved_layout} -> {resume.layout})"
                 if resume.saved_layout != resume.layout else ""))
         else:
             start, _ = load_checkpoint(root, [model], optimizer=optimizer, iteration=done, weights_only=True,
                                        fully_parallel=recipe.checkpoint.fully_parallel_load)
             scheduler.step(increment=start)
-            log(f"[train] resumed weights from {root} at step {start}, {position} ({time.time() - began:.1f} s) "
+            log(f"[train] resumed weights from {root} at step {start} ({position}; {time.time() - began:.1f} s) "
                 f"with a fresh optimizer state: {resume.why_not_full}")
         # The recipe's schedule and Adam settings win over those saved in the optimizer's param groups (loading
         # them replaced the groups' betas and eps with the saved run's).

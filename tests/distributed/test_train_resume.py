@@ -69,7 +69,7 @@ def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straig
     out = subprocess.run(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3", tensorboard),
                          env=env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from" in out.stdout and "at step 3, sample 6, 3,072 tokens trained" in out.stdout
+    assert "resumed from" in out.stdout and "at step 3 (sample 6, 3,072 tokens trained; " in out.stdout
     assert "[train] done: steps 4..6 in " in out.stdout and " 3,072 tokens " in out.stdout
     assert json.loads((resumed / "iter_0000006/megatron_ext.json").read_text())["data_samples"] == 12  # 6 x 2
 
