@@ -137,15 +137,13 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                           "at the end)", file=sys.stderr)
                 dropped["bad_messages"] += 1
                 continue
-            if messages and messages[-1]["role"] == "user":
+            unanswered = bool(messages) and messages[-1]["role"] == "user"  # the last reply elsewhere, or missing
+            if unanswered:
                 reply_fields.update(k for k in REPLY_FIELDS if isinstance(row.get(k), str))
-                if not any(m["role"] == "assistant" for m in messages):
-                    dropped["no_assistant_turn"] += 1
-                    continue
-                ends_with_prompt += 1
-            elif not any(m["role"] == "assistant" for m in messages):
+            if not any(m["role"] == "assistant" for m in messages):
                 dropped["no_assistant_turn"] += 1
                 continue
+            ends_with_prompt += unanswered
             try:
                 ids, mask = tokenize_chat(tok, messages, template)
             except (jinja2.TemplateError, ValueError) as e:  # raise_exception(...) in the template, an undefined name
@@ -174,7 +172,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         manifest = {
             "format_version": FORMAT_VERSION, "kind": "sft", "samples": len(lengths), "samples_read": n_read,
             "documents": len(lengths), "tokens": n_tokens, "trained_tokens": n_trained, "dropped": dropped,
-            "ends_with_prompt": ends_with_prompt, "seq_length": seq_length, "packs": len(packs), "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
+            "ends_with_prompt": ends_with_prompt, "seq_length": seq_length, "packs": len(packs),
+            "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
                         "not_object_lines": stats.not_object},
