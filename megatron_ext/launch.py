@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "ids within model.vocab_size, tokenized with a local model.tokenizer) and exit (slurm/pipeline.sh "
                    "does before it submits)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
+    p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override given the way tools/plan.py and `recipe check` take them (repeatable)")
     return p
 
 
@@ -415,7 +417,8 @@ def submit(args, plan: list[Stage]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
+    args.overrides += args.set_overrides
     try:
         if args.check:
             return run_check(args)

@@ -396,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.train", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
-    args = parser.parse_args(argv)
+    parser.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override given the way tools/plan.py and `recipe check` take them (repeatable)")
+    args = parser.parse_intermixed_args(argv)
+    args.overrides += args.set_overrides
     stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save
 
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env

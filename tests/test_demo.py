@@ -68,3 +68,33 @@ def test_demo_quick_pipeline(tmp_path):
     assert (abl.get("rope_parameters") or abl.get("rope_scaling"))["rope_type"] == "llama3"
     for step in ("to-megatron", "data", "cpt", "sft", "sft ablation", "to-hf", "evaluate"):
         assert f"| {step} |" in report
+
+
+def _readme_block(title: str) -> list[str]:
+    """The shell commands of the first ```bash block after README heading `title` (continuations joined, comments
+    dropped)."""
+    text = (ROOT / "README.md").read_text().split(f"## {title}", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    joined = block.replace("\\\n", " ")
+    return [line.split("  #", 1)[0].strip() for line in joined.splitlines() if line.strip()]
+
+
+def test_readme_offline_chain_runs_as_written(tmp_path):
+    """README's "The whole chain by hand" block, command by command as written (the folder it runs in holds the
+    repository's tools/ and recipes/, as the repository root does): data, CPT, SFT, export with --verify, NIAH."""
+    commands = _readme_block("The whole chain by hand, offline, at toy scale")
+    assert len(commands) == 7 and commands[0].startswith("python tools/prepare_data.py toy")
+    for name in ("tools", "recipes"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    venv_bin = str(Path(sys.executable).parent)  # `python` and `torchrun` of the environment running the tests
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PATH=f"{venv_bin}{os.pathsep}{os.environ['PATH']}")
+    for command in commands:
+        proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "runs/tiny/sft/iter_0000004").is_dir()
+    assert json.loads((tmp_path / "runs/tiny/hf/generation_config.json").read_text())["eos_token_id"] == 4
+    niah = json.loads((tmp_path / "runs/tiny/niah/results.json").read_text())
+    assert niah["lengths"] == [256, 1024] and len(niah["cells"]) == 22

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-ce", action="store_true", help="with train.loss_head=full: assume a fused cross-entropy (2 B x V/TP per token)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted recipe override, e.g. --set parallel.context=8 (repeatable)")
+    parser.add_argument("positional_overrides", nargs="*", metavar="KEY=VALUE",
+                        help="overrides also as the trainer takes them: RECIPE parallel.context=8 ...")
     evaluation = parser.add_argument_group("evaluation on the Megatron engine (tools/niah.py --engine megatron)")
     evaluation.add_argument("--eval", metavar="LENGTHS", help="prompt lengths, e.g. 128K,1M,4M or 128K:4M:6")
     for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context")):
@@ -108,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                             "0:100:10)")
     evaluation.add_argument("--new-tokens", type=int, default=16, help="decode steps per prompt (default 16, NIAH's "
                             "--max-new-tokens; a model that retrieves with the needle as draft needs none)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.recipe_file and "=" in args.recipe_file and not Path(args.recipe_file).exists():
+        args.positional_overrides.insert(0, args.recipe_file)  # `--recipe FILE key=value`: no positional RECIPE
+        args.recipe_file = None
+    args.overrides = args.positional_overrides + args.overrides
     if args.recipe_file and args.recipe_opt and args.recipe_file != args.recipe_opt:
         sys.exit(f"error: two recipes, {args.recipe_file} and --recipe {args.recipe_opt}: give one")
     if args.eval:

@@ -19,6 +19,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    toy = sub.add_parser("toy", help="write offline toy inputs: a 512-token tokenizer, a corpus and chats (README, "
+                                     "\"Tiny, offline\")")
+    toy.add_argument("--out", required=True, metavar="DIR", help="writes DIR/tokenizer/, DIR/corpus.jsonl, "
+                                                                 "DIR/chats.jsonl")
+    toy.add_argument("--documents", type=int, default=300, help="corpus documents (default 300: ~120K tokens)")
+    toy.add_argument("--chats", type=int, default=200, help="conversations (default 200)")
+    toy.add_argument("--seed", type=int, default=0)
     for name, help_ in (("cpt", "tokenize a corpus for continued pretraining"),
                         ("sft", "render, mask and tokenize chat data for SFT")):
         s = sub.add_parser(name, help=help_)
@@ -60,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "toy":
+        return _write_toy(args)
     if args.workers < 0:
         sys.exit(f"error: --workers {args.workers}: must be 0 (all cores) or a positive number of tokenizer threads")
     if args.workers > 0:  # must precede the tokenizers library's first parallel call
@@ -89,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: interrupted ({how}); the unfinished output was removed (--output {args.output} is written "
               "only by a complete run)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    return 0
+
+
+def _write_toy(args: argparse.Namespace) -> int:
+    if args.documents < 1 or args.chats < 1:
+        sys.exit(f"error: --documents {args.documents} / --chats {args.chats}: both must be positive")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        sys.exit(f"error: --out {out}: not empty; give a new folder")
+    from megatron_ext.data import toy
+
+    written = toy.write_toy_inputs(out, documents=args.documents, chats=args.chats, seed=args.seed)
+    print("wrote " + ", ".join(f"{p}" for p in written.values()), file=sys.stderr)
     return 0
 
 

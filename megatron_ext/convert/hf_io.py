@@ -362,7 +362,22 @@ def folder_generation_defaults(folder: Path) -> tuple[dict | None, dict]:
         return value if isinstance(value, dict) else {}
 
     ids = {k: v for k, v in read("config.json").items() if k in TOKEN_ID_KEYS and v is not None}
+    if not ids:  # a tokenizer folder alone (no model's config.json): the ids of the tokens it names
+        ids = _tokenizer_special_ids(read("tokenizer_config.json"), read("tokenizer.json"))
     return read(GENERATION_CONFIG) or None, ids
+
+
+def _tokenizer_special_ids(tokenizer_config: dict, tokenizer_json: dict) -> dict:
+    """{"bos_token_id": id, ...} for the bos/eos/pad tokens a tokenizer_config.json names, found among
+    tokenizer.json's added tokens (special tokens are added tokens); those not found are left out."""
+    added = {t.get("content"): t.get("id") for t in tokenizer_json.get("added_tokens") or [] if isinstance(t, dict)}
+    ids = {}
+    for key in ("bos", "eos", "pad"):
+        token = tokenizer_config.get(f"{key}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(added.get(token), int):
+            ids[f"{key}_token_id"] = added[token]
+    return ids
 
 
 def tokenizer_files(directory: Path | None) -> list[Path]:

@@ -122,3 +122,12 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     return path
+
+
+def write_toy_inputs(out_dir: str | Path, documents: int = 300, chats: int = 200, seed: int = 0) -> dict[str, Path]:
+    """The offline inputs of the README's tiny path: `tokenizer/` (the toy BPE, 512 tokens), `corpus.jsonl`
+    (`documents` synthetic documents, ~120K tokens at 300) and `chats.jsonl` (`chats` conversations)."""
+    out = Path(out_dir)
+    return {"tokenizer": build_toy_tokenizer(out / "tokenizer"),
+            "corpus": write_jsonl(out / "corpus.jsonl", synthetic_corpus(documents, seed=seed)),
+            "chats": write_jsonl(out / "chats.jsonl", synthetic_chats(chats, seed=seed))}

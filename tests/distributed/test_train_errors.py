@@ -38,6 +38,7 @@ def test_data_shorter_than_one_global_batch(tmp_path, token_data):
     (["checkpoint.init_from=/nonexistent/ckpt"], ["checkpoint.init_from = '/nonexistent/ckpt'", "not a folder"]),
     (["parallel.context=2"], ["tensor x pipeline x context = 1 x 1 x 2 = 2 does not divide the world size = 1"]),
     (["train.lerning_rate=1"], ["train.lerning_rate: unknown key"]),
+    (["--set", "train.lerning_rate=1"], ["train.lerning_rate: unknown key"]),  # plan.py's form, also taken
     (["runtime.fp8=hybrid"], ["runtime.fp8 = 'hybrid'"]),
     (["train.eval_interval=5"], ["train.eval_interval = 5: data.split = '100,0,0' holds no documents out"]),
     # Megatron-Core's GPTDataset would loop forever on the valid split of no tokens

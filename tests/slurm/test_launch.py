@@ -36,6 +36,10 @@ def test_dry_run_reflects_its_arguments():
     proc = launch(*[a if a != "batch" else "debug" for a in DRY_RUN_ARGS])
     assert proc.returncode == 0 and proc.stdout != EXPECTED.read_text()
     assert "sbatch partition: debug" in proc.stdout
+    # overrides also as --set (tools/plan.py's and `recipe check`'s form): the same plan
+    as_set = [a for a in DRY_RUN_ARGS if a not in ("sft:train.steps=100", "train.seed=7")]
+    proc = launch(*as_set, "--set", "sft:train.steps=100", "--set", "train.seed=7")
+    assert proc.returncode == 0 and proc.stdout == EXPECTED.read_text(), proc.stderr
 
 
 def test_dry_run_niah_job_after_the_last_stage():

@@ -363,3 +363,22 @@ def test_out_overlapping_the_source_is_refused(src, mcore, tmp_path, cpu_paralle
     assert sorted(p.relative_to(mcore) for p in mcore.rglob("*")) == before
     fails(["to-megatron", "--hf", str(src), "--out", str(src), "--force"], f"overlaps --hf {src}")
     assert (src / "config.json").is_file() and (src / "model.safetensors").is_file()
+
+
+def test_tokenizer_folder_alone_gives_the_special_token_ids(tmp_path):
+    """`to-hf --tokenizer DIR` with DIR a tokenizer folder (no model config.json, as the README's tiny path has):
+    bos/eos/pad ids come from the tokens its tokenizer_config.json names (the export warned that generate() would
+    not stop, eos unknown); a model folder's config.json still comes first."""
+    from transformers import AutoTokenizer
+
+    from megatron_ext.convert.hf_io import folder_generation_defaults
+    from megatron_ext.data.toy import build_toy_tokenizer
+
+    tok_dir = build_toy_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    gen, ids = folder_generation_defaults(tok_dir)
+    assert gen is None and ids == {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                                   "pad_token_id": tok.pad_token_id}
+    assert ids["eos_token_id"] == tok.convert_tokens_to_ids("<|eot_id|>")
+    (tok_dir / "config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert folder_generation_defaults(tok_dir)[1] == {"eos_token_id": [7, 9]}

@@ -341,6 +341,7 @@ def test_tool_prints_table_and_paper_ratio(stage, ratio):
      "more than the 80 GB of h100-80gb; use --set parallel.context=8 --set train.recompute=full"),
     (["--set", "train.seq_length=33554432"], "no context-parallel size or recompute mode fits 256 GPUs"),
     (["--set", "train.sequence=1"], "train.sequence: unknown key"),
+    (["train.sequence=1"], "train.sequence: unknown key"),  # as the trainer takes overrides, also after --recipe
     (["--mfu", "0"], "--mfu = 0.0: must be in (0, 1]"),
 ])
 def test_tool_bad_input_one_line(args, message):
@@ -348,6 +349,13 @@ def test_tool_bad_input_one_line(args, message):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr
+
+
+def test_tool_takes_overrides_in_both_forms():
+    """`--set KEY=VALUE` and, as the trainer takes them, `RECIPE KEY=VALUE`: the same plan."""
+    a = _tool(str(R / "cpt_1m.yaml"), "--set", "parallel.context=8", "--gpu", "h100")
+    b = _tool(str(R / "cpt_1m.yaml"), "parallel.context=8", "--gpu", "h100")
+    assert a.returncode == b.returncode == 0 and "CP 8 x DP 4" in a.stdout and a.stdout == b.stdout, b.stderr
 
 
 def test_tool_cannot_fit_at_any_cp_says_so():
