@@ -17,4 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_ext.checkpoint_cli import main  # noqa: E402
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `checkpoint.py info ... | head` ends quietly, as a Unix filter does
     sys.exit(main())

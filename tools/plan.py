@@ -194,4 +194,7 @@ def _plan_eval(args) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `plan.py ... | head` ends quietly, as a Unix filter does
     raise SystemExit(main())

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--seed", type=int, default=1234)
         s.add_argument("--workers", type=int, default=0, help="tokenizer threads (0: all cores)")
         s.add_argument("--force", action="store_true", help="overwrite an existing PREFIX")
-        s.add_argument("--quiet", action="store_true", help="no progress bar")
+        s.add_argument("--quiet", action="store_true", help="no progress bar and no summary line (warnings and "
+                                                             "errors still print)")
         if name == "cpt":
             s.add_argument("--text-field", default="text", help="dotted field holding the text (default: text)")
             s.add_argument("--source-field", default=None,

@@ -39,8 +39,10 @@ def load_tokenizer(spec: str) -> Any:
         tok = AutoTokenizer.from_pretrained(spec)
     except Exception as e:  # noqa: BLE001 - transformers raises many types; report one line
         where = "" if path.exists() else f"no local folder {spec!r}, and as a hub name: "
+        offline = "" if path.exists() else ("; without network, pass a local tokenizer folder (HF_HUB_OFFLINE=1 "
+                                            "skips the retries; tools/prepare_data.py toy writes an offline one)")
         raise DataError(f"--tokenizer {spec}: cannot load a tokenizer ({where}{type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                        f"{str(e).splitlines()[0] if str(e) else ''}){offline}") from None
     if not getattr(tok, "is_fast", False):
         raise DataError(f"--tokenizer {spec}: not a fast (Rust) tokenizer; a tokenizer.json is needed")
     return tok

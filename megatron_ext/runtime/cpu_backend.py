@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -204,6 +205,11 @@ def apply_cpu_backend() -> None:
     _patch_rng()
     _fork_checkpoint_results_queue()
     _CudaToCpu().__enter__()  # global for the process: never exited
+    # The distributed optimizer's zero_grad asks `hasattr(param, "grad")` of its fp32 main-parameter shards, which
+    # are not leaves here; torch warns at each first read (naming this module, whose mode forwards the read). A
+    # read of None, no mistake: the warning only hid the run's own lines.
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning)
     _APPLIED = True
 
 
