@@ -53,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="optional: fail unless the corpus fills one sequence of this length")
         else:
             s.add_argument("--seq-length", type=int, required=True, help="drop samples longer than this")
-            s.add_argument("--messages-field", default="messages",
-                           help="dotted field holding the list of {role, content} messages (default: messages)")
+            s.add_argument("--messages-field", default=None,
+                           help="dotted field holding the list of {role, content} messages (default: messages, or "
+                                "conversations where a row has no messages; ShareGPT's {from, value} turns are read "
+                                "too)")
             s.add_argument("--answer-field", default=None, metavar="FIELD",
                            help="dotted field holding the reply to the last message, kept apart from the messages "
                                 "(AceMath-Instruct, the paper's SFT source: --answer-field answer); it becomes the "

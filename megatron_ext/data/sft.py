@@ -55,14 +55,16 @@ def pack_samples(lengths: np.ndarray, seq_length: int, seed: int = 0) -> list[li
 
 
 def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int, *,
-                messages_field: str = "messages", answer_field: str | None = None, max_samples: int | None = None,
+                messages_field: str | None = None, answer_field: str | None = None, max_samples: int | None = None,
                 chat_template: str = "llama3.1", seed: int = 1234, force: bool = False, progress: bool = True) -> dict:
     """Render chats, mask non-assistant tokens, drop samples > seq_length; write PREFIX(+_lossmask).
 
     Returns the manifest. Samples with no assistant turn or longer than `seq_length` are dropped
     and counted, as are malformed ones ("bad_messages"): not a list of {role, content} strings, or, with the
     built-in llama3.1 template, a role Llama-3.1 does not know (`usr`, `human`). A custom template decides
-    itself what a role means: such roles are kept then, with a warning. `answer_field` names a row's final
+    itself what a role means: such roles are kept then, with a warning. `messages_field` None: `messages`, or
+    `conversations` in rows without it (ShareGPT's field); turns in ShareGPT's form ({"from": "human"|"gpt"|...,
+    "value": ...}) are read as {role, content} (`SHAREGPT_ROLES`). `answer_field` names a row's final
     reply kept apart from its messages (AceMath-Instruct, the paper's SFT source: `messages` + `answer`): it
     becomes the conversation's last assistant turn. `max_samples` keeps that many rows, drawn uniformly with
     `seed` (the paper subsamples ~100K), before the drops above. Raises DataError on user mistakes; nothing is
@@ -86,7 +88,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     reply_fields: Counter[str] = Counter()  # rows' top-level string fields that look like that reply
     odd_roles: Counter[str] = Counter()  # roles outside LLAMA31_ROLES, for the end report
     lengths: list[int] = []
-    n_read = n_tokens = n_trained = 0
+    n_read = n_tokens = n_trained = n_sharegpt = 0
     max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
     t0 = time.perf_counter()
     import jinja2
@@ -104,11 +106,17 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         for _name, where, row in rows:
             n_read += 1
             bar.update(1)
+            field = messages_field or ("conversations" if "messages" not in row and "conversations" in row
+                                       else "messages")
             try:
-                messages = get_field(row, messages_field)
+                messages = get_field(row, field)
             except KeyError:
-                raise DataError(f"{where}: no field '{messages_field}' (fields: {', '.join(sorted(row))}); "
+                raise DataError(f"{where}: no field '{field}' (fields: {', '.join(sorted(row))}); "
                                 "pass --messages-field NAME") from None
+            sharegpt = _from_sharegpt(messages)
+            if sharegpt is not None:
+                messages = sharegpt
+                n_sharegpt += 1
             problem = None
             if answer_field is not None:
                 try:
@@ -121,7 +129,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                     problem = f"'{answer_field}' is a {type(answer).__name__}, not a string"
                 elif isinstance(messages, list):
                     messages = [*messages, {"role": "assistant", "content": answer}]
-            problem = problem or _messages_problem(messages, messages_field, chat_template)
+            problem = problem or _messages_problem(messages, field, chat_template)
             role = None if problem else next((m["role"] for m in messages if m["role"] not in LLAMA31_ROLES), None)
             if role is not None:
                 odd_roles[role] += 1
@@ -172,7 +180,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         manifest = {
             "format_version": FORMAT_VERSION, "kind": "sft", "samples": len(lengths), "samples_read": n_read,
             "documents": len(lengths), "tokens": n_tokens, "trained_tokens": n_trained, "dropped": dropped,
-            "ends_with_prompt": ends_with_prompt, "seq_length": seq_length, "packs": len(packs),
+            "ends_with_prompt": ends_with_prompt, "sharegpt_rows": n_sharegpt, "seq_length": seq_length, "packs": len(packs),
             "pack_fill": round(n_tokens / (len(packs) * seq_length), 6),
             "length_histogram": length_histogram(np.array(lengths)),
             "skipped": {"non_utf8_lines": stats.non_utf8, "bad_json_lines": stats.bad_json,
@@ -223,6 +231,21 @@ def _messages_problem(messages: Any, field: str, chat_template: str) -> str | No
         if not m["content"].strip() and "tool_calls" not in m:
             return f"message {j} is an empty assistant turn (the model would learn to answer nothing)"
     return None
+
+
+# ShareGPT's speaker names ({"from": ..., "value": ...} turns: ShareGPT, SlimOrca, many SFT sets) -> chat roles;
+# other names are kept as they are, and the role check below names them.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "system": "system", "tool": "tool", "function_response": "tool",
+                  "observation": "tool"}
+
+
+def _from_sharegpt(messages: Any) -> list[dict] | None:
+    """`messages` as {role, content} turns when all are ShareGPT's {from, value} turns; else None (left as given)."""
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and "from" in m and "value" in m and "role" not in m for m in messages)):
+        return None
+    return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in messages]
 
 
 # Top-level row fields that datasets use for the reply to the last message (AceMath-Instruct: `answer`).

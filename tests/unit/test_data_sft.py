@@ -258,3 +258,24 @@ def test_progress_in_a_log_file_is_plain_lines(tmp_path, tok_dir, capsys, monkey
     assert "sft: drawing rows: 30row [" in err and "sft: drew 10 of 30 rows" in err, err
     assert [ln.split("|")[0] for ln in lines if ln.startswith("sft: ") and "sample/s" in ln] == \
         [f"sft: {p:3d}%" for p in range(0, 101, 10)] + ["sft: 100%"], err  # the last: the bar's close
+
+
+def test_sharegpt_rows_read_as_messages(tmp_path, tok_dir, capsys):
+    """ShareGPT's form ({"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}, as ShareGPT and
+    SlimOrca, two of the paper's SFT components, store it) gives byte for byte the dataset of the same chats as
+    {role, content} messages; a speaker name outside the mapping is named as an unknown role."""
+    chats = list(toy.synthetic_chats(20, seed=6))
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    share = [{"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in c["messages"]]}
+             for c in chats]
+    a = prepare_sft([str(toy.write_jsonl(tmp_path / "m.jsonl", chats))], str(tok_dir), str(tmp_path / "m"), 4096,
+                    progress=False)
+    b = prepare_sft([str(toy.write_jsonl(tmp_path / "s.jsonl", share))], str(tok_dir), str(tmp_path / "s"), 4096,
+                    progress=False)
+    assert b["sharegpt_rows"] == 20 and a["sharegpt_rows"] == 0 and a["samples"] == b["samples"] == 20
+    for suffix in (".bin", ".idx", "_lossmask.bin", "_lossmask.idx"):
+        assert (tmp_path / f"m{suffix}").read_bytes() == (tmp_path / f"s{suffix}").read_bytes()
+    share[0]["conversations"][0]["from"] = "bing"
+    c = prepare_sft([str(toy.write_jsonl(tmp_path / "b.jsonl", share))], str(tok_dir), str(tmp_path / "b"), 4096,
+                    progress=False)
+    assert c["dropped"]["bad_messages"] == 1 and "role 'bing' is not one of" in capsys.readouterr().err
