@@ -43,6 +43,9 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     t_start = time.time()
     py = sys.executable
     s = settings
+    # The tools run with the checkout as their working directory (pipeline.run_tool), where a relative `out` from a
+    # caller elsewhere would name another folder.
+    out = Path(out).absolute()
     if fresh and out.exists():
         print(f"[demo] FRESH: removing {out}")
         shutil.rmtree(out)
@@ -175,13 +178,26 @@ def run_demo(out: Path, settings: DemoSettings, fresh: bool = False) -> Path:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def _absolute_path(text: str) -> Path:
+    """A path argument made absolute from the directory the demo was started in: the pipeline runs its tools with
+    the checkout as their working directory, where a relative path would name another folder."""
+    return Path(text).expanduser().absolute()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's command line; every path in it absolute."""
     ap = argparse.ArgumentParser(prog="python -m megatron_ext.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "demo_out")
+    ap.add_argument("--out", type=_absolute_path, default=ROOT / "demo_out", metavar="DIR",
+                    help="folder for the models, data, evaluations and REPORT.md; a relative path is taken from "
+                         "the current directory (default: demo_out in the checkout, %(default)s)")
     ap.add_argument("--fresh", action="store_true", default=os.environ.get("FRESH", "") not in ("", "0"),
                     help="redo everything, the cached base model included (also: FRESH=1)")
     ap.add_argument("--quick", action="store_true", help="reduced sizes (the test's version)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     try:
         run_demo(args.out, settings, fresh=args.fresh)

@@ -1,0 +1,75 @@
+"""The demo's REPORT.md: every sentence that states a result follows the numbers in its own table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_ext.demo.pipeline import ABLATION, DemoSettings, StepLog
+from megatron_ext.demo.report import _ablation_sentence, write_report
+
+LABELS = ("base", "base + YaRN, no training", "after YaRN CPT", "after CPT + SFT", ABLATION)
+SFT_DOES = "with the CPT's YaRN RoPE, does"
+SFT_NOT_YARN = "the SFT, not the YaRN extension, brings retrieval"
+
+
+def _report(tmp_path: Path, settings: DemoSettings, hits: dict[str, list[int]]) -> str:
+    """REPORT.md for a demo whose NIAH grids found `hits[label][j]` needles at length j (the first ones of the
+    grid's cells), from a folder laid out as the pipeline leaves it."""
+    depths = [0.0, 100.0] if settings.depths == "0,100" else [float(d) for d in range(0, 101, 10)]  # quick, full
+    lengths, samples = list(settings.lengths), settings.samples
+    out = tmp_path / "demo_out"
+    models = {label: out / f"model{i}" for i, label in enumerate(LABELS)}
+    models["base"].mkdir(parents=True)
+    (models["base"] / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    for i, label in enumerate(LABELS):
+        cells = [{"length": n, "depth": d, "sample": s, "score": float(k < hits[label][j])}
+                 for j, n in enumerate(lengths)
+                 for k, (d, s) in enumerate((d, s) for d in depths for s in range(samples))]
+        scores = [[sum(c["score"] for c in cells if c["length"] == n and c["depth"] == d) / samples
+                   for n in lengths] for d in depths]
+        res = {"lengths": lengths, "depths": depths, "scores": scores, "cells": cells, "settings": {},
+               "accuracy": sum(c["score"] for c in cells) / len(cells)}
+        (out / "eval" / f"niah{i}").mkdir(parents=True)
+        (out / "eval" / f"niah{i}" / "results.json").write_text(json.dumps(res))
+    write_report(out, models, StepLog(seconds={"cpt": 1.0}), settings, total_s=1.0)
+    return (out / "REPORT.md").read_text()
+
+
+def test_the_full_demos_numbers(tmp_path):
+    """The README's run (22 needles per length): base 91/91/0/0%, CPT 5/0/0/0%, final 91/91/91/73%, ablation
+    82/91/91/77%. The SFT rebuilds retrieval at 2,048; the ablation is level with the final model there (one needle
+    apart), so the SFT, not YaRN, brings it."""
+    report = _report(tmp_path, DemoSettings(), {
+        "base": [20, 20, 0, 0], "base + YaRN, no training": [17, 0, 0, 0], "after YaRN CPT": [1, 0, 0, 0],
+        "after CPT + SFT": [20, 20, 20, 16], ABLATION: [18, 20, 20, 17]})
+    assert "| after CPT + SFT | 91% | 91% | 91% | 73% |" in report
+    assert "it does not by itself rebuild retrieval beyond the base context (0% at 2,048 tokens" in report
+    assert f"{SFT_DOES}: 73% at 2,048 tokens." in report
+    assert "level with the final model (77% against 73%, 22 needles each" in report
+    assert SFT_NOT_YARN in report
+    assert "too small or too short" not in report
+
+
+def test_all_zero_numbers_claim_nothing(tmp_path):
+    """The quick demo (2 needles per length) where no model finds a needle: no sentence says the SFT rebuilds
+    retrieval or that the ablation is level with the final model; the report says the run cannot tell."""
+    report = _report(tmp_path, DemoSettings.quick(), {label: [0, 0] for label in LABELS})
+    assert "| after CPT + SFT | 0% | 0% | 0% |" in report
+    assert SFT_DOES not in report and SFT_NOT_YARN not in report and "level with" not in report
+    assert "not clearly above the CPT model (2 needles each): the run is too small or too short" in report
+    assert ("it scores 0% and the final model 0% (2 needles each), neither clearly above the base's 0%: the run "
+            "is too small or too short to compare them.") in report
+
+
+def test_the_ablation_sentence_weighs_the_difference_against_the_needles():
+    # YaRN clearly ahead: what it adds
+    assert _ablation_sentence(0.86, 0.27, 0.0, 2048, 22).startswith("at 2,048 it scores 59 points below the final")
+    # one needle of two apart, the quick demo's grid: not a result either way
+    short = _ablation_sentence(0.5, 0.0, 0.0, 2048, 2)
+    assert "too small or too short" in short and "points below" not in short
+    # the ablation clearly ahead of the final model and of the base
+    ahead = _ablation_sentence(0.27, 0.86, 0.0, 2048, 22)
+    assert "59 points above the final model" in ahead and SFT_NOT_YARN in ahead
+    assert _ablation_sentence(None, 0.5, 0.0, 2048, 22) == "one of the two was not scored."
