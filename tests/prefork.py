@@ -173,7 +173,11 @@ class Prefork:
         lines = self._buffer.split(b"\n")
         self._buffer = lines.pop()
         messages = [json.loads(line) for line in lines]
-        self.codes.update({m["exit"]: m["code"] for m in messages if "exit" in m})
+        for m in messages:  # in order: a pid the system hands out again must not inherit an old child's exit code
+            if "pid" in m:  # (pid_max is 32768 here: a whole suite's ranks wrap around, and one reported 0 for -9)
+                self.codes.pop(m["pid"], None)
+            if "exit" in m:
+                self.codes[m["exit"]] = m["code"]
         return messages
 
     def _read(self, timeout: float) -> bool:

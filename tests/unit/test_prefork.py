@@ -45,3 +45,14 @@ def test_a_rank_that_fails_reports_its_exit_code(monkeypatch, mode, code):
         assert err.splitlines()[-1] == plain_err.splitlines()[-1] == "ValueError: the probe's error"
         assert "Traceback (most recent call last)" in err
     assert ("atexit of rank None" in out) == (mode != "kill")
+
+
+def test_a_pid_handed_out_again_does_not_inherit_an_old_exit_code():
+    """pid_max is 32768 here: over a whole suite the server's children wrap around, and a new rank that got an
+    earlier one's pid read that rank's exit code (0) at once: CI saw a kill -9 reported as 0."""
+    from tests.prefork import Prefork
+
+    client = Prefork.__new__(Prefork)  # the message bookkeeping alone, no server
+    client.codes, client._buffer = {123: 0, 5: 0}, b'{"pid": 123}\n{"pid": 5}\n{"exit": 5, "code": -9}\n'
+    client._messages()
+    assert 123 not in client.codes and client.codes[5] == -9  # the new pid 5 ended (killed) in the same batch
