@@ -350,8 +350,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             profiler.done(step)
             if step % t.log_interval == 0 or step == t.steps:
                 mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
+                norm = float("nan") if grad_norm is None else record["grad_norm"]  # 0.0 is a norm, not a NaN
                 log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
-                    f"grad_norm {float('nan') if grad_norm is None else record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                    f"grad_norm {norm:.3f} tokens/s {record['tokens_per_s']:.0f} "
                     f"TFLOP/s/dev {record['tflops_per_device']:.2f}{mfu} mem {record['memory_gib']:.2f} GiB eta "
                     f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
             # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
@@ -383,7 +384,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 log(f"[train] received {signal.Signals(stop.signal).name}; checkpoint saved, exiting with "
                     f"{EXIT_REQUEUE} to requeue")
                 return EXIT_REQUEUE
-        took = time.time() - loop_start
+        took = max(time.time() - loop_start, 1e-6)
         log(f"[train] done: steps {start + 1}..{t.steps} in {format_duration(took)}, {planned:,} tokens "
             f"({planned / took:,.0f} tokens/s with validation and saves); checkpoint {root}/iter_{t.steps:07d}, "
             f"metrics {root / 'metrics.jsonl'}")
