@@ -27,19 +27,19 @@ from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
 @contextmanager
-def _model(args):
+def _model(args, tokenizer=None):
     """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out, removed
-    on errors, Ctrl-C and SIGTERM too), with --tokenizer's tokenizer when given."""
+    on errors, Ctrl-C and SIGTERM too), with --tokenizer's tokenizer when given. `tokenizer`: the one
+    `_early_tokenizer` loaded for --model, not loaded again."""
     from megatron_ext.evaluate.loading import check_convertible, check_vocab, convert_megatron, load_hf, load_tokenizer
 
     if args.model is not None:
-        given = None
-        if args.tokenizer is not None:
-            given = load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}",
-                                   "give a tokenizer directory (tokenizer.json ...) or a hub name")
+        given = tokenizer
+        if given is None and args.tokenizer is not None:
+            given = load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}", _TOKENIZER_FIX)
         model, tokenizer = load_hf(args.model, args.device, args.dtype, given)
         check_vocab(tokenizer, model.config.vocab_size,
-                    f"--tokenizer {args.tokenizer}" if given is not None else f"the tokenizer in {args.model}")
+                    f"--tokenizer {args.tokenizer}" if args.tokenizer is not None else f"the tokenizer in {args.model}")
         yield model, tokenizer
         return
     # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds, and an HF
@@ -56,6 +56,25 @@ def _model(args):
     finally:
         if made and not any(args.out.iterdir()):  # a failed conversion leaves no empty --out behind
             args.out.rmdir()
+
+
+_TOKENIZER_FIX = "give a tokenizer directory (tokenizer.json ...) or a hub name"
+
+
+def _early_tokenizer(args):
+    """The tokenizer the run will use, loaded before the model (seconds, where the model takes minutes) for checks
+    that need it: --tokenizer's, --model's own, or the one --megatron's checkpoint records. None when the folder
+    is not there or not a checkpoint: loading the model then says so, with the message it always gave."""
+    from megatron_ext.evaluate.loading import load_tokenizer
+
+    if args.model is None:
+        return _megatron_tokenizer(args)
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}", _TOKENIZER_FIX)
+    if (args.model / "config.json").is_file():  # as load_hf loads it
+        return load_tokenizer(args.model, f"model directory {args.model}", "save the tokenizer next to the model "
+                              "(tokenizer.save_pretrained(DIR)) or give --tokenizer DIR_OR_NAME")
+    return None
 
 
 def _megatron_tokenizer(args):
@@ -218,7 +237,7 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save, prev
 
 def _run_ruler(args) -> None:
     from megatron_ext.evaluate.io import model_version, write_json_atomic, write_text_atomic
-    from megatron_ext.evaluate.ruler import RulerResult, run_ruler, run_ruler_megatron
+    from megatron_ext.evaluate.ruler import RulerResult, check_lengths, run_ruler, run_ruler_megatron
     from megatron_ext.evaluate.ruler_tasks import task_names
 
     tasks, lengths = task_names(args.tasks), parse_lengths(args.lengths)
@@ -237,7 +256,14 @@ def _run_ruler(args) -> None:
     common = dict(samples=args.samples, seed=args.seed, chat=args.chat, haystack=args.haystack,
                   max_new_tokens=args.max_new_tokens, allow_beyond_max_positions=args.force, previous=previous,
                   on_progress=save, progress=not args.no_progress)
-    if _megatron_engine(args):
+    megatron = _megatron_engine(args)
+    # Every task at every length before the model loads (minutes at 8B): a length too short failed one task at a
+    # time, each after a load. The prompts, and so the lengths they need, are the tokenizer's.
+    tokenizer = _early_tokenizer(args)
+    if tokenizer is not None:
+        check_lengths(tokenizer, tasks, lengths, samples=args.samples, seed=args.seed, chat=args.chat,
+                      haystack=args.haystack, what="--lengths")
+    if megatron:
         from megatron_ext.runtime import process_env
 
         result = run_ruler_megatron(args.megatron, tasks, lengths, tensor=args.tp, pipeline=args.pp, context=args.cp,
@@ -246,7 +272,7 @@ def _run_ruler(args) -> None:
         if process_env().rank != 0:
             return
     else:
-        with _model(args) as (model, tokenizer):
+        with _model(args, tokenizer if args.model is not None else None) as (model, tokenizer):
             max_pos = getattr(model.config, "max_position_embeddings", None)
             ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
             if ran:
@@ -260,7 +286,7 @@ def _run_ruler(args) -> None:
 
 
 def _run_ppl(args) -> None:
-    from megatron_ext.evaluate.perplexity import indexed_documents, perplexity_by_position
+    from megatron_ext.evaluate.perplexity import indexed_documents, perplexity_by_position, tokenized_documents
 
     _refuse_earlier_results(args, "ppl.json")
     if args.text:
@@ -285,10 +311,12 @@ def _run_ppl(args) -> None:
         return
     with _model(args) as (model, tokenizer):
         seq = args.seq_len or getattr(model.config, "max_position_embeddings", None)
-        _print_memory_note(model, seq or 0, 1, tag="ppl")
-        source, texts = (docs, None) if docs is not None else (tokenizer, list(args.text))
-        result = perplexity_by_position(model, source, texts=texts, seq_len=args.seq_len,
-                                        per_octave=args.per_octave, chunk=args.chunk, progress=not args.no_progress)
+        # The note is sized on the longest document as it will run (cut to `seq`), not on --seq-len: `--seq-len 1M`
+        # on a 3,236-token book promised 512 MiB of KV cache. The texts are tokenized once, here.
+        ids = tokenized_documents(*((docs, None) if docs is not None else (tokenizer, list(args.text))), seq)
+        _print_memory_note(model, max(len(d) for d in ids), 1, tag="ppl")
+        result = perplexity_by_position(model, ids, seq_len=args.seq_len, per_octave=args.per_octave,
+                                        chunk=args.chunk, progress=not args.no_progress)
     _save_ppl(args, result)
 
 

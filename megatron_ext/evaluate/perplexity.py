@@ -136,7 +136,10 @@ def indexed_documents(prefix: str | Path, max_documents: int | None = None,
     return docs
 
 
-def _documents(source, texts, seq_len: int | None) -> list[torch.Tensor]:
+def tokenized_documents(source, texts: Sequence[str | Path] | None, seq_len: int | None) -> list[torch.Tensor]:
+    """The documents `perplexity_by_position` evaluates, as token-id tensors cut to `seq_len`: `texts` tokenized by
+    `source` (a tokenizer), or `source` itself (token-id documents). Those under 2 tokens are left out; EvalError
+    when none is left. tools/niah.py sizes its memory note on them before the run."""
     if hasattr(source, "encode") or hasattr(source, "convert_tokens_to_ids"):  # a tokenizer
         if not texts:
             raise EvalError("perplexity by position with a tokenizer needs texts= (strings, or Paths of text files)")
@@ -181,7 +184,7 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
     if seq_len is None:
         seq_len = max_pos
-    docs = _documents(tokenizer_or_token_tensors, texts, seq_len)
+    docs = tokenized_documents(tokenizer_or_token_tensors, texts, seq_len)
     longest = max(len(d) for d in docs)
     if max_pos is not None and longest > max_pos:
         warnings.warn(f"documents run to {longest:,} tokens, beyond the model's max_position_embeddings={max_pos:,}: "
@@ -191,15 +194,17 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     sums = np.zeros(len(buckets))
     counts = np.zeros(len(buckets), dtype=np.int64)
     if documents_losses_fn is not None:
-        losses = documents_losses_fn(docs)
+        pairs = zip(docs, documents_losses_fn(docs))
     else:
         docs_iter = docs
         if progress:
             from tqdm.auto import tqdm
             docs_iter = tqdm(docs, desc="ppl", unit="doc")
-        losses = (token_losses_fn(d) if token_losses_fn is not None else token_losses(model, d, chunk)
-                  for d in docs_iter)
-    for d, loss in zip(docs, losses):
+        # Pairs drawn from the bar itself, not zip(docs, losses): zip stopped on `docs` before the bar's iterator
+        # resumed to count (and close on) its last document, which left it at N-1/N.
+        pairs = ((d, token_losses_fn(d) if token_losses_fn is not None else token_losses(model, d, chunk))
+                 for d in docs_iter)
+    for d, loss in pairs:
         loss = loss.double().cpu().numpy()  # [T-1], entry t-1 = position t
         pos = np.arange(1, len(d))
         which = np.searchsorted(edges, pos, side="right") - 1

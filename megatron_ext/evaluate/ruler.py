@@ -11,6 +11,7 @@ task's score at a length is the mean over its samples, and a length's average th
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
 from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within,
                                         refuse_other_prompts)
-from megatron_ext.evaluate.ruler_tasks import TASKS, SampleBuilder, match_all, noise_haystack
+from megatron_ext.evaluate.ruler_tasks import TASKS, LengthTooShort, SampleBuilder, match_all, noise_haystack
 
 RulerGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
 """prompts (rows of token ids; equal lengths unless the function has `ragged = True`), max new tokens -> new ids.
@@ -103,20 +104,10 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", max_position_embeddings)
     todo, skipped = lengths_within(lengths, max_pos, allow_beyond_max_positions)
 
-    kinds = {TASKS[t].haystack for t in tasks}
-    haystacks = {}
-    if "filler" in kinds:
-        if isinstance(haystack, Haystack):
-            haystacks["filler"] = haystack
-        elif haystack is None:
-            haystacks["filler"] = builtin_haystack(tokenizer, max(todo), seed=seed)
-        else:
-            haystacks["filler"] = file_haystack(tokenizer, haystack, max(todo))
-    if "noise" in kinds:
-        haystacks["noise"] = noise_haystack(tokenizer, max(todo))
+    # A length too short for a task fails here, for all tasks and lengths in one error, before any prompt runs
+    check_lengths(tokenizer, tasks, todo, samples=samples, seed=seed, chat=chat, haystack=haystack)
+    haystacks = _haystacks(tokenizer, {TASKS[t].haystack for t in tasks}, haystack, max(todo), seed)
     builder = SampleBuilder(tokenizer, haystacks, chat=chat)
-    for t in tasks:  # a length too short for a task fails here, before any prompt runs
-        builder.build(TASKS[t], min(todo), random.Random(f"{seed}:{t}:{min(todo)}:0"))
 
     if generate is None:
         from megatron_ext.evaluate.generate import eos_ids, greedy_generate_rows
@@ -180,6 +171,93 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
         bar.close()
     settings["seconds"] = round(time.time() - start_all, 2)
     return result()
+
+
+def _haystacks(tokenizer, kinds: set[str], haystack: Haystack | str | Path | None, n_tokens: int,
+               seed: int) -> dict[str, Haystack]:
+    """The filler and noise haystacks the tasks' `kinds` use, of at least `n_tokens` tokens (a given Haystack as
+    it is). A longer one starts with the same tokens, so a prompt does not depend on how long its haystack is."""
+    haystacks = {}
+    if "filler" in kinds:
+        if isinstance(haystack, Haystack):
+            haystacks["filler"] = haystack
+        elif haystack is None:
+            haystacks["filler"] = builtin_haystack(tokenizer, n_tokens, seed=seed)
+        else:
+            haystacks["filler"] = file_haystack(tokenizer, haystack, n_tokens)
+    if "noise" in kinds:
+        haystacks["noise"] = noise_haystack(tokenizer, n_tokens)
+    return haystacks
+
+
+def check_lengths(tokenizer, tasks: Sequence[str], lengths: Sequence[int], *, samples: int = 1, seed: int = 0,
+                  chat: bool = False, haystack: Haystack | str | Path | None = None, what: str = "lengths") -> None:
+    """EvalError, in one line, when lengths are too short for some of `tasks`: those lengths, each task with the
+    length it needs, and the smallest length every task takes (`what`: how the message names the lengths).
+
+    No model, and prompts of a few hundred tokens: tools/niah.py ruler calls it before loading the model (the
+    tasks failed one at a time, each after minutes of loading). A prompt's size varies by a few tokens with its
+    sample and length (keys, values, where the haystack's sentences start), so a task does not take every length
+    above the shortest it takes: a length is checked on the prompts the run builds (samples 0 .. `samples` - 1, the
+    run's seeds), and lengths of at least twice a task's shortest are taken as they are (a million-token prompt
+    takes seconds to build, and the run builds it anyway).
+    """
+    tasks, lengths = list(dict.fromkeys(tasks)), sorted(set(lengths))
+    kinds = {TASKS[t].haystack for t in tasks}
+    built: list = [0, None]  # haystack tokens, SampleBuilder: grown as longer prompts are tried
+
+    def build(t: str, n: int, upto: int = samples) -> None:  # LengthTooShort when a sample < `upto` does not fit
+        if n > built[0]:  # grown geometrically: a haystack is tokenized again from its start
+            size = max(n, 2 * built[0], 4096)
+            try:
+                hay = _haystacks(tokenizer, kinds, haystack, size, seed)
+            except EvalError:  # a --haystack file shorter than `size`: as long as `n` needs, or its own error
+                size, hay = n, _haystacks(tokenizer, kinds, haystack, n, seed)
+            built[:] = [size, SampleBuilder(tokenizer, hay, chat=chat)]
+        for s in range(upto):
+            built[1].build(TASKS[t], n, random.Random(f"{seed}:{t}:{n}:{s}"))
+
+    def fits(t: str, n: int, upto: int = samples) -> bool:
+        try:
+            build(t, n, upto)
+        except LengthTooShort:
+            return False
+        return True
+
+    # Where the first sample starts to fit (samples differ by a few percent: the lengths below twice that are
+    # then checked with all of them). Past twice the longest length asked for, the task's own error says why not.
+    limit = max(2 * lengths[-1], 4096)
+    shortest = {t: _shortest_fit(lambda n: fits(t, n, 1), lambda n: build(t, n, 1), limit) for t in tasks}
+    short = {n: [t for t in tasks if n < 2 * shortest[t] and not fits(t, n)] for n in lengths}
+    short = {n: names for n, names in short.items() if names}
+    if not short:
+        return
+    named = [t for t in tasks if any(t in names for names in short.values())]
+    # A task's need: the first length that fits all its samples above every length that failed for it (one may
+    # fail above the shortest that fits, where prompts vary); the smallest is checked on every task's samples.
+    needs = {t: next(n for n in itertools.count(max([shortest[t]] + [m + 1 for m, names in short.items()
+                                                                     if t in names])) if fits(t, n))
+             for t in named}
+    smallest = next(n for n in itertools.count(max(needs.values())) if all(fits(t, n) for t in tasks))
+    parts = [f"{t} (needs >= {needs[t]} tokens)" for t in named]
+    raise EvalError(f"{what} {','.join(map(str, short))}: too short for "
+                    f"{', '.join(parts[:-1]) + ' and ' if len(parts) > 1 else ''}{parts[-1]}; the smallest length "
+                    f"all selected tasks take is {smallest} ({max(named, key=needs.get)} needs the most): use "
+                    f"{what} of at least {smallest}")
+
+
+def _shortest_fit(fits: Callable[[int], bool], build: Callable[[int], None], limit: int) -> int:
+    """A length `fits` takes with `fits(n - 1)` False, by doubling from 64 tokens, then bisection. Past `limit`,
+    `build` (which raises where `fits` is False) raises the task's own error at the last length tried."""
+    lo, hi = 0, 64
+    while not fits(hi):
+        if hi >= limit:
+            build(hi)
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _batches(group: list[dict], per_batch: int, ragged: bool, build) -> Iterator[tuple[list[dict], list[list[int]]]]:

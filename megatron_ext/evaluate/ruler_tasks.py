@@ -25,6 +25,12 @@ from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, tokenize_haystack
 
 
+class LengthTooShort(EvalError):
+    """A length too short for a task's prompt (its question and needles, or its smallest list). Its own class so
+    that `ruler.check_lengths` can look for the length that fits and let other errors (a haystack file without
+    sentence ends, ...) through as they are."""
+
+
 @dataclass(frozen=True)
 class RulerTask:
     """One synthetic task. `kind`: niah, variable_tracking, common_words or frequent_words. For niah: `haystack`
@@ -189,8 +195,8 @@ class SampleBuilder:
         mine = self.enc(lines)
         used = sum(map(len, mine))
         if used > budget:
-            raise EvalError(f"{task.name}: length {length} is too short for the question and its needle "
-                            f"({length - budget + used} tokens): use a longer length")
+            raise LengthTooShort(f"{task.name}: length {length} is too short for the question and its needle "
+                                 f"({length - budget + used} tokens): use a longer length")
         body = list(mine)
         while True:
             extra = [f" The secret {what} of {self._key(task.key, rng, taken)} is {self._value(task.value, rng)}."
@@ -217,14 +223,14 @@ class SampleBuilder:
         random sentence starts."""
         n_hay = length - len(head) - len(tail) - sum(map(len, needles))
         if n_hay < 0:
-            raise EvalError(f"{name}: length {length} is shorter than its prompt without any haystack "
-                            f"({length - n_hay} tokens): use lengths of at least {length - n_hay}")
+            raise LengthTooShort(f"{name}: length {length} is shorter than its prompt without any haystack "
+                                 f"({length - n_hay} tokens): use lengths of at least {length - n_hay}")
         if n_hay > len(hay):
             raise EvalError(f"{name}: haystack {hay.source} has {len(hay):,} tokens, length {length:,} needs {n_hay:,}")
         slots = hay.needle_slots(n_hay)[:-1].tolist()  # sentence starts, not the cut at the end
         if len(slots) < len(needles):
-            raise EvalError(f"{name}: length {length} leaves {len(slots)} places for {len(needles)} needles: use a "
-                            "longer length")
+            raise LengthTooShort(f"{name}: length {length} leaves {len(slots)} places for {len(needles)} needles: "
+                                 "use a longer length")
         at = sorted(rng.sample(slots, len(needles)))
         ids, starts, prev = list(head), [], 0
         for pos, needle in zip(at, needles):
@@ -319,8 +325,8 @@ class SampleBuilder:
             return total + len(period) * (items // 12)
 
         if size(lo) > budget:
-            raise EvalError(f"{name}: length {length} is too short for its smallest list "
-                            f"({len(head) + len(tail) + size(lo)} tokens): use a longer length")
+            raise LengthTooShort(f"{name}: length {length} is too short for its smallest list "
+                                 f"({len(head) + len(tail) + size(lo)} tokens): use a longer length")
         hi = max(lo + 1, 2 * lo)
         while size(hi) <= budget:  # doubling, then bisection
             lo, hi = hi, 2 * hi

@@ -237,6 +237,7 @@ def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
     a = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "a"), 4096, max_samples=10, progress=False)
     b = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "b"), 4096, max_samples=10, progress=False)
     c = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "c"), 4096, max_samples=10, seed=7, progress=False)
+    assert a == b and c["samples"] == 10 and c["settings"]["seed"] == 7
     assert a["samples_read"] == 10 and a["samples"] == 10 and a["settings"]["max_samples"] == 10
     assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
     assert (tmp_path / "a.bin").read_bytes() != (tmp_path / "c.bin").read_bytes()

@@ -482,6 +482,18 @@ def test_perplexity_by_position_buckets_cover_all_positions(tiny, tmp_path):
         perplexity_by_position(model, tok, progress=False)
 
 
+@pytest.mark.parametrize("n_docs", [1, 4])
+def test_perplexity_progress_bar_ends_at_every_document(tiny, capsys, n_docs):
+    """The bar stopped at 3/4 (0/1 for one document): the loop over (document, loss) pairs ended on the document
+    list before the loss generator resumed the bar for its last step, so the bar was never finished."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(5, TINY["vocab_size"], (40,), generator=g) for _ in range(n_docs)]
+    perplexity_by_position(model, docs, chunk=None, progress=True)
+    err = capsys.readouterr().err
+    assert f"{n_docs}/{n_docs}" in err, err
+
+
 def test_perplexity_on_a_megatron_indexed_dataset(tiny, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

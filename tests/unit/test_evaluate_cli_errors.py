@@ -107,8 +107,9 @@ def test_dtype_is_one_of_the_loaders(capsys):
     assert "argument --dtype: invalid choice: 'abc'" in capsys.readouterr().err
 
 
-def test_seq_len_takes_token_counts(tiny_dir, tmp_path):
-    """--seq-len 1M as in README.md's example (an int only before); 100 cuts the document to 100 tokens."""
+def test_seq_len_takes_token_counts(tiny_dir, tmp_path, capsys):
+    """--seq-len 1M as in README.md's example (an int only before); 100 cuts the document to 100 tokens. The memory
+    note counts the tokens that run, not --seq-len (1M sized it for 1,048,576 tokens on a book of 3,236)."""
     from megatron_ext.evaluate.cli_args import parsers, validate_args
 
     args = parsers()["ppl"].parse_args(["--model", "m", "--text", "t", "--out", "o", "--seq-len", "1M"])
@@ -119,6 +120,13 @@ def test_seq_len_takes_token_counts(tiny_dir, tmp_path):
     assert main(["ppl", "--model", str(tiny_dir), "--text", str(doc), "--seq-len", "100", "--out",
                  str(tmp_path / "ppl"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "ppl" / "ppl.json").read_text())["doc_tokens"] == [100]
+    assert "; 100 tokens x batch 1 = " in capsys.readouterr().out
+    doc.write_text("The old river passes the garden near the hill. " * 5)
+    assert main(["ppl", "--model", str(tiny_dir), "--text", str(doc), "--seq-len", "1M", "--out",
+                 str(tmp_path / "ppl"), "--no-progress"]) == 0
+    n = json.loads((tmp_path / "ppl" / "ppl.json").read_text())["doc_tokens"][0]
+    note = capsys.readouterr().out
+    assert 2 < n < 100 and f"; {n:,} tokens x batch 1 = " in note and "1,048,576" not in note, note
 
 
 def test_library_refuses_what_the_command_line_does(tmp_path):

@@ -274,6 +274,54 @@ def test_cli_user_errors(tmp_path, capsys, argv, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("own_tokenizer", [False, True])
+def test_cli_finds_every_length_too_short_before_loading_the_model(tmp_path, toy_tokenizer, monkeypatch,
+                                                                   own_tokenizer):
+    """`ruler --tasks all --lengths 256,1K` failed on one task, after the model loaded; a retry at 512 failed on the
+    next, after another load. Now one line before the load (a sentinel in place of the loader) names each task
+    too short and the smallest length all of them take: every sample the run would build fits there."""
+    from transformers import AutoTokenizer
+
+    from megatron_ext.evaluate import loading
+    from megatron_ext.evaluate.cli import main
+    from tests.unit.test_evaluate import save_tiny
+
+    def loader(*args, **kwargs):
+        raise AssertionError("the model was loaded before the lengths were checked")
+
+    monkeypatch.setattr(loading, "load_hf", loader)
+    # --tokenizer with a model folder that is not there (only the tokenizer is read), or the model folder's own
+    model = save_tiny(tmp_path / "hf") if own_tokenizer else tmp_path / "absent"
+    source = ["--model", str(model)] + ([] if own_tokenizer else ["--tokenizer", toy_tokenizer])
+    with pytest.raises(SystemExit) as e:
+        main(["ruler", *source, "--tasks", "all", "--lengths", "256,1K", "--samples", "2", "--out",
+              str(tmp_path / "o"), "--no-progress"])
+    msg = str(e.value.code)
+    assert "\n" not in msg and msg.startswith("error: --lengths 256: too short for "), msg
+    m = re.search(r"the smallest length all selected tasks take is (\d+) \((\w+) needs the most\): use --lengths of "
+                  r"at least \1$", msg)
+    assert m, msg
+    smallest, named = int(m.group(1)), dict(re.findall(r"(\w+) \(needs >= (\d+) tokens\)", msg))
+    assert 256 < smallest < 1024 and int(named[m.group(2)]) == max(map(int, named.values())) <= smallest
+    assert len(named) >= (1 if own_tokenizer else 5)  # the toy BPE tokenizer's prompts: 7 tasks over 256 tokens
+
+    tok = AutoTokenizer.from_pretrained(model if own_tokenizer else toy_tokenizer)
+    build = SampleBuilder(tok, {"filler": builtin_haystack(tok, 4096), "noise": noise_haystack(tok, 4096)}).build
+
+    def fits(name: str, n: int) -> bool:  # the prompts the run would build: samples 0 and 1, the run's seeds
+        try:
+            for s in range(2):
+                build(TASKS[name], n, random.Random(f"0:{name}:{n}:{s}"))
+        except EvalError:
+            return False
+        return True
+
+    assert all(fits(t, smallest) for t in TASKS)
+    assert not all(fits(t, smallest - 1) for t in TASKS)
+    assert {t for t in TASKS if not fits(t, 256)} == set(named)
+    assert not (tmp_path / "o").exists()
+
+
 def test_the_launchers_evaluation_stage_reports_the_ruler_average(tmp_path):
     """launch_eval.EvalStage (what each task of `launch --ruler` runs) runs tools/niah.py ruler and returns the
     average it wrote to ruler.json."""
