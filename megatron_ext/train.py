@@ -381,8 +381,9 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
                            wait=stopping or step == t.steps)
             if stopping and step < t.steps:
-                log(f"[train] received {signal.Signals(stop.signal).name}; checkpoint saved, exiting with "
-                    f"{EXIT_REQUEUE} to requeue")
+                # stop.signal is None on a rank the signal did not reach (agreed() heard it from another)
+                received = signal.Signals(stop.signal).name if stop.signal else "a stop signal on another rank"
+                log(f"[train] received {received}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
                 return EXIT_REQUEUE
         took = max(time.time() - loop_start, 1e-6)
         log(f"[train] done: steps {start + 1}..{t.steps} in {format_duration(took)}, {planned:,} tokens "
@@ -406,9 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
 
     env = process_env()
-    if env.rank != 0:
-        # Library warnings (Megatron's TE/Apex fallbacks, torch's deprecations) are alike on every rank: rank 0 says
-        # them once; every other rank's copy added ~20 lines per start to the job log (5,000 at 256 GPUs).
+    if env.local_rank != 0:
+        # Library warnings (Megatron's TE/Apex fallbacks, torch's deprecations) are alike on every rank: each node's
+        # first rank says them (a node whose libraries differ still shows it); every rank's copy added ~20 lines per
+        # start to the job log (5,000 at 256 GPUs, 640 now).
         warnings.simplefilter("ignore")
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=env.world_size)

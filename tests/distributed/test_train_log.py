@@ -42,3 +42,33 @@ def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["consumed_samples"] for r in records] == [2, 4]
     assert records[0]["time"] <= records[1]["time"]
+
+
+def test_a_signal_to_one_rank_stops_both_for_requeue(tmp_path, token_data):
+    """SIGUSR1 to one rank of two (a `kill` aimed at one process; a signal reaching ranks at different steps): the
+    ranks agree at the step's end, both save and exit 3. Rank 0, which got no signal itself, reports it as heard
+    from another rank (its stop.signal is None: naming it crashed that rank after the save, no requeue)."""
+    import signal
+    import time
+
+    from megatron_ext.train import EXIT_REQUEUE
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={out}",
+           f"data.prefix={token_data}", "parallel.context=1", "train.seq_length=512", "train.global_batch_size=2",
+           "train.steps=1000"]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the run did not get going"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGUSR1)
+    results = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_REQUEUE, EXIT_REQUEUE], results[0][1][-3000:] + results[1][1][-3000:]
+    assert "received a stop signal on another rank; checkpoint saved" in results[0][0], results[0][0][-2000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
