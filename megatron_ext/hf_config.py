@@ -10,6 +10,7 @@ import copy
 import json
 from pathlib import Path
 
+from megatron_ext.presets import HF_LLAMA_RMS_NORM_EPS
 from megatron_ext.recipe import Recipe, RopeConfig
 from megatron_ext.rope_spec import ROPE_FIELDS
 
@@ -45,7 +46,7 @@ def normalize_hf_config(cfg: dict) -> dict:
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out.get("head_dim") is None:
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
-    out.setdefault("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default (Llama-3's configs state 1e-5)
+    out.setdefault("rms_norm_eps", HF_LLAMA_RMS_NORM_EPS)
     out.setdefault("tie_word_embeddings", False)
     return out
 

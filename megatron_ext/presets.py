@@ -84,6 +84,10 @@ TINY_DEMO: dict = {
                      "original_max_position_embeddings": 256},
 }
 
+# transformers' LlamaConfig default, what a config.json without `rms_norm_eps` means (Llama-3's state 1e-5): the
+# converter and a recipe's `model.hf_config` read such a file alike
+HF_LLAMA_RMS_NORM_EPS = 1e-6
+
 PRESETS: dict[str, dict] = {"llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-demo": TINY_DEMO}
 
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from megatron_ext.presets import PRESETS, ROPE_PRESETS
+from megatron_ext.presets import HF_LLAMA_RMS_NORM_EPS, PRESETS, ROPE_PRESETS
 from megatron_ext.recipe import ModelConfig, RopeConfig
 from megatron_ext.recipe_schema import RecipeError, bad_value
 
@@ -41,7 +41,7 @@ def _architecture_source(model: dict) -> dict | None:
     if hf is not None:
         if not isinstance(hf, str):
             raise bad_value("model.hf_config", hf, "a path")
-        return _hf_config_file(hf)
+        return {"rms_norm_eps": HF_LLAMA_RMS_NORM_EPS, **_hf_config_file(hf)}
     return None
 
 

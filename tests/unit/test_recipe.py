@@ -251,13 +251,17 @@ def test_hf_config_source(tmp_path):
 
     from megatron_ext.presets import TINY
 
-    cfg = {k: v for k, v in TINY.items() if k not in ("rope_theta", "rope_scaling")}
+    cfg = {k: v for k, v in TINY.items() if k not in ("rope_theta", "rope_scaling", "rms_norm_eps")}
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                               "original_max_position_embeddings": 64}  # transformers-5 form
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     raw = {**BASE, "model": {"hf_config": str(tmp_path)}}
     r = load(raw=raw)
     assert r.model.num_hidden_layers == 2 and r.rope.rope_type == "yarn" and r.rope.factor == 4.0
+    # no rms_norm_eps in the file: transformers' default 1e-6, as the converter reads the same file (not ours 1e-5)
+    from megatron_ext.hf_config import normalize_hf_config
+
+    assert "rms_norm_eps" not in cfg and r.model.rms_norm_eps == normalize_hf_config(cfg)["rms_norm_eps"] == 1e-6
     with pytest.raises(RecipeError, match=r"model\.hf_config = '.*missing': no config\.json there"):
         load(raw={**BASE, "model": {"hf_config": str(tmp_path / "missing")}})
     del cfg["num_hidden_layers"]
