@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "does before it submits)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
     p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="an override given the way tools/plan.py and `recipe check` take them (repeatable)")
+                   help="an override given the way tools/plan.py and `recipe check` take them (repeatable; applied "
+                   "after the KEY=VALUE ones)")
     return p
 
 

@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
     parser.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="an override given the way tools/plan.py and `recipe check` take them (repeatable)")
+                        help="an override given the way tools/plan.py and `recipe check` take them (repeatable; applied "
+                        "after the KEY=VALUE ones)")
     args = parser.parse_intermixed_args(argv)
     args.overrides += args.set_overrides
     stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save

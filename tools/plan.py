@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
     return "\n".join(lines), best
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # a dotted.key=value override, not a recipe path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
     parser.add_argument("recipe_file", nargs="?", metavar="RECIPE", help="recipe YAML (or --recipe)")
@@ -111,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluation.add_argument("--new-tokens", type=int, default=16, help="decode steps per prompt (default 16, NIAH's "
                             "--max-new-tokens; a model that retrieves with the needle as draft needs none)")
     args = parser.parse_intermixed_args(argv)
-    if args.recipe_file and "=" in args.recipe_file and not Path(args.recipe_file).exists():
-        args.positional_overrides.insert(0, args.recipe_file)  # `--recipe FILE key=value`: no positional RECIPE
-        args.recipe_file = None
-    args.overrides = args.positional_overrides + args.overrides
+    positionals = [a for a in (args.recipe_file, *args.positional_overrides) if a is not None]
+    # RECIPE is the positional that is not a KEY=VALUE override (`--recipe FILE k=v`, `k=v FILE`: in any order)
+    files = [a for a in positionals if not _OVERRIDE.match(a) or Path(a).exists()]
+    args.recipe_file = files[0] if files else None
+    args.overrides = [a for a in positionals if a not in files[:1]] + args.overrides
     if args.recipe_file and args.recipe_opt and args.recipe_file != args.recipe_opt:
         sys.exit(f"error: two recipes, {args.recipe_file} and --recipe {args.recipe_opt}: give one")
     if args.eval:

@@ -108,8 +108,8 @@ def _write_toy(args: argparse.Namespace) -> int:
     if args.documents < 1 or args.chats < 1:
         sys.exit(f"error: --documents {args.documents} / --chats {args.chats}: both must be positive")
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        sys.exit(f"error: --out {out}: not empty; give a new folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        sys.exit(f"error: --out {out}: {'not empty' if out.is_dir() else 'not a folder'}; give a new folder")
     from megatron_ext.data import toy
 
     written = toy.write_toy_inputs(out, documents=args.documents, chats=args.chats, seed=args.seed)

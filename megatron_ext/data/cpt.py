@@ -270,6 +270,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
                         break
                 if done:
                     break
+            bar.total = n_tokens  # a corpus shorter than --max-tokens: it ends at 100% of what there was
         finally:
             bar.close()
             batches.close()

@@ -15,6 +15,7 @@ import bisect
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -89,6 +90,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     odd_roles: Counter[str] = Counter()  # roles outside LLAMA31_ROLES, for the end report
     lengths: list[int] = []
     n_read = n_tokens = n_trained = n_sharegpt = 0
+    fields_read: Counter[str] = Counter()  # rows per messages field read (messages / conversations / the given one)
     max_id = -1  # recorded so that the trainer can refuse a model whose embedding has no row for some id
     t0 = time.perf_counter()
     import jinja2
@@ -98,38 +100,18 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         tokens_b = IndexedDatasetBuilder(tmp[output + ".bin"], dtype=dtype)
         mask_b = IndexedDatasetBuilder(tmp[output + "_lossmask.bin"], dtype=np.uint8)
         rows = iter_rows(inputs, stats)
-        total = None
+        total = rows_in_input = None
         if max_samples is not None:
-            rows = _sample_rows(rows, max_samples, seed, progress)
+            rows, rows_in_input = _sample_rows(rows, max_samples, seed, progress)
             total = len(rows)
         bar = progress_bar(desc="sft", unit="sample", total=total, enabled=progress)
         for _name, where, row in rows:
             n_read += 1
             bar.update(1)
-            field = messages_field or ("conversations" if "messages" not in row and "conversations" in row
-                                       else "messages")
-            try:
-                messages = get_field(row, field)
-            except KeyError:
-                raise DataError(f"{where}: no field '{field}' (fields: {', '.join(sorted(row))}); "
-                                "pass --messages-field NAME") from None
-            sharegpt = _from_sharegpt(messages)
-            if sharegpt is not None:
-                messages = sharegpt
-                n_sharegpt += 1
-            problem = None
-            if answer_field is not None:
-                try:
-                    answer = get_field(row, answer_field)
-                except KeyError:
-                    raise DataError(f"{where}: no field '{answer_field}' (fields: {', '.join(sorted(row))}); "
-                                    "pass --answer-field NAME, or leave it out when the replies are in the "
-                                    "messages") from None
-                if not isinstance(answer, str):
-                    problem = f"'{answer_field}' is a {type(answer).__name__}, not a string"
-                elif isinstance(messages, list):
-                    messages = [*messages, {"role": "assistant", "content": answer}]
-            problem = problem or _messages_problem(messages, field, chat_template)
+            turns = _row_turns(row, where, messages_field, answer_field)
+            messages, fields_read[turns.field] = turns.messages, fields_read[turns.field] + 1
+            n_sharegpt += turns.sharegpt
+            problem = turns.problem or _messages_problem(messages, turns.field, chat_template)
             role = None if problem else next((m["role"] for m in messages if m["role"] not in LLAMA31_ROLES), None)
             if role is not None:
                 odd_roles[role] += 1
@@ -151,7 +133,6 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             if not any(m["role"] == "assistant" for m in messages):
                 dropped["no_assistant_turn"] += 1
                 continue
-            ends_with_prompt += unanswered
             try:
                 ids, mask = tokenize_chat(tok, messages, template)
             except (jinja2.TemplateError, ValueError) as e:  # raise_exception(...) in the template, an undefined name
@@ -163,6 +144,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             if len(ids) > seq_length:
                 dropped["too_long"] += 1
                 continue
+            ends_with_prompt += unanswered
             tokens_b.add_document(np.array(ids, dtype=dtype), [len(ids)])
             max_id = max(max_id, max(ids))
             mask_b.add_document(np.array(mask, dtype=np.uint8), [len(mask)])
@@ -190,6 +172,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             "max_token_id": max(max_id, _pad_id(tok)),  # the loader pads samples with pad_id
             "tokenizer_hash": tokenizer_hash(tok), "vocabulary_hash": tokenizer_vocabulary_hash(tok),
             "pad_id": _pad_id(tok), "loss_mask_prefix_suffix": "_lossmask",
+            "messages_fields_read": dict(fields_read), "rows_in_input": rows_in_input,
             "settings": {"inputs": list(inputs), "messages_field": messages_field, "answer_field": answer_field,
                          "max_samples": max_samples, "chat_template": chat_template, "seed": seed},
         }
@@ -244,9 +227,52 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 def _from_sharegpt(messages: Any) -> list[dict] | None:
     """`messages` as {role, content} turns when all are ShareGPT's {from, value} turns; else None (left as given)."""
     if not (isinstance(messages, list) and messages
-            and all(isinstance(m, dict) and "from" in m and "value" in m and "role" not in m for m in messages)):
+            and all(isinstance(m, dict) and isinstance(m.get("from"), str) and "value" in m and "role" not in m
+                    for m in messages)):
         return None
     return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in messages]
+
+
+@dataclass
+class _Turns:
+    """A row's conversation as read: its turns, the field they came from, whether they were in ShareGPT's form, and
+    why the row cannot be trained on as it is (None: it can, so far)."""
+
+    messages: Any
+    field: str
+    sharegpt: bool = False
+    problem: str | None = None
+
+
+def _row_turns(row: dict, where: str, messages_field: str | None, answer_field: str | None) -> _Turns:
+    """The turns of `row`: from `messages_field` (None: `messages`, or ShareGPT's `conversations`), read from
+    ShareGPT's form, with `answer_field`'s reply appended as the last assistant turn where the turns end with a
+    prompt. DataError when a named field is missing."""
+    field = messages_field or ("conversations" if "messages" not in row and "conversations" in row else "messages")
+    try:
+        messages = get_field(row, field)
+    except KeyError:
+        also = "" if messages_field else " or 'conversations'"
+        raise DataError(f"{where}: no field '{field}'{also} (fields: {', '.join(sorted(row))}); "
+                        "pass --messages-field NAME") from None
+    sharegpt = _from_sharegpt(messages)
+    turns = _Turns(messages if sharegpt is None else sharegpt, field, sharegpt is not None)
+    if answer_field is None:
+        return turns
+    try:
+        answer = get_field(row, answer_field)
+    except KeyError:
+        raise DataError(f"{where}: no field '{answer_field}' (fields: {', '.join(sorted(row))}); pass --answer-field "
+                        "NAME, or leave it out when the replies are in the messages") from None
+    if not isinstance(answer, str):
+        turns.problem = f"'{answer_field}' is a {type(answer).__name__}, not a string"
+    elif isinstance(turns.messages, list) and turns.messages and isinstance(turns.messages[-1], dict):
+        if turns.messages[-1].get("role") == "assistant":  # a reply already there (a solution, the answer beside it)
+            turns.problem = (f"its turns end with an assistant reply and '{answer_field}' holds another: two replies "
+                             "in a row (leave --answer-field out for such data)")
+        else:
+            turns.messages = [*turns.messages, {"role": "assistant", "content": answer}]
+    return turns
 
 
 # Top-level row fields that datasets use for the reply to the last message (AceMath-Instruct: `answer`).
@@ -264,9 +290,9 @@ def _reply_hint(reply_fields: Counter[str], answer_field: str | None) -> str:
 
 
 def _sample_rows(rows: Iterator[tuple[str, str, dict]], k: int, seed: int,
-                 progress: bool) -> list[tuple[str, str, dict]]:
+                 progress: bool) -> tuple[list[tuple[str, str, dict]], int]:
     """`k` of `rows` drawn uniformly without replacement (reservoir sampling, deterministic in `seed`), in their
-    input order. Holds the k rows in memory: ~100K chat rows are a few hundred MB."""
+    input order, and the number of rows read. Holds the k rows in memory: ~100K chat rows are a few hundred MB."""
     rng = np.random.default_rng([seed, 0x5eed])  # a stream apart from the packing's default_rng(seed)
     kept: list[tuple[int, tuple[str, str, dict]]] = []
     for i, item in enumerate(progress_bar(rows, desc="sft: drawing rows", unit="row", enabled=progress)):
@@ -277,10 +303,10 @@ def _sample_rows(rows: Iterator[tuple[str, str, dict]], k: int, seed: int,
             if j < k:
                 kept[j] = (i, item)
     kept.sort(key=lambda t: t[0])
+    n_rows = i + 1 if kept else 0
     if progress:
-        print(f"sft: drew {len(kept)} of {i + 1 if kept else 0} rows (--max-samples {k}, --seed {seed})",
-              file=sys.stderr)
-    return [item for _, item in kept]  # a list: its length is the total of the progress bar that follows
+        print(f"sft: drew {len(kept)} of {n_rows} rows (--max-samples {k}, --seed {seed})", file=sys.stderr)
+    return [item for _, item in kept], n_rows  # a list: its length is the total of the progress bar that follows
 
 
 def _roles_note(odd_roles: Counter[str]) -> str:

@@ -248,6 +248,10 @@ def test_progress_in_a_log_file_is_plain_lines(tmp_path, tok_dir, corpus, capsys
     assert "\r" not in err and err.startswith(f"cpt: loading tokenizer {tok_dir}\n"), err
     assert len(bars) >= 4 and all("%|" in ln for ln in bars) and "/2.00k [" in bars[1], err
     assert bars[-1].startswith("cpt: 100%|"), err  # the last document overshoots --max-tokens: still 100%
+    # a corpus shorter than --max-tokens ends at 100% of what it had (it ended at 0% of 1G, with an ETA)
+    prepare_cpt([str(corpus[0])], str(tok_dir), str(tmp_path / "all"), max_tokens=10**9)
+    bars = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("cpt: ") and "tok/s" in ln]
+    assert bars[-1].startswith("cpt: 100%|") and "1.00G" not in bars[-1], bars[-1]
 
 
 def test_progress_on_a_terminal_redraws_in_place():

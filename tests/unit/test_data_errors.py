@@ -547,3 +547,13 @@ def test_sigterm_removes_the_temporary_files(tmp_path, tok_dir):
     assert err.splitlines() == [f"error: interrupted (SIGTERM); the unfinished output was removed (--output {out} "
                                 "is written only by a complete run)"], err
     assert _left(tmp_path) == []
+
+
+def test_toy_inputs_need_a_new_folder(tmp_path):
+    """`prepare_data.py toy --out DIR` writes the README's offline inputs; an existing file or non-empty folder is one
+    error line (a file was a NotADirectoryError traceback)."""
+    assert prepare_data.main(["toy", "--out", str(tmp_path / "toy"), "--documents", "3", "--chats", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "toy").iterdir()) == ["chats.jsonl", "corpus.jsonl", "tokenizer"]
+    assert "not empty" in _fail(["toy", "--out", str(tmp_path / "toy")])
+    (tmp_path / "f").write_text("x")
+    assert "not a folder" in _fail(["toy", "--out", str(tmp_path / "f")])

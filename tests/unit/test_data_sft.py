@@ -213,9 +213,20 @@ def test_answer_field_becomes_the_last_assistant_turn(tmp_path, tok_dir, hf_tok,
     with pytest.raises(DataError, match="no field 'reply'.*--answer-field"):
         prepare_sft([str(path)], str(tok_dir), str(tmp_path / "none"), 4096, answer_field="reply", progress=False)
     bad = tmp_path / "bad.jsonl"
-    toy.write_jsonl(bad, [{**rows[1], "answer": None}, rows[2]])
+    # a null answer; and turns that end with a reply already (a solution, its final answer beside it): two replies
+    # in a row would be trained, so the row is dropped and named
+    answered = {"messages": [*rows[3]["messages"], {"role": "assistant", "content": "the whole solution"}],
+                "answer": "4"}
+    toy.write_jsonl(bad, [answered, {**rows[1], "answer": None}, rows[2]])
     man = prepare_sft([str(bad)], str(tok_dir), str(tmp_path / "bad"), 4096, answer_field="answer", progress=False)
-    assert man["dropped"]["bad_messages"] == 1 and man["samples"] == 1
+    assert man["dropped"]["bad_messages"] == 2 and man["samples"] == 1
+    assert "two replies in a row" in capsys.readouterr().err  # the first skip is named
+    long_prompt = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                {"role": "user", "content": "word " * 3000}]}
+    man = prepare_sft([str(toy.write_jsonl(tmp_path / "long.jsonl", [long_prompt, rows[1] | {"messages":
+                      [*rows[1]["messages"], {"role": "assistant", "content": rows[1]["answer"]}]}]))],
+                      str(tok_dir), str(tmp_path / "long"), 512, progress=False)
+    assert man["dropped"]["too_long"] == 1 and man["ends_with_prompt"] == 0  # counted only among the kept
 
 
 def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
@@ -226,11 +237,11 @@ def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
     items = [("in", f"row {i}", {"i": i}) for i in range(20)]
     counts = np.zeros(20)
     for seed in range(400):
-        picked = [row["i"] for _, _, row in _sample_rows(iter(items), 5, seed, progress=False)]
+        picked = [row["i"] for _, _, row in _sample_rows(iter(items), 5, seed, progress=False)[0]]
         assert len(picked) == 5 and picked == sorted(set(picked))
         counts[picked] += 1
     assert counts.min() > 60 and counts.max() < 140, counts  # expected 100 each; binomial sd 8.7
-    assert [r["i"] for _, _, r in _sample_rows(iter(items), 50, 0, progress=False)] == list(range(20))
+    assert [r["i"] for _, _, r in _sample_rows(iter(items), 50, 0, progress=False)[0]] == list(range(20))
 
     chats = list(toy.synthetic_chats(30, seed=5))
     path = toy.write_jsonl(tmp_path / "c.jsonl", chats)
@@ -239,6 +250,7 @@ def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
     c = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "c"), 4096, max_samples=10, seed=7, progress=False)
     assert a == b and c["samples"] == 10 and c["settings"]["seed"] == 7
     assert a["samples_read"] == 10 and a["samples"] == 10 and a["settings"]["max_samples"] == 10
+    assert a["rows_in_input"] == 30
     assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
     assert (tmp_path / "a.bin").read_bytes() != (tmp_path / "c.bin").read_bytes()
     with pytest.raises(DataError, match="--max-samples 0: must be a positive"):
@@ -276,7 +288,9 @@ def test_sharegpt_rows_read_as_messages(tmp_path, tok_dir, capsys):
     assert b["sharegpt_rows"] == 20 and a["sharegpt_rows"] == 0 and a["samples"] == b["samples"] == 20
     for suffix in (".bin", ".idx", "_lossmask.bin", "_lossmask.idx"):
         assert (tmp_path / f"m{suffix}").read_bytes() == (tmp_path / f"s{suffix}").read_bytes()
+    share[1]["conversations"][0]["from"] = ["human"]  # not a name: a malformed row, counted (was a TypeError)
     share[0]["conversations"][0]["from"] = "bing"
     c = prepare_sft([str(toy.write_jsonl(tmp_path / "b.jsonl", share))], str(tok_dir), str(tmp_path / "b"), 4096,
                     progress=False)
-    assert c["dropped"]["bad_messages"] == 1 and "role 'bing' is not one of" in capsys.readouterr().err
+    assert c["dropped"]["bad_messages"] == 2 and "role 'bing' is not one of" in capsys.readouterr().err
+    assert c["messages_fields_read"] == {"conversations": 20} and a["messages_fields_read"] == {"messages": 20}

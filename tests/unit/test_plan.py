@@ -355,7 +355,9 @@ def test_tool_takes_overrides_in_both_forms():
     """`--set KEY=VALUE` and, as the trainer takes them, `RECIPE KEY=VALUE`: the same plan."""
     a = _tool(str(R / "cpt_1m.yaml"), "--set", "parallel.context=8", "--gpu", "h100")
     b = _tool(str(R / "cpt_1m.yaml"), "parallel.context=8", "--gpu", "h100")
+    c = _tool("parallel.context=8", str(R / "cpt_1m.yaml"), "--gpu", "h100")  # the override first
     assert a.returncode == b.returncode == 0 and "CP 8 x DP 4" in a.stdout and a.stdout == b.stdout, b.stderr
+    assert c.returncode == 0 and c.stdout == a.stdout, c.stderr
 
 
 def test_tool_cannot_fit_at_any_cp_says_so():
