@@ -109,7 +109,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
             n_read += 1
             bar.update(1)
             turns = _row_turns(row, where, messages_field, answer_field)
-            messages, fields_read[turns.field] = turns.messages, fields_read[turns.field] + 1
+            messages = turns.messages
+            fields_read[turns.field] += 1
             n_sharegpt += turns.sharegpt
             problem = turns.problem or _messages_problem(messages, turns.field, chat_template)
             role = None if problem else next((m["role"] for m in messages if m["role"] not in LLAMA31_ROLES), None)
