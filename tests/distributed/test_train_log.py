@@ -13,17 +13,23 @@ from tests.conftest import CUDA, ROOT
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"
 
 
-def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
-    # no PYTHONWARNINGS=ignore here (the other tests set it): the warnings are what this test counts
+def two_ranks(out, data, steps: int, **env_extra: str) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of a tiny CPT run, started as torchrun starts them (one node), output piped."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    env.pop("PYTHONWARNINGS", None)
-    out = tmp_path / "run"
+    env.pop("PYTHONWARNINGS", None)  # this shell's: warnings shown unless the caller says otherwise
+    env.update(env_extra)
     cmd = [sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={out}",
-           f"data.prefix={token_data}", "parallel.context=1", "train.seq_length=512", "train.global_batch_size=2",
-           "train.steps=2"]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+           f"data.prefix={data}", "parallel.context=1", "train.seq_length=512", "train.global_batch_size=2",
+           f"train.steps={steps}"]
+    return [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for r in range(2)]
+
+
+def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
+    # no PYTHONWARNINGS=ignore here (the other tests set it): the warnings are what this test counts
+    out = tmp_path / "run"
+    procs = two_ranks(out, token_data, 2)
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results[0][1][-3000:]
     stdout = results[0][0] + results[1][0]
@@ -53,14 +59,8 @@ def test_a_signal_to_one_rank_stops_both_for_requeue(tmp_path, token_data):
 
     from megatron_ext.train import EXIT_REQUEUE
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={out}",
-           f"data.prefix={token_data}", "parallel.context=1", "train.seq_length=512", "train.global_batch_size=2",
-           "train.steps=1000"]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = two_ranks(out, token_data, 1000, PYTHONWARNINGS="ignore")
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
