@@ -179,7 +179,7 @@ def test_cli_ruler_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_p
     replicas sharing prompts of different lengths in one call); with the KV cache one full pass per prompt."""
     from megatron_ext.evaluate.cli import main
 
-    common = ["--tasks", "niah_single_1,niah_multikey_2,vt,fwe", "--lengths", "180,240", "--samples", "2",
+    common = ["--tasks", "niah_single_1,niah_multikey_2,vt,fwe", "--lengths", "224,248", "--samples", "2",
               "--max-new-tokens", "4", "--no-progress"]
     main(["ruler", "--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
     out = torchrun(ROOT / "tools/niah.py", 2, "ruler", "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
