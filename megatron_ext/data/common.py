@@ -24,8 +24,11 @@ class DataError(ValueError):
     """A user mistake in data preparation (bad path, field, value); the CLI prints it as one line."""
 
 
-def load_tokenizer(spec: str) -> Any:
-    """Load an HF fast tokenizer from a folder or hub name; DataError when there is none."""
+def load_tokenizer(spec: str, announce: str | None = None) -> Any:
+    """Load an HF fast tokenizer from a folder or hub name; DataError when there is none. `announce`: a prefix
+    (`cpt`) for a line on stderr before loading, which takes seconds (a hub tokenizer: a download)."""
+    if announce:
+        print(f"{announce}: loading tokenizer {spec}", file=sys.stderr, flush=True)
     path = Path(spec)
     if path.exists() and not (path.is_dir() and ((path / "tokenizer.json").is_file()
                                                   or (path / "tokenizer_config.json").is_file())):

@@ -214,9 +214,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     if seq_length is not None and seq_length <= 0:
         raise DataError(f"--seq-length {seq_length}: must be positive")
     check_outputs(output, force)
-    if progress:  # the setup takes seconds (a hub tokenizer: a download): say what runs
-        print(f"cpt: loading tokenizer {tokenizer}", file=sys.stderr, flush=True)
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, announce="cpt" if progress else None)
     tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup
     vocab_hash = tokenizer_vocabulary_hash(tok)
     pre, post = separator_ids(tok, separator)

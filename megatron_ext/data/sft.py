@@ -77,9 +77,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         raise DataError(f"--max-samples {max_samples}: must be a positive number of rows (leave it out for all)")
     check_inputs(inputs)
     check_outputs(output, force, with_lossmask=True)
-    if progress:  # the setup takes seconds (a hub tokenizer: a download): say what runs
-        print(f"sft: loading tokenizer {tokenizer}", file=sys.stderr, flush=True)
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, announce="sft" if progress else None)
     template = resolve_chat_template(chat_template, tok, tokenizer)
     vocab_size = len(tok)
     dtype = token_dtype(vocab_size)
