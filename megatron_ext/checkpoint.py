@@ -363,7 +363,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
 def _drop_extra_state(state: dict, model_keys: list[str]) -> dict[str, list[str]]:
     """Remove the modules' `_extra_state` objects from a load request; returns their names per model key.
 
-    torch.distributed.checkpoint reads such objects with `torch.load(weights_only=False)`, i.e. it
+    torch.distributed.checkpoint reads such objects with a full (not weights-only) torch load, i.e. it
     unpickles them. Weights-only loads (`checkpoint.init_from`, often a checkpoint from elsewhere) skip
     them: they hold nothing for the local spec and only FP8 scaling history for TE, which restarts.
     """

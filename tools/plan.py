@@ -94,7 +94,8 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # a dotted.key=value override, not
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
-    parser.add_argument("recipe_file", nargs="?", metavar="RECIPE", help="recipe YAML (or --recipe)")
+    parser.add_argument("positionals", nargs="*", metavar="RECIPE | KEY=VALUE",
+                        help="recipe YAML (or --recipe) and overrides as the trainer takes them, in any order")
     parser.add_argument("--recipe", dest="recipe_opt", metavar="FILE", help="recipe YAML")
     parser.add_argument("--gpu", help=f"GPU model (default: cluster.gpu): {', '.join(GPUS)} or h100/h200/b200")
     parser.add_argument("--gpus", type=int, help="number of GPUs (default: cluster.nodes x cluster.gpus_per_node)")
@@ -103,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-ce", action="store_true", help="with train.loss_head=full: assume a fused cross-entropy (2 B x V/TP per token)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted recipe override, e.g. --set parallel.context=8 (repeatable)")
-    parser.add_argument("positional_overrides", nargs="*", metavar="KEY=VALUE",
-                        help="overrides also as the trainer takes them: RECIPE parallel.context=8 ...")
     evaluation = parser.add_argument_group("evaluation on the Megatron engine (tools/niah.py --engine megatron)")
     evaluation.add_argument("--eval", metavar="LENGTHS", help="prompt lengths, e.g. 128K,1M,4M or 128K:4M:6")
     for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context")):
@@ -115,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluation.add_argument("--new-tokens", type=int, default=16, help="decode steps per prompt (default 16, NIAH's "
                             "--max-new-tokens; a model that retrieves with the needle as draft needs none)")
     args = parser.parse_intermixed_args(argv)
-    positionals = [a for a in (args.recipe_file, *args.positional_overrides) if a is not None]
-    # RECIPE is the positional that is not a KEY=VALUE override (`--recipe FILE k=v`, `k=v FILE`: in any order)
-    files = [a for a in positionals if not _OVERRIDE.match(a) or Path(a).exists()]
+    # RECIPE is the first positional that is not a KEY=VALUE override; the others are overrides, before --set's
+    files = [a for a in args.positionals if not _OVERRIDE.match(a) or Path(a).exists()]
     args.recipe_file = files[0] if files else None
-    args.overrides = [a for a in positionals if a not in files[:1]] + args.overrides
+    args.overrides = [a for a in args.positionals if a is not args.recipe_file] + args.overrides
     if args.recipe_file and args.recipe_opt and args.recipe_file != args.recipe_opt:
         sys.exit(f"error: two recipes, {args.recipe_file} and --recipe {args.recipe_opt}: give one")
     if args.eval:

@@ -113,7 +113,7 @@ def _write_toy(args: argparse.Namespace) -> int:
     from megatron_ext.data import toy
 
     written = toy.write_toy_inputs(out, documents=args.documents, chats=args.chats, seed=args.seed)
-    print("wrote " + ", ".join(f"{p}" for p in written.values()), file=sys.stderr)
+    print("wrote " + ", ".join(map(str, written.values())), file=sys.stderr)
     return 0
 
 
