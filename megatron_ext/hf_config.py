@@ -12,10 +12,11 @@ from pathlib import Path
 
 from megatron_ext.presets import HF_LLAMA_RMS_NORM_EPS
 from megatron_ext.recipe import Recipe, RopeConfig
-from megatron_ext.rope_spec import ROPE_FIELDS
+from megatron_ext.rope_spec import ANGLE_PRECISION_KEY, ROPE_FIELDS
 
 _ROPE_SCALING_KEYS = [f for f in RopeConfig.__dataclass_fields__ if f not in ("rope_theta", "rope_type",
-                                                                                 "partial_rotary_factor")]
+                                                                                 "partial_rotary_factor",
+                                                                                 "angle_precision")]
 
 
 def normalize_hf_config(cfg: dict) -> dict:
@@ -83,6 +84,8 @@ def hf_config_from_recipe(recipe: Recipe) -> dict:
     }
     if r.partial_rotary_factor != 1.0:
         cfg["partial_rotary_factor"] = r.partial_rotary_factor
+    if r.angle_precision != "float64":  # our own key: configs of default runs stay plain HF Llama ones
+        cfg[ANGLE_PRECISION_KEY] = r.angle_precision
     return cfg
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from megatron_ext.presets import HF_LLAMA_RMS_NORM_EPS, PRESETS, ROPE_PRESETS
 from megatron_ext.recipe import ModelConfig, RopeConfig
 from megatron_ext.recipe_schema import RecipeError, bad_value
+from megatron_ext.rope_spec import ANGLE_PRECISION_KEY
 
 
 def _hf_config_file(path: str) -> dict:
@@ -57,6 +58,8 @@ def rope_from_hf_config(cfg: dict) -> dict:
     params.pop("type", None)
     if "partial_rotary_factor" in cfg:
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if cfg.get(ANGLE_PRECISION_KEY) is not None:
+        params["angle_precision"] = cfg[ANGLE_PRECISION_KEY]
     valid = {f.name for f in fields(RopeConfig)}
     return {k: v for k, v in params.items() if k in valid}
 
@@ -84,12 +87,12 @@ def fill_rope(raw: dict) -> dict:
 
 
 # Properties of the model rather than of the scaling: in an HF config they sit beside `rope_scaling`.
-_MODEL_ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
+_MODEL_ROPE_FIELDS = ("rope_theta", "partial_rotary_factor", "angle_precision")
 
 
 def fill_model_rope_fields(raw: dict) -> None:
-    """A rope block that leaves out theta or the rotary fraction keeps the model's, not the schema default:
-    a YaRN block written without `rope_theta` on Llama-3.1 means theta 500000, never 10000."""
+    """A rope block that leaves out theta, the rotary fraction or the angle precision keeps the model's, not the
+    schema default: a YaRN block written without `rope_theta` on Llama-3.1 means theta 500000, never 10000."""
     rope, own = raw.get("rope"), _model_rope(raw)
     if not isinstance(rope, dict) or own is None:
         return

@@ -13,6 +13,7 @@ import numpy as np
 
 from megatron_ext.checkpoint_index import gradient_bucket_size, optimizer_state_mismatch
 from megatron_ext.recipe import Recipe
+from megatron_ext.rope_spec import ANGLE_PRECISION_KEY
 
 _DATA_IDENTITY = (("data", "prefix"), ("data", "weights"), ("data", "split"), ("train", "stage"),
                   ("train", "seq_length"), ("train", "seed"))
@@ -213,7 +214,8 @@ def _same_path(saved: str, now: str) -> bool:
         return False
 
 
-_ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")
+_ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings", ANGLE_PRECISION_KEY)
+_ABSENT_MEANS = {ANGLE_PRECISION_KEY: "float64"}  # keys our configs write only when not the default
 
 
 def _config_changes(saved_hf_config: dict | None, recipe: Recipe, keys: tuple[str, ...]) -> list[str]:
@@ -223,7 +225,8 @@ def _config_changes(saved_hf_config: dict | None, recipe: Recipe, keys: tuple[st
     if not saved_hf_config:
         return []
     old, new = normalize_hf_config(saved_hf_config), normalize_hf_config(hf_config_from_recipe(recipe))
-    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys if old.get(k) != new.get(k)]
+    old, new = ({k: c.get(k, _ABSENT_MEANS.get(k)) for k in keys} for c in (old, new))
+    return [f"{k}: {old[k]} -> {new[k]}" for k in keys if old[k] != new[k]]
 
 
 def rope_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[str]:

@@ -22,7 +22,9 @@ How it plugs into Megatron-Core 0.16.1:
   table holds rotation angles `[s, 1, 1, rot_dim]` in float32 for the positions this CP rank holds
   only (zigzag chunks r and 2*CP-1-r); no tensor of global length is made. Angles are formed in
   float64 and reduced to [-pi, pi] before rounding, so cos/sin stay accurate to ~1e-7 even at
-  position 4M - 1 (a float32 angle there would be off by up to 0.125 rad).
+  position 4M - 1 (a float32 angle there would be off by up to 0.125 rad); or, with
+  `rope_angle_precision: float32` in the config (`rope.angle_precision` in a recipe), as the float32
+  product transformers and serving engines form (`megatron_ext.rope_angles`).
 - The attention factor (YaRN, longrope) multiplies cos and sin, as transformers' Llama does.
   Megatron applies such a factor in one place only: `attention.py` passes
   `_yarn_get_concentration_factor_from_config(config)` as `mscale` to `apply_rotary_pos_emb`.
@@ -249,7 +251,7 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
                                cp_rank: int = 0) -> torch.Tensor:
         """Angles `[s/cp, rot_dim/2]` float32 (no channel duplication) for CP rank `cp_rank`."""
         positions = cp_local_positions(max_seq_len, cp_size, cp_rank).to(rank_device()) + offset  # [s/cp]
-        return rope_angles(positions, self.frequencies(max_seq_len + offset).to(rank_device()))
+        return rope_angles(positions, self.frequencies(max_seq_len + offset).to(rank_device()), self.spec.angle_precision)
 
     def get_cos_sin(self, max_seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[s, rot_dim/2]` with the attention factor applied (flash-decode inference path)."""
@@ -265,7 +267,8 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
             if self.length_dependent:
                 raise RopeConfigError(f"rope_type {self.spec.rope_type!r}: decoding at given positions needs a "
                                       "table that does not depend on the sequence length")
-            angles = rope_angles(self.positions.to(rank_device()), self.inv_freq.to(rank_device()))
+            angles = rope_angles(self.positions.to(rank_device()), self.inv_freq.to(rank_device()),
+                                 self.spec.angle_precision)
             return self._layout(angles)[:, None, None, :]
         group = cp_group if cp_group is not None else self.cp_group
         cp_size, cp_rank = (group.size(), group.rank()) if group is not None else (1, 0)

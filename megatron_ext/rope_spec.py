@@ -15,6 +15,11 @@ from megatron_ext.recipe import RecipeError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# How the trainer forms each angle, position x frequency: "float64" (exact, reduced mod 2 pi before rounding) or
+# "float32" (the product transformers, vLLM and stock Megatron-Core form). A top-level HF config key of our own,
+# written only when float32; absent, float64. See megatron_ext/rope_angles.py.
+ANGLE_PRECISIONS = ("float64", "float32")
+ANGLE_PRECISION_KEY = "rope_angle_precision"
 # Fields each rope type reads (besides rope_type / rope_theta / partial_rotary_factor), as transformers.
 ROPE_FIELDS: dict[str, set[str]] = {
     "default": set(),
@@ -47,6 +52,7 @@ class RopeSpec:
     params: dict
     max_position_embeddings: int | None
     where: str
+    angle_precision: str = "float64"  # position x frequency formed in float64 (exact) or float32 (as served)
 
     def get(self, key: str, default=None):
         return self.params.get(key, default)
@@ -162,4 +168,9 @@ def rope_spec(hf_config: dict, *, where: str | None = None, top: str = "config")
         if params.get("factor") is None:  # transformers: derive it from the two lengths
             params["factor"] = (max_pos or params["original_max_position_embeddings"]) / params[
                 "original_max_position_embeddings"]
-    return RopeSpec(rope_type, theta, int(head_dim), float(prf), dim, params, max_pos, where)
+    precision = hf_config.get(ANGLE_PRECISION_KEY) or "float64"
+    if precision not in ANGLE_PRECISIONS:
+        name = "rope.angle_precision" if where == "rope" else f"{top}.{ANGLE_PRECISION_KEY}"
+        raise RopeConfigError(f"{name} = {precision!r}: must be one of {list(ANGLE_PRECISIONS)} (float32: the "
+                              "angles transformers and serving engines form; float64: exact)")
+    return RopeSpec(rope_type, theta, int(head_dim), float(prf), dim, params, max_pos, where, precision)

@@ -1,11 +1,13 @@
-"""RoPE angles for the transformers engine, computed the way the trainer computes them.
+"""RoPE angles for the transformers engine, computed the way the trainer computed them.
 
 transformers' Llama multiplies each position by the inverse frequencies in float32. Near 4M tokens an angle of
 ~4e6 rad has a float32 spacing of 0.25 rad, so the fastest-turning pairs are off by up to 0.125 rad: positions the
-model never saw in training, where `megatron_ext.rope_angles.rope_angles` forms position x inv_freq in float64 and
-reduces it modulo 2 pi before rounding to float32. `exact_rope_angles(model)` wraps the model's rotary embedding in
-a module that does the same. The inverse frequencies and the attention factor stay transformers' own (dynamic and
-longrope update theirs for each sequence length).
+model never saw in training when it trained with float64 angles (our default), where
+`megatron_ext.rope_angles.rope_angles` forms position x inv_freq in float64 and reduces it modulo 2 pi before
+rounding to float32. `rope_angles_as_trained(model)` wraps the model's rotary embedding in a module that does the
+same, unless the model's config says it trained with float32 angles (`rope_angle_precision: float32`): then
+transformers' own product is the training's, bit for bit, and the model is left as it is. The inverse frequencies
+and the attention factor stay transformers' own (dynamic and longrope update theirs for each sequence length).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.rope_angles import rope_angles
+from megatron_ext.rope_spec import ANGLE_PRECISION_KEY, ANGLE_PRECISIONS
 
 # rope types whose inverse frequencies transformers updates in the rotary module's forward (by sequence length)
 _UPDATED_IN_FORWARD = ("dynamic", "longrope")
@@ -36,14 +39,24 @@ class Float64RotaryAngles(torch.nn.Module):
         return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
 
 
-def exact_rope_angles(model: torch.nn.Module) -> bool:
-    """Wrap the rotary embedding of a transformers Llama-style model (`model.model.rotary_emb`) in
-    `Float64RotaryAngles`, once. False where the model has none of that form (then it is left as it is)."""
+def rope_angles_as_trained(model: torch.nn.Module) -> str | None:
+    """Make a transformers Llama-style model (`model.model.rotary_emb`) form RoPE angles as its training did.
+
+    Returns the precision it now uses: "float32" (its config's `rope_angle_precision`: transformers' own product,
+    left as it is) or "float64" (the rotary embedding wrapped in `Float64RotaryAngles`, once); None where the model
+    has no rotary embedding of that form (then it is left as it is).
+    """
     body = getattr(model, "model", None)
     rotary = getattr(body, "rotary_emb", None)
     if isinstance(rotary, Float64RotaryAngles):
-        return True
+        return "float64"
     if not (isinstance(rotary, torch.nn.Module) and hasattr(rotary, "inv_freq") and hasattr(rotary, "attention_scaling")):
-        return False
+        return None
+    precision = getattr(getattr(model, "config", None), ANGLE_PRECISION_KEY, None) or "float64"
+    if precision not in ANGLE_PRECISIONS:
+        raise ValueError(f"config.json {ANGLE_PRECISION_KEY} = {precision!r}: expected one of "
+                         f"{list(ANGLE_PRECISIONS)}")
+    if precision == "float32":
+        return precision
     body.rotary_emb = Float64RotaryAngles(rotary)
-    return True
+    return precision

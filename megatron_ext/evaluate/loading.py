@@ -149,13 +149,13 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     """(model, tokenizer) from a Hugging Face model directory, in eval mode on `device`.
 
     Device defaults to CUDA when available; dtype to bf16 on GPU and fp32 on CPU. Attention is
-    torch SDPA (memory-efficient/flash kernels on GPU); RoPE angles are formed in float64 as in training
-    (`hf_rope.exact_rope_angles`). `tokenizer`: a loaded tokenizer to use instead of the
+    torch SDPA (memory-efficient/flash kernels on GPU); RoPE angles are formed as in training
+    (`hf_rope.rope_angles_as_trained`: float64 unless config.json says `rope_angle_precision: float32`). `tokenizer`: a loaded tokenizer to use instead of the
     directory's (tools/niah.py --tokenizer, or the one of a converted Megatron checkpoint).
     """
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.evaluate.hf_rope import exact_rope_angles
+    from megatron_ext.evaluate.hf_rope import rope_angles_as_trained
 
     path = Path(path)
     if not path.is_dir():
@@ -192,7 +192,10 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     except (OSError, ValueError, SafetensorError) as e:  # weights missing, cut short, or of another shape
         raise EvalError(f"model directory {path}: cannot load the model's weights ({type(e).__name__}: "
                         f"{' '.join(str(e).split())}); give a complete Hugging Face model folder") from None
-    exact_rope_angles(model)  # as in training: float32 angles near 4M tokens are off by up to 0.125 rad
+    try:  # as in training: float32 and float64 angles near 4M tokens differ by up to 0.125 rad
+        rope_angles_as_trained(model)
+    except ValueError as e:
+        raise EvalError(f"model directory {path}: {e}; fix config.json (or remove the key: float64)") from None
     return model.to(dev).eval(), tokenizer
 
 

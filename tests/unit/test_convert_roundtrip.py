@@ -195,6 +195,32 @@ def test_yarn_trained_checkpoint_exports_with_preset(tmp_path, cpu_parallel_stat
     assert "rope_changed" in r4
 
 
+def test_float32_angle_precision_survives_the_round_trip(tmp_path, cpu_parallel_state):
+    """`rope_angle_precision: float32` (a model trained with `rope.angle_precision: float32`) goes into the
+    checkpoint's metadata and back into the exported config.json, also under --rope-preset, where the evaluation's
+    transformers engine reads it (it then keeps transformers' own float32 angles)."""
+    from megatron_ext.evaluate.hf_rope import Float64RotaryAngles
+    from megatron_ext.evaluate.loading import load_hf
+    from tests.unit.test_evaluate import make_tokenizer
+
+    tok = make_tokenizer()
+    src = make_hf_model(tmp_path / "hf", rope_angle_precision="float32")
+    to_megatron(src, tmp_path / "m", progress=False)
+    assert read_metadata(tmp_path / "m")["hf_config"]["rope_angle_precision"] == "float32"
+    r = to_hf(tmp_path / "m", tmp_path / "h", verify=True, progress=False)
+    assert r["max_abs_logit_diff"] <= TOL
+    to_hf(tmp_path / "m", tmp_path / "h1", rope_preset="ultralong-1m", rope_differs_ok=True, progress=False)
+    for out in ("h", "h1"):
+        assert json.loads((tmp_path / out / "config.json").read_text())["rope_angle_precision"] == "float32"
+    model, _ = load_hf(tmp_path / "h", device="cpu", tokenizer=tok)
+    assert not isinstance(model.model.rotary_emb, Float64RotaryAngles)
+    plain = make_hf_model(tmp_path / "plain")  # control: without the key the engine forms float64 angles
+    to_megatron(plain, tmp_path / "pm", progress=False)
+    to_hf(tmp_path / "pm", tmp_path / "ph", progress=False)
+    assert "rope_angle_precision" not in json.loads((tmp_path / "ph/config.json").read_text())
+    assert isinstance(load_hf(tmp_path / "ph", device="cpu", tokenizer=tok)[0].model.rotary_emb, Float64RotaryAngles)
+
+
 @pytest.mark.parametrize("variant", ["dynamic-gqa2", "longrope-gqa2"])
 def test_max_position_embeddings_refused_where_rope_reads_it(variant, tmp_path, cpu_parallel_state):
     """dynamic and longrope derive frequencies from max_position_embeddings: another value is another model."""

@@ -524,7 +524,7 @@ def test_hf_engine_rope_angles_are_exact_far_out(rope):
     angles are below pi (within float32 spacing up to 300 rad, where the engine tests compare it with generate)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_ext.evaluate.hf_rope import Float64RotaryAngles, exact_rope_angles
+    from megatron_ext.evaluate.hf_rope import Float64RotaryAngles, rope_angles_as_trained
     from megatron_ext.presets import TINY
 
     torch.manual_seed(0)
@@ -539,8 +539,8 @@ def test_hf_engine_rope_angles_are_exact_far_out(rope):
     far = torch.arange(4_194_304 - 300, 4_194_304)
     near = torch.arange(0, 300)
     theirs_far, theirs_near = cos_sin(rotary, far), cos_sin(rotary, near)  # dynamic: inv_freq set for 4M first
-    assert exact_rope_angles(model) and isinstance(model.model.rotary_emb, Float64RotaryAngles)
-    assert exact_rope_angles(model) and model.model.rotary_emb.inner is rotary  # wrapped once
+    assert rope_angles_as_trained(model) == "float64" and isinstance(model.model.rotary_emb, Float64RotaryAngles)
+    assert rope_angles_as_trained(model) == "float64" and model.model.rotary_emb.inner is rotary  # wrapped once
     ours_far = cos_sin(model.model.rotary_emb, far)
     angles = far.double()[:, None] * rotary.inv_freq.double()[None]  # dynamic: the frequencies set for 4M
     emb = torch.cat([angles, angles], -1)  # Llama's half-split layout
@@ -550,6 +550,23 @@ def test_hf_engine_rope_angles_are_exact_far_out(rope):
     ours_near = cos_sin(model.model.rotary_emb, near)
     assert torch.equal(ours_near[:4], theirs_near[:4])  # angles below pi: the same float32 values
     np.testing.assert_allclose(ours_near, theirs_near, atol=2e-5)  # up to 300 rad: float32 spacing 3e-5
+
+
+def test_hf_engine_keeps_float32_angles_of_a_model_trained_with_them():
+    """A model trained with `rope.angle_precision: float32` exports `rope_angle_precision: float32`; the engine then
+    leaves transformers' own float32 angles (the trainer's table equals them bit for bit: tests/unit/test_rope.py);
+    a value that is neither precision is an error naming the key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_ext.evaluate.hf_rope import rope_angles_as_trained
+    from megatron_ext.presets import TINY
+
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY, rope_angle_precision="float32")))
+    rotary = model.model.rotary_emb
+    assert rope_angles_as_trained(model) == "float32" and model.model.rotary_emb is rotary
+    model.config.rope_angle_precision = "bf16"
+    with pytest.raises(ValueError, match="rope_angle_precision = 'bf16'"):
+        rope_angles_as_trained(model)
 
 
 def test_a_haystack_without_sentence_ends_is_refused():

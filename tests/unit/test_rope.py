@@ -205,6 +205,30 @@ def test_small_angles_are_bit_identical_to_float32_product():
     assert ours.abs().max() <= math.pi + 1e-6
 
 
+@pytest.mark.parametrize("name", ["ultralong-4m", "llama3.1-8b"])
+def test_float32_angles_are_transformers_own_far_out(name):
+    """`rope_angle_precision: float32` (recipe `rope.angle_precision`): the trainer's table, as Megatron applies it
+    (cos/sin x factor), equals transformers' LlamaRotaryEmbedding bit for bit on the positions CP rank 0 of 64 holds
+    at 4M, last one 4M - 1; the default float64 table differs there by > 1e-2 (control)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from megatron_ext.rope import cp_local_positions
+
+    cfg = LONG_CONFIGS[name]
+    hf = LlamaRotaryEmbedding(LlamaConfig(**copy.deepcopy(cfg)))
+    positions = cp_local_positions(1 << 22, 64, 0)  # [65536]: chunks 0 and 127 of 128
+    theirs = torch.cat(hf(torch.zeros(1), positions[None]), -1)[0]  # [65536, 256]: cos, sin
+
+    def ours(precision: str) -> torch.Tensor:
+        emb = ScaledRotaryEmbedding({**cfg, "rope_angle_precision": precision})
+        angles = emb.local_table(1 << 22, cp_size=64, cp_rank=0)[:, 0, 0]  # [65536, 128]
+        return torch.cat([torch.cos(angles) * emb.attention_factor, torch.sin(angles) * emb.attention_factor], -1)
+
+    assert torch.equal(ours("float32"), theirs)
+    assert (ours("float64") - theirs).abs().max() > 1e-2
+
+
 # ---------------------------------------------------------------------------- bad input
 
 V4 = {k: v for k, v in LLAMA31_8B.items()}

@@ -53,6 +53,35 @@ def test_type_override_writes_only_that_types_fields():
     rope_frequencies(cfg)  # the builder accepts it
 
 
+def test_angle_precision_travels_in_the_hf_config_and_back(tmp_path):
+    """`rope.angle_precision: float32` writes `rope_angle_precision` into the HF config (absent for the default,
+    so plain runs export plain Llama configs); a recipe built on such a config.json keeps it, also under a preset."""
+    import json
+
+    assert "rope_angle_precision" not in hf_config_from_recipe(load({"preset": "ultralong-1m"}))
+    cfg = hf_config_from_recipe(load({"preset": "ultralong-1m", "angle_precision": "float32"}))
+    assert cfg["rope_angle_precision"] == "float32"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for rope in (None, {"preset": "ultralong-2m"}):
+        raw = {**BASE, "model": {"hf_config": str(tmp_path)}, **({"rope": rope} if rope else {})}
+        assert load_recipe(raw=raw).rope.angle_precision == "float32"
+    raw = {**BASE, "model": {"hf_config": str(tmp_path)}, "rope": {"preset": "ultralong-2m",
+                                                                      "angle_precision": "float64"}}
+    assert load_recipe(raw=raw).rope.angle_precision == "float64"  # set beside the preset: it wins
+
+
+def test_a_changed_angle_precision_is_a_rope_change():
+    """Resuming or starting an SFT from a checkpoint trained with other angles is reported like another theta."""
+    from megatron_ext.resume import rope_changes
+
+    recipe = load({"preset": "ultralong-1m"})
+    saved = hf_config_from_recipe(recipe)
+    assert rope_changes(saved, recipe) == []
+    assert rope_changes({**saved, "rope_angle_precision": "float64"}, recipe) == []  # absent means float64
+    assert rope_changes({**saved, "rope_angle_precision": "float32"}, recipe) == \
+        ["rope_angle_precision: float32 -> float64"]
+
+
 @pytest.mark.parametrize("rope, message", [
     ({"preset": "ultralong-8m"}, "rope.preset = 'ultralong-8m'"),
     ({"preset": "ultralong-1m", "beta_fast": 1.0, "beta_slow": 4.0}, "rope.beta_fast = 1.0: must be above beta_slow"),
