@@ -63,7 +63,8 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
         if "consumed_samples" in meta else f"  position: step {iteration} (samples and tokens not recorded)",
         f"  model: {hf.get('num_hidden_layers', '?')} layers, hidden {hf.get('hidden_size', '?')}, heads "
         f"{hf.get('num_attention_heads', '?')}/{hf.get('num_key_value_heads', '?')}, vocab {hf.get('vocab_size', '?')}, "
-        f"rope {rope.get('rope_type', 'default')} factor {rope.get('factor', 1)}",
+        f"rope {rope.get('rope_type', 'default')} factor {rope.get('factor', 1)}"
+        + (f", angles {hf['rope_angle_precision']}" if hf.get("rope_angle_precision") else ""),
     ]
     unfinished = unfinished_saves(root)
     if unfinished:

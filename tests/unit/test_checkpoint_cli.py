@@ -39,6 +39,7 @@ def test_describes_a_checkpoint(ckpt, capsys):
     assert ("layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True (one gradient bucket), optimizer state "
             "True") in out
     assert "position: step 2, 8 samples, 2,048 tokens" in out and "model: 2 layers, hidden 64" in out
+    assert "rope yarn factor 8.0\n" in out  # the default angle precision is not named
     assert "unfinished" not in out
     (ckpt / ".iter_0000004.partial").mkdir()  # a save being written in the background, or a killed one
     code, out, _ = _info(capsys, ckpt)
@@ -59,6 +60,7 @@ def test_describes_a_checkpoint(ckpt, capsys):
     (["rope.rope_theta=500000"], 1, "warning: RoPE rope_theta: 10000.0 -> 500000.0 (positions the weights were "
                                     "not trained with)"),
     (["rope.beta_fast=32"], 1, "'beta_fast': 4.0, "),
+    (["rope.angle_precision=float32"], 1, "warning: RoPE rope_angle_precision: float64 -> float32"),
     (["train.precision=bf16"], 1, "the weights, with a fresh optimizer state (train.precision was fp32, now bf16)"),
     # the decay runs over train.steps: raising it to go on moves the whole curve
     (["train.lr_schedule=cosine", "train.steps=20"], 1, "warning: train.steps 10 -> 20 with the cosine learning-rate "
