@@ -27,6 +27,7 @@ from megatron_ext.convert.hf_io import (
 from megatron_ext.convert.dist_reader import TorchDistReader
 from megatron_ext.convert.staging import check_out, check_separate, peak_rss_bytes, staged_output
 from megatron_ext.hf_config import normalize_hf_config
+from megatron_ext.progress import progress_bar
 
 # Checkpoint keys that are not weights: TE/local `_extra_state` objects, optimizer state.
 _NOT_WEIGHTS = ("optimizer.",)
@@ -102,8 +103,6 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
     callers) exports it and, like True, reports it as `rope_changed`, but `--verify` compares with the
     checkpoint's own rope (and fails, the logits differing).
     """
-    from tqdm import tqdm
-
     from megatron_ext.checkpoint_index import CheckpointError
     from megatron_ext.checkpoint_layout import read_metadata, resolve_iteration_dir
 
@@ -161,7 +160,7 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         shapes = mapping.hf_shapes(cfg)
         plan = [(n, shapes[n], target) for group, layer in steps for e in group for n in e.hf_names(layer)]
         writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
-        for group, layer in tqdm(steps, desc="megatron -> hf", unit="step", disable=not progress):
+        for group, layer in progress_bar(steps, desc="megatron -> hf", unit="step", enabled=progress):
             tensors = reader.read([e.megatron for e in group], layer)
             for e in group:
                 for name, t in zip(e.hf_names(layer), mapping.to_hf(e, tensors[e.megatron], cfg)):

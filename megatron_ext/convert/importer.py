@@ -26,6 +26,7 @@ from megatron_ext.convert.staging import (
     peak_rss_bytes,
     staged_output,
 )
+from megatron_ext.progress import progress_bar
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -99,7 +100,6 @@ def build_state(reader: SafetensorsReader, cfg: dict, precision: str, divisible:
                 progress: bool = True) -> dict:
     """The torch_dist sharded state dict of the HF model: every table entry, layer by layer, real tensors."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-    from tqdm import tqdm
 
     from megatron_ext.convert.exporter import megatron_shapes
     from megatron_ext.model import padded_vocab_size
@@ -111,7 +111,7 @@ def build_state(reader: SafetensorsReader, cfg: dict, precision: str, divisible:
     state = _skeleton(cfg, precision, divisible)
     consumed: set[str] = set()
     todo = [(name, sh) for name, sh in state.items() if isinstance(sh, (ShardedTensor, ShardedTensorFactory))]
-    for name, sh in tqdm(todo, desc="hf -> megatron", unit="tensor", disable=not progress):
+    for name, sh in progress_bar(todo, desc="hf -> megatron", unit="tensor", enabled=progress):
         try:
             entry = mapping.entry_for_key(sh.key)
         except KeyError:

@@ -1,4 +1,4 @@
-"""Shared pieces of data preparation: the user-error type, tokenizer loading, atomic outputs, progress."""
+"""Shared pieces of data preparation: the user-error type, tokenizer loading, atomic outputs."""
 
 from __future__ import annotations
 
@@ -6,18 +6,14 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
 FORMAT_VERSION = 1
-
-# Seconds between two progress lines when stderr is no terminal (a Slurm log, a pipe): a run's pace shows within
-# a minute, and a day-long one writes ~2,900 lines.
-LOG_PROGRESS_SECONDS = 30.0
 
 
 class DataError(ValueError):
@@ -172,43 +168,3 @@ def split_range(num_documents: int, split: str, part: int) -> range:
     fractions = split_fractions(split)
     begin = sum(fractions[:part])
     return range(int(round(begin * num_documents)), int(round((begin + fractions[part]) * num_documents)))
-
-
-class _LineWriter:
-    """A file for tqdm in which every redraw is a line of its own.
-
-    tqdm redraws a bar in place: '\\r' + bar, padded with spaces over a longer previous one. In a log file nothing
-    is redrawn: all updates of a run piled up on one line (~100 KB for 40 minutes of CPT).
-    """
-
-    def __init__(self, file: TextIO):
-        self.file = file
-
-    def write(self, s: str) -> None:
-        s = s.strip("\r\n ")  # close()'s extra '\n' and its probe write('') are no lines
-        if s:
-            self.file.write(s + "\n")
-            self.file.flush()
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def progress_bar(iterable: Iterable | None = None, *, desc: str, unit: str, total: float | None = None,
-                 unit_scale: bool = False, enabled: bool = True, file: TextIO | None = None) -> Any:
-    """A tqdm progress bar on `file` (default: stderr), silent unless `enabled`.
-
-    On a terminal it is tqdm's bar, redrawn in place. Anywhere else it writes a plain line at the start, every
-    LOG_PROGRESS_SECONDS and at the end: done so far, time elapsed, rate, and with a `total` the percentage and
-    the time left.
-    """
-    from tqdm import tqdm
-
-    file = sys.stderr if file is None else file
-    settings: dict[str, Any] = {"file": file}
-    if not (getattr(file, "isatty", None) and file.isatty()):
-        # miniters=1: look at the clock on every update, so no line waits for tqdm's count-based guess (a run
-        # that slows down would print less and less often)
-        settings.update(file=_LineWriter(file), mininterval=LOG_PROGRESS_SECONDS, miniters=1, ascii=True)
-    return tqdm(iterable, desc=desc, unit=unit, unit_scale=unit_scale, total=total, disable=not enabled,
-                **settings)

@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
-                                      load_tokenizer, progress_bar, token_dtype, tokenizer_hash,
+                                      load_tokenizer, token_dtype, tokenizer_hash,
                                       tokenizer_vocabulary_hash, write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, input_name, iter_texts
+from megatron_ext.progress import progress_bar
 
 _MASK64 = (1 << 64) - 1
 

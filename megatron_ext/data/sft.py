@@ -22,9 +22,10 @@ import numpy as np
 
 from megatron_ext.data.chat import LLAMA31_ROLES, resolve_chat_template, tokenize_chat
 from megatron_ext.data.common import (FORMAT_VERSION, DataError, atomic_outputs, check_outputs, length_histogram,
-                                      load_tokenizer, progress_bar, token_dtype, tokenizer_hash,
+                                      load_tokenizer, token_dtype, tokenizer_hash,
                                       tokenizer_vocabulary_hash, write_json)
 from megatron_ext.data.sources import ReadStats, check_inputs, get_field, iter_rows
+from megatron_ext.progress import progress_bar
 
 
 def pack_samples(lengths: np.ndarray, seq_length: int, seed: int = 0) -> list[list[int]]:

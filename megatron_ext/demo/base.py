@@ -19,6 +19,7 @@ import torch
 
 from megatron_ext.demo.corpus import demo_corpus
 from megatron_ext.presets import TINY_DEMO
+from megatron_ext.progress import progress_bar
 
 
 def recall_weights(ids: list[int], digit_ids: set[int], weight: float) -> list[float]:
@@ -103,11 +104,9 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
     # Linear warmup, cosine decay to 10% (the usual pretraining schedule).
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps))))
-    from tqdm.auto import tqdm
-
     t0 = time.time()
     loss_ema = None
-    bar = tqdm(range(steps), desc="base", unit="step", mininterval=2.0)
+    bar = progress_bar(range(steps), desc="base", unit="step", mininterval=2.0)
     for _ in bar:
         batch, weight = doc_batch(docs, batch_size, seq_length, tok.pad_token_id)  # [B, S], [B, S-1]
         logits = model(input_ids=batch).logits[:, :-1]  # [B, S-1, V]

@@ -23,6 +23,7 @@ import torch
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.generate import GenerateFn, SharedPrefixGreedy, eos_ids
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
+from megatron_ext.progress import progress_bar
 
 _MARK = "\u0000NIAH_HAYSTACK\u0000"  # where the haystack goes inside a chat template
 
@@ -244,8 +245,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     pending = [c for c in cells if "needle_ids" in c]
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(pending), desc="niah", unit="cell")
+        bar = progress_bar(total=len(pending), desc="niah", unit="cell")
     start_all, saver = time.time(), PeriodicSave(on_progress, result, save_every_s)
     for k, n in enumerate(todo):
         # By depth, deeper and shallower by turns from length to length: consecutive prompts then share the

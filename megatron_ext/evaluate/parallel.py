@@ -27,6 +27,7 @@ from megatron_ext.eval_plan import MIN_SHARED_PREFIX
 from megatron_ext.evaluate.engine import megatron_engine
 from megatron_ext.evaluate.errors import RankError
 from megatron_ext.evaluate.speculative import speculative_greedy
+from megatron_ext.progress import progress_bar
 
 
 def _padded_length(n: int, cp: int) -> int:
@@ -305,8 +306,7 @@ def _replica_losses(losses: MegatronTokenLosses, docs: list[torch.Tensor], progr
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = range(dp_rank, len(docs), dp)
     if progress and dist.get_rank() == 0:
-        from tqdm.auto import tqdm
-        mine = tqdm(mine, desc="ppl", unit="doc")
+        mine = progress_bar(mine, desc="ppl", unit="doc")
     done = {i: losses(docs[i]) for i in mine}
     if dp == 1:
         return [done[i] for i in range(len(docs))]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.io import read_utf8
 from megatron_ext.evaluate.generate import auto_prefill_chunk, chunked_forward
+from megatron_ext.progress import progress_bar
 
 
 def log_buckets(n_tokens: int, per_octave: int = 1) -> list[tuple[int, int]]:
@@ -198,8 +199,7 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     else:
         docs_iter = docs
         if progress:
-            from tqdm.auto import tqdm
-            docs_iter = tqdm(docs, desc="ppl", unit="doc")
+            docs_iter = progress_bar(docs, desc="ppl", unit="doc")
         # Pairs drawn from the bar itself, not zip(docs, losses): zip stopped on `docs` before the bar's iterator
         # resumed to count (and close on) its last document, which left it at N-1/N.
         pairs = ((d, token_losses_fn(d) if token_losses_fn is not None else token_losses(model, d, chunk))

@@ -26,6 +26,7 @@ from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_hays
 from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within,
                                         refuse_other_prompts)
 from megatron_ext.evaluate.ruler_tasks import TASKS, LengthTooShort, SampleBuilder, match_all, noise_haystack
+from megatron_ext.progress import progress_bar
 
 RulerGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
 """prompts (rows of token ids; equal lengths unless the function has `ragged = True`), max new tokens -> new ids.
@@ -139,8 +140,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     bar = None
     pending = [c for c in cells if "output" not in c]
     if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(pending), desc="ruler", unit="prompt")
+        bar = progress_bar(total=len(pending), desc="ruler", unit="prompt")
     start_all, saver = time.time(), PeriodicSave(on_progress, result, save_every_s)
     for n in todo:
         for t in tasks:

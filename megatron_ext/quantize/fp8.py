@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from megatron_ext.progress import progress_bar
 from megatron_ext.quantize.errors import QuantizeError
 
 # Architectures this stack trains and exports (tools/convert.py to-hf writes LlamaForCausalLM).
@@ -124,10 +125,8 @@ def load_tokenizer(path: str | Path, required: bool = False):
 def calibrate_forward(windows: Sequence[torch.Tensor], progress: bool = True):
     """A ModelOpt `forward_loop`: each window [L] through the model as a batch of one."""
     def loop(model) -> None:
-        from tqdm.auto import tqdm
-
         device = next(model.parameters()).device
-        for w in tqdm(windows, desc="calibrate", unit="sample", disable=not progress):
+        for w in progress_bar(windows, desc="calibrate", unit="sample", enabled=progress):
             # logits_to_keep=1: the unquantized lm_head needs no statistics, and full logits at 1M
             # positions would take L x vocab x 4 bytes (0.5 TB at 1M tokens)
             model(input_ids=w[None].to(device), use_cache=False, logits_to_keep=1)

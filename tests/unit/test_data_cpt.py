@@ -239,9 +239,9 @@ def test_progress_in_a_log_file_is_plain_lines(tmp_path, tok_dir, corpus, capsys
     """stderr a file (a Slurm log): every update of the bar was a '\\r' redraw on one line (~100 KB for 40 minutes of
     CPT), with no percentage even for --max-tokens. Now each update is a line of its own (every
     LOG_PROGRESS_SECONDS, 0 here: every document), with the percentage of --max-tokens."""
-    from megatron_ext.data import common
+    from megatron_ext import progress
 
-    monkeypatch.setattr(common, "LOG_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "LOG_PROGRESS_SECONDS", 0.0)
     prepare_cpt([str(corpus[0])], str(tok_dir), str(tmp_path / "cut"), max_tokens=2000)
     err = capsys.readouterr().err  # not a terminal, as a log file
     bars = [ln for ln in err.splitlines() if ln.startswith("cpt: ") and "tok/s" in ln]
@@ -258,7 +258,7 @@ def test_progress_on_a_terminal_redraws_in_place():
     """On a terminal the bar stays tqdm's own: redrawn in place, one line."""
     import io
 
-    from megatron_ext.data.common import progress_bar
+    from megatron_ext.progress import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -260,9 +260,9 @@ def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
 def test_progress_in_a_log_file_is_plain_lines(tmp_path, tok_dir, capsys, monkeypatch):
     """stderr a file (a Slurm log): the bars' '\\r' redraws piled up on one line. Now each update is a line of its
     own; with --max-samples the rows drawn are the total, so the lines give the percentage."""
-    from megatron_ext.data import common
+    from megatron_ext import progress
 
-    monkeypatch.setattr(common, "LOG_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "LOG_PROGRESS_SECONDS", 0.0)
     path = toy.write_jsonl(tmp_path / "c.jsonl", list(toy.synthetic_chats(30, seed=5)))
     prepare_sft([str(path)], str(tok_dir), str(tmp_path / "a"), 4096, max_samples=10)
     err = capsys.readouterr().err
