@@ -86,3 +86,17 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, unit: str, tota
     return _log_bar_class()(iterable, desc=desc, unit=unit, unit_scale=unit_scale, total=total,
                             disable=not enabled, file=_LineWriter(file), mininterval=LOG_PROGRESS_SECONDS,
                             miniters=1, ascii=True)
+
+
+def quiet_library_bars(file: TextIO | None = None) -> None:
+    """Turn off transformers' own bars ("Loading weights", "Writing model shards") when `file` (default: stderr) is
+    no terminal: they redraw with '\\r', so a log file got one long line per model load. Process-wide; on a
+    terminal they stay."""
+    file = sys.stderr if file is None else file
+    if getattr(file, "isatty", None) and file.isatty():
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    hf_logging.disable_progress_bar()

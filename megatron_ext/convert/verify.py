@@ -16,6 +16,7 @@ import torch
 
 from megatron_ext.convert import mapping
 from megatron_ext.convert.hf_io import ConvertError
+from megatron_ext.progress import quiet_library_bars
 
 
 @torch.no_grad()
@@ -38,6 +39,7 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor,
     """
     from transformers import LlamaForCausalLM
 
+    quiet_library_bars()
     model = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval()
     if round_to is not None:

@@ -19,7 +19,7 @@ import torch
 
 from megatron_ext.demo.corpus import demo_corpus
 from megatron_ext.presets import TINY_DEMO
-from megatron_ext.progress import progress_bar
+from megatron_ext.progress import progress_bar, quiet_library_bars
 
 
 def recall_weights(ids: list[int], digit_ids: set[int], weight: float) -> list[float]:
@@ -97,6 +97,7 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
     cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     torch.manual_seed(seed)
     # init_from: continue from an earlier base (HF folder), e.g. to lengthen a run without redoing it.
+    quiet_library_bars()
     model = LlamaForCausalLM(cfg) if init_from is None else LlamaForCausalLM.from_pretrained(str(init_from))
     docs = documents(tok, seed + 1, min_sentences, max_sentences, recall_weight, kv_every, length_power)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))

@@ -156,6 +156,7 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     from transformers import AutoModelForCausalLM
 
     from megatron_ext.evaluate.hf_rope import rope_angles_as_trained
+    from megatron_ext.progress import quiet_library_bars
 
     path = Path(path)
     if not path.is_dir():
@@ -187,6 +188,7 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     dtype_key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     from safetensors import SafetensorError
 
+    quiet_library_bars()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **{dtype_key: torch_dtype})
     except (OSError, ValueError, SafetensorError) as e:  # weights missing, cut short, or of another shape

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_ext.progress import progress_bar
+from megatron_ext.progress import progress_bar, quiet_library_bars
 from megatron_ext.quantize.errors import QuantizeError
 
 # Architectures this stack trains and exports (tools/convert.py to-hf writes LlamaForCausalLM).
@@ -101,6 +101,7 @@ def load_model(hf_dir: str | Path, dtype: str = "auto", device: str | None = Non
 
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
+        quiet_library_bars()
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype)
     except (OSError, ValueError, SafetensorError) as e:  # weights missing, cut short, or of another shape
         raise QuantizeError(f"--hf {hf_dir}: cannot load the model's weights ({type(e).__name__}: "

@@ -125,3 +125,21 @@ def test_demo_base_training_in_a_log(tmp_path, toy_tokenizer, capsys):
     lines = bar_lines(err, "base")
     assert_start_and_end(lines, 4, err)
     assert "loss=" in lines[-1], err
+
+
+def test_transformers_bars_are_off_in_a_log_and_kept_on_a_terminal():
+    """transformers' "Loading weights" bar redrew with '\\r' in every evaluation, --verify and calibration log."""
+    from transformers.utils import logging as hf_logging
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    try:
+        hf_logging.enable_progress_bar()
+        progress.quiet_library_bars(Terminal())  # control: a terminal keeps them
+        assert hf_logging.is_progress_bar_enabled()
+        progress.quiet_library_bars(io.StringIO())
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
