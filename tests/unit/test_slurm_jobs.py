@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from megatron_ext import launch
+from megatron_ext import launch, launch_check
 from megatron_ext.recipe import RecipeError
 from megatron_ext.slurm_jobs import (OWNER_FILE, check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task,
                                      requeue_refusal)
@@ -142,8 +142,8 @@ def test_check_claims_only_when_asked(monkeypatch, tmp_path, capsys):
     """`--check --claim` (the sbatch preflight) records the job; a plain --check (a user in salloc) does not."""
     args = ["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", f"checkpoint.dir={tmp_path / 'r'}",
             "data.prefix=x"]
-    monkeypatch.setattr(launch, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
-                                                                             world_size=2))
+    monkeypatch.setattr(launch_check, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
+                                                                                   world_size=2))
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     assert launch.main(args) == 0 and not (tmp_path / "r").exists()
     assert launch.main([*args, "--claim"]) == 0
@@ -156,8 +156,8 @@ def test_check_warns_of_training_beyond_the_models_positions(monkeypatch, capsys
     from megatron_ext.train_setup import positions_warning
 
     def run(*overrides):
-        monkeypatch.setattr(launch, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
-                                                                                 world_size=2))
+        monkeypatch.setattr(launch_check, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
+                                                                                       world_size=2))
         assert launch.main(["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", *overrides]) == 0
         return [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
 
