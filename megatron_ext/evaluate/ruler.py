@@ -122,6 +122,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     settings = {"model": _model_name(model), "haystack": haystacks["filler"].source if "filler" in haystacks else None,
                 "haystack_sha256": haystacks["filler"].digest if "filler" in haystacks else None,
                 "samples": samples, "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens,
+                "prompt_version": PROMPT_VERSION,
                 "max_position_embeddings": max_pos, "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens}
     if model is not None:
         p = next(model.parameters())
@@ -291,7 +292,10 @@ def _generate_or_none(generate: RulerGenerate, prompts: list[list[int]], new_tok
 
 
 # Settings that decide the prompts and the outputs: an earlier run's cells count only if they agree.
-_RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens")
+# The form of the prompts: bumped whenever a task's text changes (2: vt and cwe open with a solved example, as
+# RULER's do), so --resume never mixes cells of two forms in one score.
+PROMPT_VERSION = 2
+_RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens", "prompt_version")
 
 
 def _keep_previous(cells: list[dict], previous: RulerResult, settings: dict) -> int:

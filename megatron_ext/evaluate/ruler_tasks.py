@@ -4,14 +4,17 @@ RULER (Hsieh et al. 2024, arXiv 2404.06654; the paper reports "RULER <128K/<512K
 several keys and values, distractor needles, a haystack made of needles, variable tracking across hops, and
 aggregation (the most common and the most frequent words of a long list). Its 11 synthetic tasks are here under
 their RULER names with RULER's settings (haystack kind, key and value kinds, needle counts, hops, word
-frequencies, fwe's noise token and ranks 2-4, answer lengths), but the wording, word lists and filler are our own,
-and vt and cwe come without RULER's one solved example in the prompt: the scores compare models, checkpoints and
-lengths under this stack, not with published RULER tables (those need NVIDIA/RULER's templates, examples and
-essays). RULER's two QA tasks need SQuAD and HotpotQA and are not included (its average has 13 tasks, ours 11).
+frequencies, fwe's noise token and ranks 2-4, answer lengths, vt's and cwe's one solved example), but the wording,
+word lists and filler are our own: the scores compare models, checkpoints and lengths under this stack, not with
+published RULER tables (those need NVIDIA/RULER's templates and essays). RULER's two QA tasks need SQuAD and
+HotpotQA and are not included (its average has 13 tasks, ours 11).
 
 A prompt is [BOS] instruction, body, question, answer prefix (or the chat template around the first three, as
-in `niah.prompt_parts`). Retrieval and variable-tracking prompts are exactly `length` tokens (needle sentences
-put at sentence starts of the filler); needle-haystack and word-list prompts are the longest list that fits.
+in `niah.prompt_parts`). vt and cwe prompts put before the instruction one example of the task with its answer
+(`ruler_oneshot`), as RULER's do, where the length leaves room for it and the task's smallest prompt (every
+length RULER uses does; prompts of a few hundred tokens do not): `details["solved_example"]` says which.
+Retrieval and variable-tracking prompts are exactly `length` tokens (needle sentences put at sentence starts of
+the filler); needle-haystack and word-list prompts are the longest list that fits.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Iterator
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, tokenize_haystack
+from megatron_ext.evaluate.ruler_oneshot import cwe_example, cwe_wording, vt_example, vt_wording
 
 
 class LengthTooShort(EvalError):
@@ -138,9 +142,21 @@ class SampleBuilder:
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
     def build(self, task: RulerTask, length: int, rng: random.Random) -> RulerSample:
+        """The sample of `task` at `length` tokens drawn from `rng` (LengthTooShort: no prompt of it fits)."""
         make = {"niah": self._niah, "variable_tracking": self._variable_tracking, "common_words": self._common_words,
                 "frequent_words": self._frequent_words}[task.kind]
-        return make(task, length, rng)
+        if task.kind not in ("variable_tracking", "common_words"):
+            return make(task, length, rng)
+        # RULER's solved example first; where it leaves no room for the task's smallest prompt, the prompt without
+        # it (the RNG rewound: the one this seed gave before there were examples)
+        state = rng.getstate()
+        try:
+            sample, example = make(task, length, rng, example=True), True
+        except LengthTooShort:
+            rng.setstate(state)
+            sample, example = make(task, length, rng, example=False), False
+        sample.details["solved_example"] = example
+        return sample
 
     def _parts(self, instruction: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
         from megatron_ext.evaluate.niah import prompt_parts  # imports torch: not for the task table (--help)
@@ -245,29 +261,29 @@ class SampleBuilder:
 
     # ------------------------------------------------------------------------------------ multi-hop tracing
 
-    def _variable_tracking(self, task: RulerTask, length: int, rng: random.Random) -> RulerSample:
-        names = [w.upper() for w in pseudo_words(rng, VT_HOPS + 1)]
+    def _variable_tracking(self, task: RulerTask, length: int, rng: random.Random, example: bool) -> RulerSample:
+        taken: set[str] = set()
+        names = [w.upper() for w in pseudo_words(rng, VT_HOPS + 1, taken)]
         value = str(rng.randrange(10_000, 100_000))
         lines = [f" VAR {names[0]} = {value}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
-        head, tail = self._parts(
-            "Variable assignments are hidden in the text below. Remember them; you will be asked about them.\n\n",
-            f"\n\nWhich variables hold the value {value}, assigned directly or through other variables? Name all "
-            "of them.",
-            f" The variables that hold {value} are:")
+        instruction, question, prefix = vt_wording(value)
+        shot = vt_example(rng, lambda n: [w.upper() for w in pseudo_words(rng, n, taken)], value, VT_HOPS, _NOISE,
+                          lambda text: len(self.enc([text])[0])) if example else ""
+        head, tail = self._parts(shot + instruction, question, prefix)
         return self._in_haystack(self.haystacks[task.haystack], length, rng, head, tail, self.enc(lines), names,
                                  task.name)
 
     # ---------------------------------------------------------------------------------------- aggregation
 
-    def _common_words(self, task: RulerTask, length: int, rng: random.Random) -> RulerSample:
+    def _common_words(self, task: RulerTask, length: int, rng: random.Random, example: bool) -> RulerSample:
         common = pseudo_words(rng, CWE_COMMON)
         rare_stream = random.Random(rng.random())
         rare: list[str] = []
-        taken = set(common)
-        head, tail = self._parts(
-            "Below is a numbered list of words. A few words appear far more often than the others.\n\n",
-            f"\n\nWhat are the {_NUMBER_WORDS[CWE_COMMON]} most common words in the list above?",
-            f" The {_NUMBER_WORDS[CWE_COMMON]} most common words in the list are:")
+        taken = set(common)  # the example's words join it before any rare word is drawn: no word is in both lists
+        top = _NUMBER_WORDS[CWE_COMMON]
+        shot = cwe_example(rng, lambda n: pseudo_words(rng, n, taken), length, CWE_COMMON, top) if example else ""
+        instruction, question, prefix = cwe_wording(top)
+        head, tail = self._parts(shot + instruction, question, prefix)
         # A length too short for 10 words x 30 and as many rare words lowers the common words' count (down to one more
         # than the rare ones')
         for freq in range(CWE_FREQ, CWE_RARE_FREQ, -1):

@@ -43,6 +43,8 @@ def builder(tok):
 
 def read_answer(text: str, broken: bool = False) -> str:
     """Solve a prompt from its text alone; `broken`: with one rule of the task left out (the negative control)."""
+    # vt and cwe prompts start with a solved example, which repeats the instruction: the task is from its last copy
+    text = text[text.rindex(text.split("\n\n", 1)[0]):]
     body, question = text.rsplit("\n\n", 1)
     if "secret" in question:
         names = re.search(r"secret (?:number|code)s? of (.+?) in the text above", question).group(1)
@@ -218,6 +220,11 @@ def test_run_ruler_scores_the_reader_100_and_resumes(tok):
     with pytest.raises(EvalError, match="max_new_tokens = None, this run has 5"):
         run_ruler(None, tok, tasks, [1536], samples=2, max_new_tokens=5, generate=counting,
                   max_position_embeddings=4096, previous=again, progress=False, log=None)
+    older = json.loads(json.dumps(result.to_dict()))
+    del older["settings"]["prompt_version"]  # results of the prompts before vt and cwe had their solved example
+    with pytest.raises(EvalError, match="prompt_version = None, this run has 2"):
+        run_ruler(None, tok, tasks, [1536, 3000], samples=2, generate=counting, max_position_embeddings=4096,
+                  previous=RulerResult.from_dict(older), progress=False, log=None)
 
 
 @pytest.mark.parametrize("chunk", ["auto", None, 64])
