@@ -78,7 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
         fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
         min_timed_s=args.min_timed_s if args.min_timed_s is not None else (0.0 if dry else 3.0),
-        loss_head=args.loss_head, partial_recompute=not args.no_partial_recompute,
+        loss_head=args.loss_head, partial_recompute=not args.no_partial_recompute, sdpa_kernel=args.sdpa_kernel,
     )
 
 
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-partial-recompute", action="store_true",
                    help="skip the extra rows of ours recomputing only the first N layers where full recompute ran "
                         "(N: the fewest the planner fits in 90%% of the GPU)")
+    p.add_argument("--sdpa-kernel", default="auto", choices=("auto", "flash", "cudnn", "efficient", "math"),
+                   help="ours: the torch SDPA kernel (runtime.sdpa_kernel; default auto, SDPA's own choice)")
     p.add_argument("--label", default=None, help="free text kept in the JSON, e.g. the commit that ran")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")

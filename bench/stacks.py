@@ -30,6 +30,7 @@ class Settings:
     min_timed_s: float = 0.0
     loss_head: str = "chunked"  # ours: megatron_ext.loss_head (chunked) or Megatron's output layer + CE (full)
     partial_recompute: bool = False  # ours, after the main rows: also recompute only the first N layers (full:N)
+    sdpa_kernel: str = "auto"  # ours: runtime.sdpa_kernel (auto: SDPA's own choice, what a recipe gets by default)
 
 
 def make_recipe(s: Settings, recompute: str):
@@ -50,7 +51,8 @@ def make_recipe(s: Settings, recompute: str):
            "train": {"seq_length": max(s.lengths), "steps": 1000, "lr": 1e-5, "precision": "bf16",
                      "recompute": recompute, "recompute_layers": int(layers) if layers else None,
                      "loss_head": s.loss_head},
-           "cluster": {"nodes": 1, "gpus_per_node": 1}, "runtime": {"device": s.device, "attention": "sdpa"}}
+           "cluster": {"nodes": 1, "gpus_per_node": 1}, "runtime": {"device": s.device, "attention": "sdpa",
+                                                                        "sdpa_kernel": s.sdpa_kernel}}
     return load_recipe(raw=raw, world_size=1)
 
 

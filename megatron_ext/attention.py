@@ -2,7 +2,9 @@
 
 - Transformer Engine's `TEDotProductAttention` (GPU; FP8, CP p2p/a2a/all_gather/a2a+p2p): used
   through Megatron's TE spec, nothing to write here.
-- `TorchSDPAttention`: torch `scaled_dot_product_attention`, for CPU and for GPUs without TE.
+- `TorchSDPAttention`: torch `scaled_dot_product_attention`, for CPU and for GPUs without TE. SDPA picks its
+  kernel itself unless `runtime.sdpa_kernel` forces one (`SDPA_KERNELS`): at 128K tokens attention is ~70% of a
+  layer's FLOPs, so the kernel decides the MFU of this path (bench/sdpa_kernels_bench.py measures each).
 
 Shapes follow Megatron's core-attention contract: q `[s, b, nh, d]`, k/v `[s, b, ng, d]` (ng = KV
 heads on this TP rank), output `[s, b, nh * d]`.
@@ -22,6 +24,22 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron_ext.context_parallel import cp_chunk_ids, unshard
+
+SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # auto: SDPA's own choice
+CPU_SDPA_KERNELS = ("auto", "flash", "math")  # torch has no cuDNN or memory-efficient kernel on the CPU
+
+
+def _no_kernel(e: RuntimeError) -> bool:
+    """Whether SDPA refused the call for want of a kernel (torch's two wordings: CUDA's and the CPU's)."""
+    text = str(e).lower()
+    return "no available kernel" in text or "no viable backend" in text
+
+
+def _backend(kernel: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[kernel]
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -95,8 +113,13 @@ class TorchSDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        sdpa_kernel: str = "auto",
     ):
         super().__init__(config=config)
+        if sdpa_kernel not in SDPA_KERNELS:
+            raise ValueError(f"sdpa_kernel {sdpa_kernel!r}: expected one of {list(SDPA_KERNELS)}")
+        self.sdpa_kernel = sdpa_kernel
+        self._expand_kv = False  # set when the forced kernel refuses grouped K/V (enable_gqa): K/V repeated instead
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -112,6 +135,33 @@ class TorchSDPAttention(MegatronModule):
 
     def _sdpa(self, q, k, v, mask=None, causal=True):
         """q `[b, nh, sq, d]`, k/v `[b, ng, sk, d]` -> `[b, nh, sq, d]`; `mask` replaces `causal`."""
+        if self.sdpa_kernel == "auto":
+            return self._call_sdpa(q, k, v, mask, causal)
+        from torch.nn.attention import sdpa_kernel
+
+        # Forward and, under recompute, its rerun in the backward pass: the backward itself is the kernel's own.
+        with sdpa_kernel([_backend(self.sdpa_kernel)]):
+            grouped = k.shape[1] != q.shape[1]
+            if grouped and not self._expand_kv:
+                try:
+                    return self._call_sdpa(q, k, v, mask, causal)
+                except RuntimeError as e:  # some kernels refuse enable_gqa (bench/sdpa_kernels_bench.py records which)
+                    if not _no_kernel(e):
+                        raise
+                    self._expand_kv = True
+            if grouped:  # [b, ng, s, d] -> [b, nh, s, d], each KV head once per query head of its group
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            try:
+                return self._call_sdpa(q, k, v, mask, causal)
+            except RuntimeError as e:
+                if not _no_kernel(e):
+                    raise
+                raise RuntimeError(f"runtime.sdpa_kernel = {self.sdpa_kernel!r}: torch has no such kernel for these "
+                                   f"inputs ({q.dtype}, {q.device.type}, head dim {q.shape[-1]}"
+                                   f"{', an explicit mask' if mask is not None else ''}); use runtime.sdpa_kernel=auto"
+                                   f" ({' '.join(str(e).split())[:300]})") from None
+
+    def _call_sdpa(self, q, k, v, mask, causal):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None,
             dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,

@@ -34,6 +34,7 @@ class BuildOptions:
     sequence_parallel: bool = False
     device: str = "cpu"
     attention: str = "auto"  # auto | te | sdpa
+    sdpa_kernel: str = "auto"  # the torch SDPA kernel of the sdpa backend (attention.SDPA_KERNELS)
     precision: str = "fp32"  # fp32 | bf16
     recompute: str = "none"  # none | selective | full
     recompute_layers: int | None = None  # full only: the first N layers of each stage (block); None: all
@@ -51,7 +52,7 @@ class BuildOptions:
         return cls(
             tensor=p.tensor, pipeline=p.pipeline, context=p.context, cp_comm_type=p.cp_comm_type,
             hierarchical_context_sizes=p.hierarchical_context_sizes, sequence_parallel=p.sequence_parallel,
-            device=rt.device, attention=rt.attention, precision=recipe.train.precision,
+            device=rt.device, attention=rt.attention, sdpa_kernel=rt.sdpa_kernel, precision=recipe.train.precision,
             recompute=recipe.train.recompute, recompute_layers=recipe.train.recompute_layers, fp8=rt.fp8, fp8_attention=rt.fp8_attention, fp8_recipe=rt.fp8_recipe,
             make_vocab_size_divisible_by=recipe.model.make_vocab_size_divisible_by, seq_length=recipe.train.seq_length,
             loss_head=recipe.train.loss_head, loss_chunk_tokens=recipe.train.loss_chunk_tokens,
@@ -82,7 +83,12 @@ class BuildOptions:
 
     def attention_backend(self) -> str:
         """`te` or `sdpa` (the torch backend; under CP it all-gathers K/V whatever cp_comm_type says)."""
-        return "te" if self.use_te() else "sdpa"
+        te = self.use_te()
+        if te and self.sdpa_kernel != "auto":
+            raise RecipeError(f"runtime.sdpa_kernel = {self.sdpa_kernel!r} chooses the kernel of the torch SDPA backend, "
+                              "but this run uses Transformer Engine's attention (runtime.attention = "
+                              f"{self.attention!r}); set runtime.attention=sdpa, or runtime.sdpa_kernel=auto")
+        return "te" if te else "sdpa"
 
 
 def transformer_config(hf_cfg: dict, opts: BuildOptions):
@@ -91,7 +97,7 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = normalize_hf_config(hf_cfg)
-    use_te = opts.use_te()
+    use_te = opts.attention_backend() == "te"  # also refuses runtime.sdpa_kernel on the TE path
     if opts.sequence_parallel and not use_te:  # the local spec's torch norms assert it away
         raise RecipeError("parallel.sequence_parallel = true but Transformer Engine is not used (it does not import "
                           "here, or runtime.attention = 'sdpa'); install the [gpu] extra, or set "
@@ -166,10 +172,13 @@ def layer_spec(config, opts: BuildOptions):
 
     if config.transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from megatron_ext.attention import TorchSDPAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=TorchSDPAttention, params={"sdpa_kernel": opts.sdpa_kernel})
     return spec
 
 

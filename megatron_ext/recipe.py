@@ -211,6 +211,10 @@ class RuntimeConfig:
     attention: Literal["auto", "te", "sdpa"] = _f(
         "auto", "Core attention: te (Transformer Engine), sdpa (torch), auto = te when importable on cuda."
     )
+    sdpa_kernel: Literal["auto", "flash", "cudnn", "efficient", "math"] = _f(
+        "auto", "The torch SDPA kernel of the sdpa attention backend: auto = SDPA's own choice; flash, cudnn, efficient "
+        "or math forces one (cudnn and efficient on cuda only). At 128K tokens attention is ~70% of a layer's FLOPs: "
+        "bench/sdpa_kernels_bench.py measures each kernel on the GPU to choose. Not with Transformer Engine attention.")
     fp8: Literal["hybrid", "e4m3"] | None = _f(None, "FP8 format for TE linear layers (needs TE and an sm89+ GPU).")
     fp8_attention: bool = _f(False, "FP8 dot-product attention (TE FusedAttention; needs fp8 and an sm90+ GPU; not "
                                     "for SFT's packed sequences; with fp8_recipe tensorwise only on sm100, B200).")

@@ -138,6 +138,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         _require(r.fp8 is None, f"runtime.fp8 = {r.fp8!r}: FP8 needs Transformer Engine on an sm90+ GPU; "
                                 "set runtime.fp8=null for runtime.device=cpu")
         _require(r.attention != "te", "runtime.attention = 'te': Transformer Engine needs runtime.device=cuda; use sdpa")
+        _require(r.sdpa_kernel in ("auto", "flash", "math"),
+                 f"runtime.sdpa_kernel = {r.sdpa_kernel!r}: torch has no such kernel on the CPU; use auto, flash or "
+                 "math for runtime.device=cpu")
         _require(not p.sequence_parallel,
                  "parallel.sequence_parallel = true: needs Transformer Engine norms (runtime.device=cuda)")
     _require(not (p.sequence_parallel and r.attention == "sdpa"),
@@ -159,6 +162,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              f"runtime.fp8_attention = true with runtime.fp8_recipe = 'tensorwise' on cluster.gpu = {recipe.cluster.gpu!r}: "
              "TE runs FP8 attention with current scaling only on sm100 GPUs (B200); on H100/H200 use "
              "runtime.fp8_recipe=delayed")
+    _require(r.sdpa_kernel == "auto" or r.attention != "te",
+             f"runtime.sdpa_kernel = {r.sdpa_kernel!r} chooses the kernel of the torch SDPA backend, but "
+             "runtime.attention = 'te'; set runtime.attention=sdpa, or runtime.sdpa_kernel=auto")
     _require(not (r.fp8 is not None and r.attention == "sdpa"),
              "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
     _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")

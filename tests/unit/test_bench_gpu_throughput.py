@@ -193,3 +193,15 @@ def test_short_steps_get_more_timed_iterations(tmp_path, monkeypatch):
     run.s.min_timed_s = 0.5
     run.run_stack("ours", "none", [64])
     assert doc["results"][0]["iters_asked"] == doc["results"][0]["iters"] == 20  # capped at 20
+
+
+def test_sdpa_kernel_flag_reaches_our_recipe():
+    """--sdpa-kernel (e.g. cudnn, once bench/sdpa_kernels_bench.py has measured it fastest) times our stack with
+    that kernel forced; the default is SDPA's own choice, what a recipe gets."""
+    from bench.stacks import make_recipe
+
+    args = gt.build_parser().parse_args(["--cpu-dry-run", "--sdpa-kernel", "math"])
+    settings = gt.settings_from_args(args)
+    assert make_recipe(settings, "none").runtime.sdpa_kernel == "math"
+    default = gt.settings_from_args(gt.build_parser().parse_args(["--cpu-dry-run"]))
+    assert make_recipe(default, "none").runtime.sdpa_kernel == "auto"

@@ -20,7 +20,7 @@ def test_cpu_uses_local_spec_with_sdpa():
     cfg = transformer_config(TINY, opts)
     assert cfg.transformer_impl == "local" and not cfg.bias_activation_fusion and not cfg.apply_rope_fusion
     spec = layer_spec(cfg, opts)
-    assert spec.submodules.self_attention.submodules.core_attention is TorchSDPAttention
+    assert spec.submodules.self_attention.submodules.core_attention.module is TorchSDPAttention
 
 
 @pytest.mark.skipif(te_available(), reason="checks the error when Transformer Engine is missing")
@@ -152,3 +152,63 @@ def test_models_of_both_attention_backends_build_in_one_process(monkeypatch, cpu
     for fp8_attention, values in ((False, ["1", "1", "1"]), (True, ["0", "1", "0"]), (False, ["1", "1", "1"])):
         build_model(TINY, BuildOptions(device="cpu", seq_length=32, fp8_attention=fp8_attention))
         assert [os.environ.get(k) for k in TE_BACKEND_VARIABLES] == values
+
+
+def _attention_ops(model, tokens) -> set[str]:
+    """The aten SDPA kernels a forward and backward of `model` ran (profiler op names)."""
+    with torch.profiler.profile() as prof:
+        model(tokens, torch.arange(tokens.shape[1])[None], None, labels=tokens).sum().backward()
+    return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+
+
+def test_sdpa_kernel_is_forced_and_computes_the_same(cpu_parallel_state):
+    """runtime.sdpa_kernel reaches every layer's SDPA call: with math forced the profiler sees torch's math kernel
+    where SDPA's own choice on the CPU is its flash kernel (the control), and the losses agree."""
+    from megatron_ext.model import build_model
+
+    tokens = torch.randint(3, 512, (1, 64))
+    losses, ops = {}, {}
+    for kernel in ("auto", "math", "flash"):
+        opts = BuildOptions(device="cpu", seq_length=64, sdpa_kernel=kernel)
+        spec = layer_spec(transformer_config(TINY, opts), opts).submodules.self_attention.submodules.core_attention
+        assert spec.module is TorchSDPAttention and spec.params == {"sdpa_kernel": kernel}
+        torch.manual_seed(0)
+        model = build_model(TINY, opts)
+        ops[kernel] = _attention_ops(model, tokens)
+        with torch.no_grad():
+            losses[kernel] = model(tokens, torch.arange(64)[None], None, labels=tokens)
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert ops["auto"] == ops["flash"] == {flash, flash + "_backward"}
+    assert "aten::_scaled_dot_product_attention_math" in ops["math"] and ops["math"].isdisjoint(ops["auto"])
+    torch.testing.assert_close(losses["math"], losses["auto"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(losses["flash"], losses["auto"], atol=0, rtol=0)
+
+
+def test_sdpa_kernel_that_cannot_run_says_so(cpu_parallel_state):
+    """A kernel torch lacks for the inputs (the memory-efficient one on the CPU): after the retry with K/V repeated
+    to every query head (for kernels that refuse grouped K/V), one error naming the setting."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    opts = BuildOptions(device="cpu", seq_length=64, sdpa_kernel="efficient")
+    attention = TorchSDPAttention(transformer_config(TINY, opts), 1, AttnMaskType.causal, "self",
+                                  sdpa_kernel="efficient")
+    q, kv = torch.randn(16, 1, 4, 16), torch.randn(16, 1, 2, 16)
+    with pytest.raises(RuntimeError, match=r"runtime.sdpa_kernel = 'efficient': torch has no such kernel .* use "
+                                           r"runtime.sdpa_kernel=auto"):
+        attention(q, kv, kv)
+    assert attention._expand_kv  # the grouped call was refused first, then the repeated one
+
+
+def test_sdpa_kernel_is_refused_where_it_cannot_apply(pretend_te):
+    from megatron_ext.recipe import load_recipe
+
+    base = {"model": {"preset": "tiny"}, "train": {"seq_length": 64, "steps": 1, "lr": 1e-3},
+            "cluster": {"gpus_per_node": 1}}
+    with pytest.raises(RecipeError, match="runtime.sdpa_kernel = 'cudnn': torch has no such kernel on the CPU"):
+        load_recipe(raw={**base, "runtime": {"device": "cpu", "sdpa_kernel": "cudnn"}})
+    with pytest.raises(RecipeError, match="runtime.sdpa_kernel = 'flash' chooses the kernel of the torch SDPA"):
+        load_recipe(raw={**base, "runtime": {"device": "cuda", "attention": "te", "sdpa_kernel": "flash"}})
+    # attention auto picks TE where it imports: found at the build
+    with pytest.raises(RecipeError, match="runtime.sdpa_kernel = 'cudnn' chooses .* Transformer Engine's attention"):
+        transformer_config(TINY, BuildOptions(device="cuda", sdpa_kernel="cudnn"))
+    load_recipe(raw={**base, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": "cudnn"}})  # control
