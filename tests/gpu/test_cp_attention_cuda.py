@@ -34,3 +34,28 @@ def test_per_chunk_cp_attention_runs_in_flash_and_matches_causal_attention():
     with pytest.raises(RuntimeError):  # control: a dense mask has no flash kernel
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             sdpa(q[:, :, pos], k, v, mask)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient"])
+def test_forced_sdpa_kernel_runs_and_matches_float64(kernel):
+    """runtime.sdpa_kernel on the GPU: each kernel runs the sdpa backend's causal GQA attention (K/V repeated where it
+    refuses grouped K/V: recorded), forward and backward, within bf16 rounding of float64 attention."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.attention import TorchSDPAttention
+    from megatron_ext.model import BuildOptions, transformer_config
+    from megatron_ext.presets import TINY
+
+    cfg = {**TINY, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+    config = transformer_config(cfg, BuildOptions(device="cuda", attention="sdpa", precision="bf16"))
+    attention = TorchSDPAttention(config, 1, AttnMaskType.causal, "self", sdpa_kernel=kernel)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4096, 1, 32, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(4096, 1, 8, 128, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    out = attention(q, k, v)  # [s, b, nh * d]
+    out.float().square().sum().backward()
+    ref = F.scaled_dot_product_attention(*(t.detach().double().permute(1, 2, 0, 3) for t in (q, k, v)),
+                                         is_causal=True, enable_gqa=True).permute(2, 0, 1, 3).reshape(4096, 1, -1)
+    assert (out.double() - ref).abs().max() < 2e-2, kernel
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    print(f"[sdpa_kernel] {kernel}: grouped K/V {'repeated' if attention._expand_kv else 'taken as they are'}")
