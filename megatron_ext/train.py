@@ -307,8 +307,10 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     for warning in setup_warnings(recipe):
         log(f"[train] warning: {warning}")
 
+    # each profiled rank names its own trace, so its line is not rank 0's alone
     profiler = StepProfiler(recipe.profile, torch.distributed.get_rank(),
-                            Path(recipe.profile.dir or root / "profile"), recipe.runtime.device)
+                            Path(recipe.profile.dir or root / "profile"), recipe.runtime.device,
+                            log=lambda msg: log(msg, every_rank=True))
     if recipe.profile.steps is not None and start >= recipe.profile.steps[1]:
         log(f"[train] profile.steps = {list(recipe.profile.steps)} ran before step {start + 1}: nothing traced "
             "(give steps after it)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -96,10 +97,17 @@ def memory_gib() -> float:
     return largest.item()
 
 
-def log(msg: str) -> None:
-    """Print on rank 0 only (every rank when there is no process group)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def log(msg: str, every_rank: bool = False) -> None:
+    """Print `msg` after the local wall-clock time (`[2026-12-02 14:05:09] [train] step 3/10 ...`), on rank 0 only
+    (every rank when there is no process group), or on every rank that calls it with `every_rank`."""
+    if every_rank or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        # A job log spans days and requeues: the time lets its lines be read against Slurm's, the GPUs' and the file
+        # system's events (Megatron-LM's own lines carry one too). Local time, as `date` and Slurm's logs show it.
+        # The time goes first and the tag keeps its place after it: `grep "\[train\]"` still finds the lines.
+        print(f"[{datetime.now().strftime(LOG_TIME_FORMAT)}] {msg}", flush=True)
 
 
 def format_duration(seconds: float) -> str:

@@ -24,7 +24,7 @@ def run_train(torchrun, out, nproc, data, *overrides):
 def layout_line(out) -> str:
     """The trainer's `TP.. PP.. CP.. DP..` words: DP is the size of Megatron's own data-parallel group, so CP2 DP1
     on 2 processes shows the context split really happened (a CP the trainer ignored would be DP2)."""
-    line = next(x for x in (out / "log.txt").read_text().splitlines() if x.startswith("[train]") and " TP" in x)
+    line = next(x for x in (out / "log.txt").read_text().splitlines() if "] [train] " in x and " TP" in x)
     return " ".join(w for w in line.replace(",", "").split() if w[:2] in ("TP", "PP", "CP", "DP") and w[2:].isdigit())
 
 

@@ -3,6 +3,7 @@ where the outputs go; a closing line with the steps, tokens and the final checkp
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -11,6 +12,7 @@ from megatron_ext.runtime.job_env import free_port
 from tests.conftest import CUDA, ROOT
 
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"
+TIME = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] ")  # the local time that starts each trainer line
 
 
 def two_ranks(out, data, steps: int, **env_extra: str) -> list[subprocess.Popen]:
@@ -39,10 +41,15 @@ def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
         assert any("Transformer Engine and Apex are not installed" in w for w in warnings), stderr[-3000:]
     assert all(n == 1 for n in warnings.values()), warnings.most_common(3)
     assert results[1][0] == ""  # the other rank prints nothing on stdout
-    header = [line for line in stdout.splitlines() if line.startswith("[train] cpt: ")]
+    # each line of the trainer's carries the local time before its tag (train_metrics.log)
+    lines = stdout.strip().splitlines()
+    ours = [line for line in lines if "[train] " in line]
+    assert ours and all(TIME.match(line) for line in ours), stdout
+    lines = [TIME.sub("", line, count=1) for line in lines]
+    header = [line for line in lines if line.startswith("[train] cpt: ")]
     assert len(header) == 1 and "DP2 (2 ranks)" in header[0] and "(2,048 tokens)" in header[0]
     assert f"metrics.jsonl in {out}" in header[0]
-    done = stdout.strip().splitlines()[-1]
+    done = lines[-1]
     assert done.startswith("[train] done: steps 1..2 in ") and " 2,048 tokens " in done, stdout
     assert done.endswith(f"checkpoint {out}/iter_0000002, metrics {out / 'metrics.jsonl'}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

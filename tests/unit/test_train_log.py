@@ -1,0 +1,38 @@
+"""The trainer's progress lines (train_metrics.log) start with the local wall-clock time, then the message as it was
+given, so a job log reads against Slurm's and the nodes' events and `grep "[train]"` still finds the lines."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from megatron_ext.train_metrics import LOG_TIME_FORMAT, log
+
+MESSAGE = "[train] step 3/10 loss 2.5000 lr 0.0001 eta 5s"
+
+
+def split_line(line: str) -> tuple[datetime, str]:
+    """(the time, the message) of a logged line; fails when it does not start with a time."""
+    assert line.startswith("["), line
+    stamp, msg = line[1:].split("] ", 1)
+    return datetime.strptime(stamp, LOG_TIME_FORMAT), msg
+
+
+def test_a_logged_line_starts_with_a_parseable_time_and_keeps_the_message(capsys):
+    log(MESSAGE)
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and out.count("\n") == 1, out
+    stamp, msg = split_line(out.rstrip("\n"))
+    assert msg == MESSAGE
+    # the documented form, exactly: `[YYYY-MM-DD HH:MM:SS] ` (19 characters between the brackets)
+    assert out[0] == "[" and out[20:22] == "] " and len(stamp.strftime(LOG_TIME_FORMAT)) == 19
+    assert stamp.tzinfo is None  # local time, as `date` prints it, not a UTC offset
+
+
+def test_the_time_format_is_megatron_lms():
+    assert datetime(2026, 12, 2, 14, 5, 9).strftime(LOG_TIME_FORMAT) == "2026-12-02 14:05:09"
+
+
+def test_every_rank_prints_also_without_a_process_group(capsys):
+    log("[train] profile: steps 2..3 on rank 0: trace", every_rank=True)
+    _, msg = split_line(capsys.readouterr().out.rstrip("\n"))
+    assert msg == "[train] profile: steps 2..3 on rank 0: trace"
