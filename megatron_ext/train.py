@@ -191,14 +191,13 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.checkpoint import CheckpointError, load_checkpoint
-    from megatron_ext.checkpoint_layout import carry_forward, iter_dir_name, read_metadata
     from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.model import build_model_from_recipe
     from megatron_ext.checkpoint_saver import CheckpointSaver
     from megatron_ext.cost_model import gpu_from_device_name, shape_from_hf_config, train_flops
-    from megatron_ext.resume import agreed_latest_iteration, data_identities, plan_resume, rope_changes
+    from megatron_ext.resume import data_identities
     from megatron_ext.train_profile import StepProfiler
+    from megatron_ext.train_start import start_point
     from megatron_ext.training_data import build_batches
 
     t, p = recipe.train, recipe.parallel
@@ -214,79 +213,20 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     model.config.no_sync_func = ddp_model.no_sync
     optimizer, scheduler = build_optimizer(recipe, [ddp_model])
 
-    start = consumed_samples = tokens_seen = data_samples = 0
     # What the data holds, read once (a pass over each PREFIX.idx) and by rank 0 alone, which writes the metadata
     # and the log: a resume from a checkpoint of other contents under the same prefix is warned about.
     data_now = data_identities(recipe) if rank0 else {}
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer,
                 "data_identity": data_now}
-    done = agreed_latest_iteration(root)
-    if done is not None:
-        saved = read_metadata(root / iter_dir_name(done))
-        resume = plan_resume(saved, done, recipe, dp_size, data_now)
-        if resume.finished:  # a finished run started again (a requeue, a rerun)
-            log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
-                "(raise train.steps to go on)")
-            return 0
-        if resume.architecture_changed:
-            raise CheckpointError(f"checkpoint.dir = {str(root)!r} holds another model "
-                                  f"({'; '.join(resume.architecture_changed)}): use the checkpoint's model.* "
-                                  "settings, or a new checkpoint.dir (with checkpoint.init_from for a new stage)")
-        began = time.time()
-        position = f"sample {resume.consumed_samples:,}, {resume.tokens:,} tokens trained"
-        log(f"[train] loading {root}/iter_{done:07d} ...")  # minutes at scale: not a hang
-        if resume.full_state:
-            start, _ = load_checkpoint(root, [model], optimizer=optimizer, scheduler=scheduler, iteration=done,
-                                       fully_parallel=recipe.checkpoint.fully_parallel_load)
-            log(f"[train] resumed from {root} at step {start} ({position}; {time.time() - began:.1f} s)" + (
-                f" (parallel layout {resume.saved_layout} -> {resume.layout})"
-                if resume.saved_layout != resume.layout else ""))
-        else:
-            start, _ = load_checkpoint(root, [model], optimizer=optimizer, iteration=done, weights_only=True,
-                                       fully_parallel=recipe.checkpoint.fully_parallel_load)
-            scheduler.step(increment=start)
-            log(f"[train] resumed weights from {root} at step {start} ({position}; {time.time() - began:.1f} s) "
-                f"with a fresh optimizer state: {resume.why_not_full}")
-        # The recipe's schedule and Adam settings win over those saved in the optimizer's param groups (loading
-        # them replaced the groups' betas and eps with the saved run's).
-        for group in optimizer.param_groups:
-            group["max_lr"], group["min_lr"] = t.lr, t.min_lr
-            group["betas"], group["eps"] = (t.adam_beta1, t.adam_beta2), t.adam_eps
-        scheduler.step(increment=0)
-        carry_forward(metadata, saved)
-        consumed_samples, tokens_seen = resume.consumed_samples, resume.tokens
-        data_samples = resume.data_samples or 0
-        if resume.data_changed:
-            log(f"[train] warning: {'; '.join(resume.data_changed)} since the checkpoint: the run goes on at "
-                f"sample {consumed_samples} of another sample order (for a new stage, use a new checkpoint.dir "
-                "with checkpoint.init_from)")
-        for warning in (resume.order_warning, resume.schedule_warning):
-            if warning:
-                log(f"[train] warning: {warning}")
-        if resume.rope_changed:
-            log(f"[train] warning: the recipe's RoPE differs from the checkpoint's ({'; '.join(resume.rope_changed)}):"
-                " the run goes on with positions its weights were not trained with so far")
-    elif recipe.checkpoint.init_from:
-        began = time.time()
-        log(f"[train] loading {recipe.checkpoint.init_from} ...")
-        load_checkpoint(Path(recipe.checkpoint.init_from), [model], optimizer=optimizer, weights_only=True,
-                        fully_parallel=recipe.checkpoint.fully_parallel_load)
-        try:
-            source = read_metadata(recipe.checkpoint.init_from)
-        except CheckpointError:
-            source = {}
-        carry_forward(metadata, source)
-        log(f"[train] initialised weights from {recipe.checkpoint.init_from} ({time.time() - began:.1f} s; fresh "
-            "optimizer)")
-        changed = rope_changes(source.get("hf_config"), recipe)
-        if t.stage == "sft" and changed:  # CPT changes the RoPE on purpose; SFT keeps its checkpoint's
-            log(f"[train] warning: SFT with another RoPE than checkpoint.init_from's ({'; '.join(changed)}); "
-                "keep the checkpoint's rope.* (recipes/README.md), unless this is meant")
+    begin = start_point(recipe, model, optimizer, scheduler, metadata, data_now, dp_size)
+    if begin.finished:
+        return 0
+    start, consumed_samples, tokens_seen = begin.step, begin.consumed_samples, begin.tokens
 
     data, valid = build_batches(recipe, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
                                 cp_rank=parallel_state.get_context_parallel_rank(), cp_size=p.context,
                                 first_step=start, consumed_samples=consumed_samples, device=rank_device(),
-                                min_train_samples=data_samples)
+                                min_train_samples=begin.data_samples)
     if passes := data.passes(t.steps):
         log(f"[train] SFT data: {passes}")
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0,
