@@ -22,6 +22,7 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
 
     from megatron_ext.convert import to_hf
 
+    from megatron_ext.hf_config import hf_config_from_recipe
     from megatron_ext.presets import TINY
     from megatron_ext.recipe import load_recipe
     from megatron_ext.training_data import TrainBatches
@@ -29,7 +30,7 @@ def test_init_from_converted_hf_model_matches_transformers_loss(tmp_path, torchr
     # A "released" HF model with the tiny architecture and the recipe's YaRN rope.
     recipe = load_recipe(RECIPE, [f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'run'}",
                                   "train.seq_length=256", "train.global_batch_size=2", "train.steps=1"])
-    rope = {k: v for k, v in recipe.to_dict()["rope"].items() if v is not None and k != "rope_theta"}
+    rope = hf_config_from_recipe(recipe)["rope_scaling"]  # the recipe's rope block, as an HF config holds it
     torch.manual_seed(0)
     # weights 5x HF's init and random norms: at the default init the mean loss barely moves with the rope or a
     # head permutation (7e-6 and 3e-5, under this test's 1e-4)
