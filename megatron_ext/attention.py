@@ -4,7 +4,8 @@
   through Megatron's TE spec, nothing to write here.
 - `TorchSDPAttention`: torch `scaled_dot_product_attention`, for CPU and for GPUs without TE. SDPA picks its
   kernel itself unless `runtime.sdpa_kernel` forces one (`SDPA_KERNELS`): at 128K tokens attention is ~70% of a
-  layer's FLOPs, so the kernel decides the MFU of this path (bench/sdpa_kernels_bench.py measures each).
+  layer's FLOPs, so the kernel decides the MFU of this path (bench/sdpa_kernels_bench.py measures each). Under
+  CP only flash may be forced (recipe_rules): the chunks' lower-right causal bias has no other mask-free kernel.
 
 Shapes follow Megatron's core-attention contract: q `[s, b, nh, d]`, k/v `[s, b, ng, d]` (ng = KV
 heads on this TP rank), output `[s, b, nh * d]`.
@@ -25,8 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megatron_ext.context_parallel import cp_chunk_ids, unshard
 
-SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # auto: SDPA's own choice
-CPU_SDPA_KERNELS = ("auto", "flash", "math")  # torch has no cuDNN or memory-efficient kernel on the CPU
+SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # auto: SDPA's own choice (runtime.sdpa_kernel)
 
 
 def _no_kernel(e: RuntimeError) -> bool:

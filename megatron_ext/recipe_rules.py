@@ -162,9 +162,16 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              f"runtime.fp8_attention = true with runtime.fp8_recipe = 'tensorwise' on cluster.gpu = {recipe.cluster.gpu!r}: "
              "TE runs FP8 attention with current scaling only on sm100 GPUs (B200); on H100/H200 use "
              "runtime.fp8_recipe=delayed")
-    _require(r.sdpa_kernel == "auto" or r.attention != "te",
+    _require(r.sdpa_kernel == "auto" or r.attention == "sdpa" or r.device == "cpu",
              f"runtime.sdpa_kernel = {r.sdpa_kernel!r} chooses the kernel of the torch SDPA backend, but "
-             "runtime.attention = 'te'; set runtime.attention=sdpa, or runtime.sdpa_kernel=auto")
+             f"runtime.attention = {r.attention!r} (Transformer Engine's attention where it imports); set "
+             "runtime.attention=sdpa, or runtime.sdpa_kernel=auto")
+    # Under CP each chunk attends with a lower-right causal bias, which flash takes as its causal flag; a kernel
+    # without that alignment gets a dense [chunk, keys] mask from torch (~137 GB per chunk at 1M tokens, CP 4).
+    _require(r.sdpa_kernel in ("auto", "flash") or p.context == 1,
+             f"runtime.sdpa_kernel = {r.sdpa_kernel!r} with parallel.context = {p.context}: the sdpa backend's CP "
+             "chunks attend with a lower-right causal bias, which only the flash kernel runs without a dense mask "
+             "of chunk x keys; use runtime.sdpa_kernel=flash or auto under CP")
     _require(not (r.fp8 is not None and r.attention == "sdpa"),
              "runtime.fp8 with runtime.attention = 'sdpa': FP8 needs the Transformer Engine path (attention te/auto)")
     _require(not p.sequence_parallel or p.tensor > 1, "parallel.sequence_parallel = true: needs parallel.tensor > 1")

@@ -225,7 +225,7 @@ def _config_changes(saved_hf_config: dict | None, recipe: Recipe, keys: tuple[st
     if not saved_hf_config:
         return []
     old, new = normalize_hf_config(saved_hf_config), normalize_hf_config(hf_config_from_recipe(recipe))
-    old, new = ({k: c.get(k, _ABSENT_MEANS.get(k)) for k in keys} for c in (old, new))
+    old, new = ({k: c.get(k) if c.get(k) is not None else _ABSENT_MEANS.get(k) for k in keys} for c in (old, new))
     return [f"{k}: {old[k]} -> {new[k]}" for k in keys if old[k] != new[k]]
 
 

@@ -168,9 +168,15 @@ def rope_spec(hf_config: dict, *, where: str | None = None, top: str = "config")
         if params.get("factor") is None:  # transformers: derive it from the two lengths
             params["factor"] = (max_pos or params["original_max_position_embeddings"]) / params[
                 "original_max_position_embeddings"]
-    precision = hf_config.get(ANGLE_PRECISION_KEY) or "float64"
-    if precision not in ANGLE_PRECISIONS:
-        name = "rope.angle_precision" if where == "rope" else f"{top}.{ANGLE_PRECISION_KEY}"
-        raise RopeConfigError(f"{name} = {precision!r}: must be one of {list(ANGLE_PRECISIONS)} (float32: the "
-                              "angles transformers and serving engines form; float64: exact)")
-    return RopeSpec(rope_type, theta, int(head_dim), float(prf), dim, params, max_pos, where, precision)
+    return RopeSpec(rope_type, theta, int(head_dim), float(prf), dim, params, max_pos, where,
+                    angle_precision(hf_config, top))
+
+
+def angle_precision(cfg: dict, top: str = "config") -> str:
+    """The angle precision an HF config dict declares (`rope_angle_precision`; absent or null: float64).
+    RopeConfigError naming `<top>.rope_angle_precision` for any other value."""
+    value = cfg.get(ANGLE_PRECISION_KEY) or "float64"
+    if value not in ANGLE_PRECISIONS:
+        raise RopeConfigError(f"{top}.{ANGLE_PRECISION_KEY} = {value!r}: must be one of {list(ANGLE_PRECISIONS)} "
+                              "(float32: the angles transformers and serving engines form; float64: exact)")
+    return value

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.rope_angles import rope_angles
-from megatron_ext.rope_spec import ANGLE_PRECISION_KEY, ANGLE_PRECISIONS
+from megatron_ext.rope_spec import ANGLE_PRECISION_KEY, angle_precision
 
 # rope types whose inverse frequencies transformers updates in the rotary module's forward (by sequence length)
 _UPDATED_IN_FORWARD = ("dynamic", "longrope")
@@ -52,10 +52,8 @@ def rope_angles_as_trained(model: torch.nn.Module) -> str | None:
         return "float64"
     if not (isinstance(rotary, torch.nn.Module) and hasattr(rotary, "inv_freq") and hasattr(rotary, "attention_scaling")):
         return None
-    precision = getattr(getattr(model, "config", None), ANGLE_PRECISION_KEY, None) or "float64"
-    if precision not in ANGLE_PRECISIONS:
-        raise ValueError(f"config.json {ANGLE_PRECISION_KEY} = {precision!r}: expected one of "
-                         f"{list(ANGLE_PRECISIONS)}")
+    precision = angle_precision({ANGLE_PRECISION_KEY: getattr(getattr(model, "config", None), ANGLE_PRECISION_KEY,
+                                                              None)})
     if precision == "float32":
         return precision
     body.rotary_emb = Float64RotaryAngles(rotary)

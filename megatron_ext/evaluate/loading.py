@@ -150,8 +150,9 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
 
     Device defaults to CUDA when available; dtype to bf16 on GPU and fp32 on CPU. Attention is
     torch SDPA (memory-efficient/flash kernels on GPU); RoPE angles are formed as in training
-    (`hf_rope.rope_angles_as_trained`: float64 unless config.json says `rope_angle_precision: float32`). `tokenizer`: a loaded tokenizer to use instead of the
-    directory's (tools/niah.py --tokenizer, or the one of a converted Megatron checkpoint).
+    (`hf_rope.rope_angles_as_trained`: float64 unless config.json says `rope_angle_precision: float32`).
+    `tokenizer`: a loaded tokenizer to use instead of the directory's (tools/niah.py --tokenizer, or the one of
+    a converted Megatron checkpoint).
     """
     from transformers import AutoModelForCausalLM
 

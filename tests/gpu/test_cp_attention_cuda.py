@@ -39,7 +39,8 @@ def test_per_chunk_cp_attention_runs_in_flash_and_matches_causal_attention():
 @pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient"])
 def test_forced_sdpa_kernel_runs_and_matches_float64(kernel):
     """runtime.sdpa_kernel on the GPU: each kernel runs the sdpa backend's causal GQA attention (K/V repeated where it
-    refuses grouped K/V: recorded), forward and backward, within bf16 rounding of float64 attention."""
+    refuses grouped K/V: recorded), forward and backward, within bf16 rounding of float64 attention; the profiler
+    names the forced kernel's op."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_ext.attention import TorchSDPAttention
@@ -52,8 +53,11 @@ def test_forced_sdpa_kernel_runs_and_matches_float64(kernel):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(4096, 1, 32, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(4096, 1, 8, 128, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    out = attention(q, k, v)  # [s, b, nh * d]
-    out.float().square().sum().backward()
+    with torch.profiler.profile() as prof:
+        out = attention(q, k, v)  # [s, b, nh * d]
+        out.float().square().sum().backward()
+    ran = {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+    assert f"aten::_scaled_dot_product_{kernel}_attention" in ran, ran  # the forced kernel, not SDPA's own choice
     ref = F.scaled_dot_product_attention(*(t.detach().double().permute(1, 2, 0, 3) for t in (q, k, v)),
                                          is_causal=True, enable_gqa=True).permute(2, 0, 1, 3).reshape(4096, 1, -1)
     assert (out.double() - ref).abs().max() < 2e-2, kernel

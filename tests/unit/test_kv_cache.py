@@ -91,6 +91,21 @@ def test_rope_at_given_positions_is_the_full_tables_rows(cpu_parallel_state):
     assert torch.equal(emb(64), full)
 
 
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_rope_at_given_far_positions_keeps_the_angle_precision(cpu_parallel_state, precision):
+    """Decode steps far out (the KV cache hands the embedding its positions) form angles in the model's precision,
+    where float32 and float64 angles differ (the control)."""
+    from megatron_ext.rope_angles import rope_angles
+
+    emb = build({**copy.deepcopy(TINY), "rope_angle_precision": precision}).rotary_pos_emb
+    far = torch.arange((1 << 22) - 3, 1 << 22)
+    emb.positions = far
+    other = "float32" if precision == "float64" else "float64"
+    ours = emb(3)[:, 0, 0, : emb.inv_freq.numel()]
+    assert torch.equal(ours, rope_angles(far, emb.inv_freq, precision))
+    assert not torch.equal(ours, rope_angles(far, emb.inv_freq, other))
+
+
 def test_rope_at_given_positions_refuses_a_length_dependent_table(cpu_parallel_state):
     emb = build({**copy.deepcopy(TINY), "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}).rotary_pos_emb
     emb.positions = torch.tensor([5])

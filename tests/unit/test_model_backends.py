@@ -208,7 +208,15 @@ def test_sdpa_kernel_is_refused_where_it_cannot_apply(pretend_te):
         load_recipe(raw={**base, "runtime": {"device": "cpu", "sdpa_kernel": "cudnn"}})
     with pytest.raises(RecipeError, match="runtime.sdpa_kernel = 'flash' chooses the kernel of the torch SDPA"):
         load_recipe(raw={**base, "runtime": {"device": "cuda", "attention": "te", "sdpa_kernel": "flash"}})
-    # attention auto picks TE where it imports: found at the build
+    # attention auto is TE where it imports: refused in the recipe (before a job starts) and again at the build
+    with pytest.raises(RecipeError, match="runtime.sdpa_kernel = 'cudnn' chooses .* runtime.attention = 'auto'"):
+        load_recipe(raw={**base, "runtime": {"device": "cuda", "sdpa_kernel": "cudnn"}})
     with pytest.raises(RecipeError, match="runtime.sdpa_kernel = 'cudnn' chooses .* Transformer Engine's attention"):
         transformer_config(TINY, BuildOptions(device="cuda", sdpa_kernel="cudnn"))
-    load_recipe(raw={**base, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": "cudnn"}})  # control
+    # under CP the chunks' lower-right causal bias runs mask-free in flash alone (a dense chunk x keys mask otherwise)
+    cp = {**base, "parallel": {"context": 2}, "cluster": {"gpus_per_node": 2}}
+    for kernel in ("cudnn", "efficient", "math"):
+        with pytest.raises(RecipeError, match=f"runtime.sdpa_kernel = '{kernel}' with parallel.context = 2"):
+            load_recipe(raw={**cp, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": kernel}})
+    load_recipe(raw={**cp, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": "flash"}})  # controls
+    load_recipe(raw={**base, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": "cudnn"}})

@@ -78,6 +78,7 @@ def test_a_changed_angle_precision_is_a_rope_change():
     saved = hf_config_from_recipe(recipe)
     assert rope_changes(saved, recipe) == []
     assert rope_changes({**saved, "rope_angle_precision": "float64"}, recipe) == []  # absent means float64
+    assert rope_changes({**saved, "rope_angle_precision": None}, recipe) == []  # null too, as rope_spec reads it
     assert rope_changes({**saved, "rope_angle_precision": "float32"}, recipe) == \
         ["rope_angle_precision: float32 -> float64"]
 

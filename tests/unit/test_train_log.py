@@ -32,7 +32,14 @@ def test_the_time_format_is_megatron_lms():
     assert datetime(2026, 12, 2, 14, 5, 9).strftime(LOG_TIME_FORMAT) == "2026-12-02 14:05:09"
 
 
-def test_every_rank_prints_also_without_a_process_group(capsys):
-    log("[train] profile: steps 2..3 on rank 0: trace", every_rank=True)
+def test_rank_0_alone_prints_unless_every_rank(capsys, monkeypatch):
+    """On rank 1 of a group a plain line is not printed; a profiler's line (`every_rank`) is, with its time."""
+    import torch
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+    log("[train] step 3/10")
+    assert capsys.readouterr().out == ""
+    log("[train] profile: steps 2..3 on rank 1: trace", every_rank=True)
     _, msg = split_line(capsys.readouterr().out.rstrip("\n"))
-    assert msg == "[train] profile: steps 2..3 on rank 0: trace"
+    assert msg == "[train] profile: steps 2..3 on rank 1: trace"
