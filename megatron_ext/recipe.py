@@ -152,7 +152,8 @@ class TrainConfig:
         None, "Parameters per gradient bucket with overlap_grad_reduce (null: Megatron-Core's, max(40M, 1M x DP)). "
         "The distributed optimizer's saved state follows the buckets: changing this or overlap_grad_reduce "
         "resumes with a fresh optimizer state.")
-    log_interval: int = _f(1, "Print a progress line every this many steps.")
+    log_interval: int = _f(1, "Print a progress line every this many steps (loss and rates over those steps; "
+                              "metrics.jsonl has every step).")
     eval_interval: int = _f(0, "Validation loss on data.split's valid documents every this many steps and at the "
                                "last one (0: never).")
     eval_iters: int = _f(1, "Global batches per validation: the valid split's first ones, the same each time.")

@@ -30,7 +30,7 @@ import torch
 
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
-from megatron_ext.train_metrics import MetricsLog, format_duration, log, memory_gib
+from megatron_ext.train_metrics import LogWindow, MetricsLog, format_duration, log, memory_gib
 from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, setup_warnings
 
 EXIT_REQUEUE = 3
@@ -254,7 +254,11 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     if recipe.profile.steps is not None and start >= recipe.profile.steps[1]:
         log(f"[train] profile.steps = {list(recipe.profile.steps)} ran before step {start + 1}: nothing traced "
             "(give steps after it)")
+    if t.log_interval > 1:
+        log(f"[train] a line every {t.log_interval} steps: loss, tokens/s and TFLOP/s over those steps, grad_norm, "
+            "lr and memory of the last (metrics.jsonl: every step)")
     step, loop_start = start, time.time()
+    window = LogWindow()
     try:
         while step < t.steps:
             step_start = time.time()
@@ -290,12 +294,14 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             if peak is not None:
                 record["mfu"] = record["tflops_per_device"] / peak.bf16_tflops
             profiler.done(step)
+            window.add(record)
             if step % t.log_interval == 0 or step == t.steps:
-                mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
+                mean = window.take()  # this step's numbers at log_interval 1
+                mfu = f" MFU {mean['tflops_per_device'] / peak.bf16_tflops:.1%}" if peak is not None else ""
                 norm = float("nan") if grad_norm is None else record["grad_norm"]  # 0.0 is a norm, not a NaN
-                log(f"[train] step {step}/{t.steps} loss {loss:.4f} lr {record['lr']:.3g} "
-                    f"grad_norm {norm:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                    f"TFLOP/s/dev {record['tflops_per_device']:.2f}{mfu} mem {record['memory_gib']:.2f} GiB eta "
+                log(f"[train] step {step}/{t.steps} loss {mean['loss']:.4f} lr {record['lr']:.3g} "
+                    f"grad_norm {norm:.3f} tokens/s {mean['tokens_per_s']:.0f} "
+                    f"TFLOP/s/dev {mean['tflops_per_device']:.2f}{mfu} mem {record['memory_gib']:.2f} GiB eta "
                     f"{format_duration((time.time() - loop_start) / (step - start) * (t.steps - step))}")
             # The update is already made, so nothing is saved from here on. (Megatron's optimizers compute the
             # gradient norm also with train.clip_grad = 0, so a step that makes weights NaN shows here.)

@@ -97,6 +97,29 @@ def memory_gib() -> float:
     return largest.item()
 
 
+class LogWindow:
+    """The steps since the last progress line: their loss as one token mean (as Megatron-LM averages its loss over
+    the log interval), their tokens and FLOPs per second of step time."""
+
+    def __init__(self) -> None:
+        self.loss_sum = self.loss_tokens = self.tokens = self.seconds = self.tflop_s = 0.0
+
+    def add(self, record: dict) -> None:
+        self.loss_sum += record["loss"] * record["loss_tokens"]
+        self.loss_tokens += record["loss_tokens"]
+        self.tokens += record["tokens_per_s"] * record["step_time_s"]
+        self.tflop_s += record["tflops_per_device"] * record["step_time_s"]
+        self.seconds += record["step_time_s"]
+
+    def take(self) -> dict:
+        """Loss, tokens/s and TFLOP/s per device over the window; the window starts again."""
+        seconds = max(self.seconds, 1e-9)
+        mean = {"loss": self.loss_sum / max(self.loss_tokens, 1), "tokens_per_s": self.tokens / seconds,
+                "tflops_per_device": self.tflop_s / seconds}
+        self.__init__()
+        return mean
+
+
 LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 

@@ -15,7 +15,7 @@ RECIPE = ROOT / "recipes/tiny/cpt.yaml"
 TIME = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] ")  # the local time that starts each trainer line
 
 
-def two_ranks(out, data, steps: int, **env_extra: str) -> list[subprocess.Popen]:
+def two_ranks(out, data, steps: int, *overrides: str, **env_extra: str) -> list[subprocess.Popen]:
     """Ranks 0 and 1 of a tiny CPT run, started as torchrun starts them (one node), output piped."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
@@ -23,7 +23,7 @@ def two_ranks(out, data, steps: int, **env_extra: str) -> list[subprocess.Popen]
     env.update(env_extra)
     cmd = [sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={out}",
            f"data.prefix={data}", "parallel.context=1", "train.seq_length=512", "train.global_batch_size=2",
-           f"train.steps={steps}"]
+           f"train.steps={steps}", *overrides]
     return [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for r in range(2)]
 
@@ -31,7 +31,7 @@ def two_ranks(out, data, steps: int, **env_extra: str) -> list[subprocess.Popen]
 def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
     # no PYTHONWARNINGS=ignore here (the other tests set it): the warnings are what this test counts
     out = tmp_path / "run"
-    procs = two_ranks(out, token_data, 2)
+    procs = two_ranks(out, token_data, 2, "train.log_interval=2")
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results[0][1][-3000:]
     stdout = results[0][0] + results[1][0]
@@ -55,6 +55,11 @@ def test_two_ranks_print_library_warnings_once(tmp_path, token_data):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["consumed_samples"] for r in records] == [2, 4]
     assert records[0]["time"] <= records[1]["time"]
+    # log_interval 2: one line, for step 2, whose loss is the token mean of steps 1 and 2 (not step 2's: control)
+    steps = [line for line in lines if line.startswith("[train] step ")]
+    assert len(steps) == 1 and steps[0].startswith("[train] step 2/2 loss "), stdout
+    mean = sum(r["loss"] * r["loss_tokens"] for r in records) / sum(r["loss_tokens"] for r in records)
+    assert f"loss {mean:.4f} " in steps[0] and f"loss {records[1]['loss']:.4f} " not in steps[0], (steps, records)
 
 
 def test_a_signal_to_one_rank_stops_both_for_requeue(tmp_path, token_data):

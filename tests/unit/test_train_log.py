@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from megatron_ext.train_metrics import LOG_TIME_FORMAT, log
+from megatron_ext.train_metrics import LOG_TIME_FORMAT, LogWindow, log
 
 MESSAGE = "[train] step 3/10 loss 2.5000 lr 0.0001 eta 5s"
 
@@ -43,3 +43,16 @@ def test_rank_0_alone_prints_unless_every_rank(capsys, monkeypatch):
     log("[train] profile: steps 2..3 on rank 1: trace", every_rank=True)
     _, msg = split_line(capsys.readouterr().out.rstrip("\n"))
     assert msg == "[train] profile: steps 2..3 on rank 1: trace"
+
+
+def test_a_line_over_several_steps_gives_their_token_mean_loss_and_rates():
+    """train.log_interval > 1: the line's loss is the token mean over the steps since the last line (not the last
+    step's), tokens/s and TFLOP/s are over their summed step time; the window then starts again."""
+    window = LogWindow()
+    window.add({"loss": 2.0, "loss_tokens": 100, "tokens_per_s": 1000.0, "tflops_per_device": 10.0,
+                "step_time_s": 1.0})
+    window.add({"loss": 4.0, "loss_tokens": 300, "tokens_per_s": 500.0, "tflops_per_device": 4.0,
+                "step_time_s": 3.0})
+    assert window.take() == {"loss": 3.5, "tokens_per_s": 625.0, "tflops_per_device": 5.5}
+    window.add({"loss": 1.0, "loss_tokens": 10, "tokens_per_s": 10.0, "tflops_per_device": 1.0, "step_time_s": 2.0})
+    assert window.take() == {"loss": 1.0, "tokens_per_s": 10.0, "tflops_per_device": 1.0}  # only the new step
