@@ -9,11 +9,9 @@ import sys
 import pytest
 import torch
 
+from megatron_ext import convert_cli as cli  # tools/convert.py's command line
 from tests.conftest import ROOT
 from tests.unit.test_convert_fixtures import make_hf_model
-
-sys.path.insert(0, str(ROOT / "tools"))
-import convert as cli  # noqa: E402  (tools/convert.py)
 
 
 @pytest.fixture(scope="module")

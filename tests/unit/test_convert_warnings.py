@@ -13,11 +13,9 @@ import warnings
 
 import pytest
 
+from megatron_ext import convert_cli as cli  # tools/convert.py's command line
 from tests.conftest import ROOT
 from tests.unit.test_convert_fixtures import make_hf_model
-
-sys.path.insert(0, str(ROOT / "tools"))
-import convert as cli  # noqa: E402  (tools/convert.py)
 
 # As a conversion raises them (Megatron-Core 0.16.1, torch 2.13, `-W default`): (category, module, message).
 RAISED = [

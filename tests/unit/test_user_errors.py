@@ -4,18 +4,14 @@ message (2026-12-01): each now ends in one error naming the file or flag, the va
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_ext import convert_cli, plan_cli  # tools/convert.py's and tools/plan.py's command lines
 from megatron_ext.recipe import RecipeError, load_recipe
 from tests.conftest import ROOT
 from tests.unit.test_convert_fixtures import make_hf_model
-
-sys.path.insert(0, str(ROOT / "tools"))
-import convert as convert_cli  # noqa: E402  (tools/convert.py)
-import plan as plan_cli  # noqa: E402  (tools/plan.py)
 
 
 @pytest.fixture(scope="module")
