@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from datetime import datetime
 from pathlib import Path
 
 import torch
+
+from megatron_ext import log_lines
 
 
 class MetricsLog:
@@ -120,17 +121,17 @@ class LogWindow:
         return mean
 
 
-LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+# Kept here for the trainer's tests and users that import it from this module: the one log_lines stamps with.
+LOG_TIME_FORMAT = log_lines.LOG_TIME_FORMAT
 
 
 def log(msg: str, every_rank: bool = False) -> None:
     """Print `msg` after the local wall-clock time (`[2026-12-02 14:05:09] [train] step 3/10 ...`), on rank 0 only
     (every rank when there is no process group), or on every rank that calls it with `every_rank`."""
     if every_rank or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        # A job log spans days and requeues: the time lets its lines be read against Slurm's, the GPUs' and the file
-        # system's events (Megatron-LM's own lines carry one too). Local time, as `date` and Slurm's logs show it.
-        # The time goes first and the tag keeps its place after it: `grep "\[train\]"` still finds the lines.
-        print(f"[{datetime.now().strftime(LOG_TIME_FORMAT)}] {msg}", flush=True)
+        # A job log spans days and requeues: the time lets its lines be read against Slurm's and the nodes' events
+        # (log_lines says why and how, for the evaluation tools' lines too).
+        log_lines.log_line(msg)
 
 
 def format_duration(seconds: float) -> str:

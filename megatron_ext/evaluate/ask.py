@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.log_lines import log_line
 
 
 @dataclass
@@ -83,8 +84,7 @@ def generate_megatron(checkpoint, document: str, question: str | None = None, *,
         ids = document_prompt(engine.tokenizer, document, question, chat)
         _check_length(len(ids), engine.hf_config.get("max_position_embeddings"), force)
         if engine.rank0:
-            print(f"[generate] {engine.describe()}; {len(ids):,} prompt tokens, {len(ids) // context:,} per rank",
-                  flush=True)
+            log_line(f"[generate] {engine.describe()}; {len(ids):,} prompt tokens, {len(ids) // context:,} per rank")
         generate = engine.greedy(max_new_tokens, kv_cache=kv_cache, until_number=False)
         start = time.perf_counter()
         out = generate(torch.tensor([ids]))[0]

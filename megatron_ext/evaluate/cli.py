@@ -23,6 +23,7 @@ from pathlib import Path
 from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers, validate_args
 from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.io import not_there, read_utf8
+from megatron_ext.log_lines import log_line
 from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
@@ -51,7 +52,7 @@ def _model(args, tokenizer=None):
         args.out.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
-            print(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", file=sys.stderr)
+            log_line(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", sys.stderr)
             yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype, tokenizer)
     finally:
         if made and not any(args.out.iterdir()):  # a failed conversion leaves no empty --out behind
@@ -101,7 +102,7 @@ def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> Non
     p = next(model.parameters())
     free = torch.cuda.mem_get_info(p.device)[0] if p.device.type == "cuda" else psutil.virtual_memory().available
     n_params = sum(x.numel() for x in model.parameters())
-    print(f"[{tag}] " + memory_note(model.config, length, batch, p.element_size(), n_params, free))
+    log_line(f"[{tag}] " + memory_note(model.config, length, batch, p.element_size(), n_params, free))
 
 
 def _check_haystack(args) -> None:
@@ -146,7 +147,7 @@ def _run_niah(args) -> None:
                           allow_beyond_max_positions=args.force, on_progress=save, previous=previous,
                           progress=not args.no_progress)
     js, png = save(result)
-    print(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
+    log_line(f"[niah] accuracy {result.accuracy:.1%}; wrote {js} and {png}")
 
 
 def _megatron_engine(args) -> bool:
@@ -231,8 +232,8 @@ def _run_niah_megatron(args, lengths: list[int], depths: list[float], save, prev
         counts = result.settings
         shared = (f", {counts['extension_passes']} passes after a shared prefix ({counts['shared_tokens']:,} prompt "
                   "tokens not run again)" if counts.get("extension_passes") else "")
-        print(f"[niah] accuracy {result.accuracy:.1%} ({counts['forward_passes']} forward passes{shared}, "
-              f"{counts['decode_steps']} decode steps); wrote {js} and {png}")
+        log_line(f"[niah] accuracy {result.accuracy:.1%} ({counts['forward_passes']} forward passes{shared}, "
+                 f"{counts['decode_steps']} decode steps); wrote {js} and {png}")
 
 
 def _run_ruler(args) -> None:
@@ -280,9 +281,9 @@ def _run_ruler(args) -> None:
             result = run_ruler(model, tokenizer, tasks, lengths, batch_tokens=args.batch_tokens,
                                prefill_chunk=args.chunk, **common)
     js, md = save(result)
-    print(result.table())
-    print(f"[ruler] average {100 * result.accuracy:.1f} over {len(tasks)} tasks x {len(result.lengths)} lengths; "
-          f"wrote {js} and {md}")
+    print(result.table())  # a Markdown table, as ruler.md holds it: no time on its rows
+    log_line(f"[ruler] average {100 * result.accuracy:.1f} over {len(tasks)} tasks x {len(result.lengths)} lengths; "
+             f"wrote {js} and {md}")
 
 
 def _run_ppl(args) -> None:
@@ -345,8 +346,8 @@ def _save_ppl(args, result) -> None:
     max_pos = result.settings.get("max_position_embeddings")
     mark = {f"max_position_embeddings={max_pos:,}": max_pos} if max_pos and max(result.doc_tokens) > max_pos else None
     png = plot_perplexity({label: result}, args.out / "ppl.png", mark=mark)
-    print(f"[ppl] {result.documents} documents, {sum(result.doc_tokens):,} tokens, mean loss {result.mean_loss:.4f}; "
-          f"wrote {js} and {png}")
+    log_line(f"[ppl] {result.documents} documents, {sum(result.doc_tokens):,} tokens, mean loss "
+             f"{result.mean_loss:.4f}; wrote {js} and {png}")
 
 
 def _run_generate(args) -> None:
@@ -371,13 +372,13 @@ def _run_generate(args) -> None:
             result = generate_hf(model, tokenizer, document, args.question, prefill_chunk=args.chunk, **common)
     result.settings.update(model=str(args.model or args.megatron), document=str(args.document),
                            question=args.question)
-    print(f"[generate] {result.prompt_tokens:,} prompt tokens -> {len(result.output_ids)} new tokens in "
-          f"{result.seconds:.1f} s", file=sys.stderr)
-    print(result.output)
+    log_line(f"[generate] {result.prompt_tokens:,} prompt tokens -> {len(result.output_ids)} new tokens in "
+             f"{result.seconds:.1f} s", sys.stderr)
+    print(result.output)  # the model's answer, the command's output: as it was generated
     if args.out is not None:
         from megatron_ext.evaluate.io import write_json_atomic
 
-        print(f"[generate] wrote {write_json_atomic(args.out / 'generation.json', result.to_dict())}", file=sys.stderr)
+        log_line(f"[generate] wrote {write_json_atomic(args.out / 'generation.json', result.to_dict())}", sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.evaluate.errors import EvalError
+from megatron_ext.log_lines import log_line
 
 if TYPE_CHECKING:
     from megatron_ext.evaluate.parallel import MegatronGreedy
@@ -95,8 +96,7 @@ class Engine:
             l = self.layout
             per_rank = longest * per_token / (l["tensor"] * l["pipeline"] * l["context"])  # split over a replica
             cache = f", KV cache {human_bytes(per_rank)} per rank" if greedy.cache is not None else ", no KV cache"
-            print(f"[{tag}] {self.describe()}; {longest // l['context']:,} tokens per rank at {longest:,}{cache}",
-                  flush=True)
+            log_line(f"[{tag}] {self.describe()}; {longest // l['context']:,} tokens per rank at {longest:,}{cache}")
         return longest
 
     def run_arguments(self, longest: int, on_progress, progress: bool) -> dict:
@@ -104,7 +104,7 @@ class Engine:
         batch holds a row per data-parallel replica at the longest length."""
         return dict(max_position_embeddings=self.hf_config.get("max_position_embeddings"),
                     batch_tokens=self.layout["data"] * longest, on_progress=on_progress if self.rank0 else None,
-                    progress=progress and self.rank0, log=print if self.rank0 else None, prefill_chunk=None)
+                    progress=progress and self.rank0, log=log_line if self.rank0 else None, prefill_chunk=None)
 
     def record(self, settings: dict, greedy: "MegatronGreedy") -> None:
         """Put the engine, its layout and precision, and the full passes, extension passes (with the prompt tokens

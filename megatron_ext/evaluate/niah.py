@@ -23,6 +23,7 @@ import torch
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.generate import GenerateFn, SharedPrefixGreedy, eos_ids
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
+from megatron_ext.log_lines import log_line
 from megatron_ext.progress import progress_bar
 
 _MARK = "\u0000NIAH_HAYSTACK\u0000"  # where the haystack goes inside a chat template
@@ -172,7 +173,7 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
              allow_beyond_max_positions: bool = False, generate: GenerateFn | None = None,
              max_position_embeddings: int | None = None, previous: NiahResult | None = None,
              on_progress: Callable[[NiahResult], None] | None = None, save_every_s: float = 60.0,
-             progress: bool = True, log=print) -> NiahResult:
+             progress: bool = True, log: Callable[[str], None] | None = log_line) -> NiahResult:
     """Run the NIAH grid `lengths` (tokens) x `depths` (percent) and score each cell by exact match.
 
     `haystack`: a Haystack, a text file path, or None for the built-in filler. Prompts of one
@@ -186,7 +187,8 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     recorded as not run (score None). `on_progress` gets the grid so far after each length and after a batch
     once `save_every_s` have passed since the last call (tools/niah.py saves it, so a long sweep keeps what it did).
     `previous`: the grid of an earlier run with the same prompts (a sweep that was stopped); its scored cells are
-    kept, the others run.
+    kept, the others run. `log` gets a `[niah] ...` line per length (default: printed after the local time), None
+    is silent.
     """
     lengths, depths = _check_grid(lengths, depths)
     if samples < 1:

@@ -27,6 +27,7 @@ from megatron_ext.eval_plan import MIN_SHARED_PREFIX
 from megatron_ext.evaluate.engine import megatron_engine
 from megatron_ext.evaluate.errors import RankError
 from megatron_ext.evaluate.speculative import speculative_greedy
+from megatron_ext.log_lines import log_line
 from megatron_ext.progress import progress_bar
 
 
@@ -288,7 +289,7 @@ def run_ppl_megatron(checkpoint, *, texts=None, documents=None, tensor: int = 1,
     with megatron_engine(checkpoint, tensor=tensor, pipeline=pipeline, context=context, device=device, dtype=dtype,
                          tokenizer=tokenizer, needs_tokenizer=documents is None) as engine:
         if engine.rank0:
-            print(f"[ppl] {engine.describe()}", flush=True)
+            log_line(f"[ppl] {engine.describe()}")
         source = documents if documents is not None else engine.tokenizer
         losses = MegatronTokenLosses(engine.model, engine.device)
         result = perplexity_by_position(None, source, texts=texts, progress=False,

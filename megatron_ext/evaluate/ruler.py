@@ -26,6 +26,7 @@ from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_hays
 from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within,
                                         refuse_other_prompts)
 from megatron_ext.evaluate.ruler_tasks import TASKS, LengthTooShort, SampleBuilder, match_all, noise_haystack
+from megatron_ext.log_lines import log_line
 from megatron_ext.progress import progress_bar
 
 RulerGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
@@ -80,7 +81,8 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
               prefill_chunk: int | str | None = "auto",
               allow_beyond_max_positions: bool = False, max_position_embeddings: int | None = None,
               previous: RulerResult | None = None, on_progress: Callable[[RulerResult], None] | None = None,
-              save_every_s: float = 60.0, progress: bool = True, log=print) -> RulerResult:
+              save_every_s: float = 60.0, progress: bool = True,
+              log: Callable[[str], None] | None = log_line) -> RulerResult:
     """Run `tasks` (names in `ruler_tasks.TASKS`) at `lengths` (tokens) with `samples` prompts each.
 
     `haystack`: the filler of the retrieval tasks (a Haystack, a text file, or None for the built-in one).
@@ -89,7 +91,8 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     length run in batches of up to `batch_tokens // length` rows. Lengths above the model's
     `max_position_embeddings` are skipped unless `allow_beyond_max_positions`. `previous`: an earlier run with the
     same settings; its scored cells are kept. `on_progress` gets the result so far after each task and length
-    (and every `save_every_s` within one).
+    (and every `save_every_s` within one). `log` gets a `[ruler] ...` line per task and length (default: printed
+    after the local time), None is silent.
     """
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:

@@ -12,6 +12,7 @@ tokens after the shared prefix (an extension pass), and its predictions must be 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.conftest import ROOT, read_json
 
 WORKER = ROOT / "tests/distributed/workers/niah_parallel.py"
 MAX_NEW = 5
+STAMPED = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] \[(niah|ppl|generate)\] ")  # log_lines.stamped's
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,13 @@ def test_cli_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
                    *common[:2], "--depths", "0,50,100", *common[4:])
     resumed = read_json(tmp_path / "mg/results.json")
     assert "4 of 6 cells kept" in out
+    # Rank 0 alone prints the progress lines, each after the local time as the trainer's: the layout, the kept
+    # cells, a line per length and the accuracy; once each, not once per rank
+    tagged = [line for line in out.splitlines() if "[niah] " in line]
+    assert all(STAMPED.match(line) for line in tagged), out
+    said = [line.split("] [niah] ", 1)[1] for line in tagged]
+    assert [sum(s.startswith(w) for s in said) for w in ("Megatron engine", "4 of 6 cells kept", "length ",
+                                                          "accuracy ")] == [1, 1, 2, 1], said
     assert (resumed["settings"]["forward_passes"], resumed["settings"]["extension_passes"]) == (1, 1)
     assert [c for c in resumed["cells"] if c["depth"] != 50] == mg["cells"]
 
@@ -142,8 +151,11 @@ def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_pat
         docs[-1].write_text(" ".join(["the special magic number is hidden in the text below"] * repeat))
     common = ["--text", *map(str, docs), "--no-progress"]
     main(["ppl", "--model", str(checkpoints / "hf"), "--out", str(tmp_path / "hf"), *common])
-    torchrun(ROOT / "tools/niah.py", 2, "ppl", "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
-             *layout, "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
+    out = torchrun(ROOT / "tools/niah.py", 2, "ppl", "--megatron", str(checkpoints / "mc"), "--engine", "megatron",
+                   *layout, "--tokenizer", str(checkpoints / "hf"), "--out", str(tmp_path / "mg"), *common)
+    tagged = [line for line in out.splitlines() if "[ppl] " in line]  # rank 0's layout and summary, stamped
+    assert len(tagged) == 2 and all(STAMPED.match(line) for line in tagged), out
+    assert "] [ppl] Megatron engine: " in tagged[0] and "] [ppl] 3 documents, " in tagged[1], out
     hf, mg = read_json(tmp_path / "hf/ppl.json"), read_json(tmp_path / "mg/ppl.json")
     assert hf["doc_tokens"] == mg["doc_tokens"] and hf["doc_tokens"][0] > 200 and len(hf["doc_tokens"]) == 3
     for a, b in zip(hf["buckets"], mg["buckets"]):
@@ -169,6 +181,8 @@ def test_cli_generate_megatron_engine_equals_hf_engine(checkpoints, torchrun, tm
     assert mg["prompt_tokens"] == hf["prompt_tokens"] > 100
     assert mg["output_ids"] == hf["output_ids"] and hf["output_ids"]
     assert mg["output"] == hf["output"] and mg["output"] in stdout
+    announced = [line for line in stdout.splitlines() if "[generate] " in line]
+    assert len(announced) == 1 and STAMPED.match(announced[0]) and " per rank" in announced[0], stdout
     n = len(mg["output_ids"])
     assert (mg["settings"]["forward_passes"], mg["settings"]["decode_steps"]) == (1, n - 1)
 
