@@ -8,6 +8,8 @@ pretraining is not the project's subject, so this is a plain PyTorch loop over t
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import os
 import shutil
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.demo.corpus import demo_corpus
+from megatron_ext.hf_config import normalize_hf_config
 from megatron_ext.presets import TINY_DEMO
 from megatron_ext.progress import progress_bar, quiet_library_bars
 
@@ -90,8 +93,9 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg_dict = dict(TINY_DEMO, max_position_embeddings=seq_length, bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id)
+    # a deep copy: transformers 5 writes rope_theta into the rope_scaling dict it is given (the preset's, otherwise)
+    cfg_dict = copy.deepcopy(dict(TINY_DEMO, max_position_embeddings=seq_length, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id))
     if len(tok) > cfg_dict["vocab_size"]:
         raise ValueError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens > tiny-demo vocab_size {cfg_dict['vocab_size']}")
     cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
@@ -126,6 +130,10 @@ def train_base(out_dir: str | Path, tokenizer_dir: str | Path, *, steps: int, ba
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
+    # transformers 5 writes the rope as `rope_parameters` alone, which 4.56-4.57 ignore (plain RoPE, no warning): the
+    # folder gets the transformers-4 form every supported version reads, as tools/convert.py's exports do
+    config = tmp / "config.json"
+    config.write_text(json.dumps(normalize_hf_config(json.loads(config.read_text())), indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     info = {"steps": steps, "final_loss": loss_ema, "seconds": round(time.time() - t0, 1)}

@@ -8,7 +8,9 @@ Data preparation's own bars: test_data_cpt.py, test_data_sft.py.
 
 from __future__ import annotations
 
+import copy
 import io
+import json
 import re
 from collections.abc import Iterator
 
@@ -125,6 +127,16 @@ def test_demo_base_training_in_a_log(tmp_path, toy_tokenizer, capsys):
     lines = bar_lines(err, "base")
     assert_start_and_end(lines, 4, err)
     assert "loss=" in lines[-1], err
+    # the folder states its rope in the transformers-4 form (4.56-4.57 ignore `rope_parameters` alone), which
+    # transformers reads back into the model's own rope
+    from transformers import LlamaConfig
+
+    from megatron_ext.presets import TINY_DEMO
+
+    saved = json.loads((tmp_path / "base/config.json").read_text())
+    assert "rope_parameters" not in saved and saved["rope_scaling"] == TINY_DEMO["rope_scaling"]  # preset unchanged
+    assert LlamaConfig.from_pretrained(str(tmp_path / "base")).rope_parameters == \
+        LlamaConfig(**copy.deepcopy({**TINY_DEMO, "max_position_embeddings": 32})).rope_parameters
 
 
 def test_transformers_bars_are_off_in_a_log_and_kept_on_a_terminal():
