@@ -121,10 +121,6 @@ class LogWindow:
         return mean
 
 
-# Kept here for the trainer's tests and users that import it from this module: the one log_lines stamps with.
-LOG_TIME_FORMAT = log_lines.LOG_TIME_FORMAT
-
-
 def log(msg: str, every_rank: bool = False) -> None:
     """Print `msg` after the local wall-clock time (`[2026-12-02 14:05:09] [train] step 3/10 ...`), on rank 0 only
     (every rank when there is no process group), or on every rank that calls it with `every_rank`."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import log_lines, train_metrics
+from megatron_ext import log_lines
 from megatron_ext.evaluate.cli import main
 from megatron_ext.log_lines import LOG_TIME_FORMAT, stamped
 from tests.unit.test_evaluate import Recorder, _read_needle, make_tokenizer, save_tiny
@@ -67,7 +67,7 @@ def now() -> datetime:
 
 def test_stamped_is_the_trainers_form():
     """One format for the trainer and the evaluation: Megatron-LM's `[YYYY-MM-DD HH:MM:SS] `, local time."""
-    assert train_metrics.LOG_TIME_FORMAT == LOG_TIME_FORMAT == "%Y-%m-%d %H:%M:%S"
+    assert LOG_TIME_FORMAT == "%Y-%m-%d %H:%M:%S"
     before = now()
     line = stamped("[niah] length 256: accuracy 0.00")
     when, msg = split_stamped(line)

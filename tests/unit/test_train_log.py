@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from megatron_ext.train_metrics import LOG_TIME_FORMAT, LogWindow, log
+from megatron_ext.log_lines import LOG_TIME_FORMAT
+from megatron_ext.train_metrics import LogWindow, log
 
 MESSAGE = "[train] step 3/10 loss 2.5000 lr 0.0001 eta 5s"
 
