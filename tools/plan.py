@@ -3,11 +3,7 @@
     python tools/plan.py recipes/cpt_4m.yaml [--gpu h100|h200|b200] [--gpus 256] [--mfu 0.35] [--set k=v]
     python tools/plan.py recipes/cpt_4m.yaml --eval 128K:4M:6 [--gpus 64 --tp 8 --cp 8] [--prompts 11]
 
-Prints the per-GPU memory breakdown, the verdict, tokens/s/GPU and the hours for the recipe's
-steps, the smallest context-parallel size that fits for each recompute mode and a recommendation.
-With --eval: the same for evaluating the recipe's model on the Megatron engine at the recipe's TP x PP x CP
-(`tools/niah.py --engine megatron`): memory per GPU, time of a prompt and of a grid, per length.
-Exits 1 with the reason when the recipe does not fit or the input is wrong.
+See `python tools/plan.py --help` (megatron_ext/plan_cli.py).
 """
 
 import sys
