@@ -169,18 +169,23 @@ def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data,
     """submitit path: USR1 to the tasks -> the trainer saves -> rank 0 requeues -> the rerun resumes. Then the NIAH
     job after it: USR1 -> submitit requeues it with --resume -> the rerun keeps the saved cells and runs the rest."""
     run = tmp_path / "run"
+    # The signal must land before the job ends on its own: a step takes ~40 ms here, and squeue + scancel + slurmd's
+    # delivery took longer than the last 22 steps of a 24-step run once under load (the job finished unsignalled).
+    # 64 steps leave 2.5 s; the job id is looked up before the wait, so only scancel stands between.
+    steps = 64
     args = ["--recipe", "recipes/tiny/cpt.yaml", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
             "--time", "30", "--folder", str(tmp_path / "submitit/%j"), "--wait", f"data.prefix={token_data}",
-            *TINY_OVERRIDES, "train.steps=24", f"checkpoint.dir={run}", f"model.tokenizer={toy_tokenizer}",
+            *TINY_OVERRIDES, f"train.steps={steps}", f"checkpoint.dir={run}", f"model.tokenizer={toy_tokenizer}",
             "--niah", "256,512,1024,2048"]
 
     def usr1_once(name: str, ready) -> str:
-        deadline = time.time() + 300
-        while not ready():
+        deadline, job = time.time() + 300, None
+        while job is None or not ready():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            if job is None:
+                job = (subprocess.run(["squeue", "-h", "-o", "%i", "-n", name], capture_output=True,
+                                      text=True).stdout.split() or [None])[0]
             time.sleep(0.05)
-        job = subprocess.run(["squeue", "-h", "-o", "%i", "-n", name], capture_output=True,
-                             text=True).stdout.split()[0]
         subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@T does
         return job
 
@@ -191,10 +196,10 @@ def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data,
         niah_job = usr1_once("niah", lambda: (tmp_path / "run_niah/results.json").is_file())
         stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert job in requeue.released and niah_job in requeue.released
     logs = "".join(p.read_text() for p in tmp_path.glob("submitit/*/*_0_log.out"))
+    assert job in requeue.released and niah_job in requeue.released, (requeue.released, logs[-3000:])
     assert f"requeueing job {job}" in logs and "resumed from" in logs, logs[-3000:]
-    assert [m["step"] for m in metrics(run)] == list(range(1, 25))
+    assert [m["step"] for m in metrics(run)] == list(range(1, steps + 1))
     kept = [line for line in logs.splitlines() if " of 44 cells kept from the earlier run" in line]
     assert len(kept) == 1 and 11 <= int(kept[0].split("[niah] ")[1].split()[0]) < 44, logs[-3000:]
     niah = json.loads((tmp_path / "run_niah/results.json").read_text())
