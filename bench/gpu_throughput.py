@@ -58,14 +58,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     bad = [s for s in stacks if s not in ("ours", "peer")]
     if bad or not stacks:
         raise BenchError(f"--stacks {args.stacks!r}: expected a comma list of ours, peer")
-    for flag, value, low in (("--layers", args.layers, 1), ("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
-                             ("--fallback-layers", args.fallback_layers, 0)):
+    fallback = args.fallback_layers if args.fallback_layers is not None else ("0" if dry else "auto")
+    if fallback != "auto" and not fallback.isdigit():
+        raise BenchError(f"--fallback-layers {fallback!r}: expected auto or a number of layers (0: off)")
+    for flag, value, low in (("--layers", args.layers, 1), ("--warmup", args.warmup, 0), ("--iters", args.iters, 1)):
         if value is not None and value < low:
             raise BenchError(f"{flag} {value}: must be >= {low}")
+    from megatron_ext.cost_model import GPU_ALIASES, GPUS
     from megatron_ext.presets import PRESETS
 
     if args.preset is not None and args.preset not in PRESETS:
         raise BenchError(f"--preset {args.preset!r}: expected one of {sorted(PRESETS)}")
+    gpu = GPU_ALIASES.get(args.gpu.lower(), args.gpu.lower()) if args.gpu else ("h200-141gb" if dry or args.device == "cpu" else None)
+    if gpu is not None and gpu not in GPUS:
+        raise BenchError(f"--gpu {args.gpu!r}: expected one of {', '.join([*GPUS, *GPU_ALIASES])} (default: the "
+                         "device's own)")
     out = args.out or os.environ.get("OUT") or str(ROOT / "bench" / "results" / "local")
     return Settings(
         device="cpu" if dry else args.device, preset=args.preset or ("tiny" if dry else "llama3.1-8b"),
@@ -76,7 +83,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         budget_s=args.budget_s if args.budget_s is not None else (240.0 if dry else 360.0),
         matmul_n=args.matmul_n or (256 if dry else 8192), out=Path(out),
         profile_lengths=profile if args.profile_lengths is not None else ([128] if dry else [32768, 131072]),
-        fallback_layers=args.fallback_layers if args.fallback_layers is not None else (0 if dry else 2),
+        fallback_layers=None if fallback == "auto" else int(fallback), gpu=gpu,
         min_timed_s=args.min_timed_s if args.min_timed_s is not None else (0.0 if dry else 3.0),
         loss_head=args.loss_head, partial_recompute=not args.no_partial_recompute, sdpa_kernel=args.sdpa_kernel,
     )
@@ -88,12 +95,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 class Run:
     """All measurements of one invocation; `self.doc` is the JSON written after every row.
 
-    `flops_per_token(layers, length)`: model FLOPs per token (causal) of the benchmark model with `layers`.
+    `flops_per_token(layers, length)`: model FLOPs per token (causal) of the benchmark model with `layers`;
+    `gpu`: the `cost_model.GPU` whose memory the planner fits rows in and whose peak MFU is counted against.
     """
 
-    def __init__(self, s: Settings, clock: Clock, doc: dict, flops_per_token, peak_tflops: float):
+    def __init__(self, s: Settings, clock: Clock, doc: dict, flops_per_token, gpu):
         self.s, self.clock, self.doc = s, clock, doc
-        self.flops_per_token, self.peak = flops_per_token, peak_tflops
+        self.flops_per_token, self.gpu, self.peak = flops_per_token, gpu, gpu.bf16_tflops
         self.main_layers = self.layers()
         self.results: list[dict] = doc["results"]
         self.json_path = s.out / "gpu_throughput.json"
@@ -137,12 +145,7 @@ class Run:
     def planned_memory(self, length: int, recompute: str) -> dict | None:
         """The planner's memory of our stack at this length (megatron_ext.plan), to compare with the peak."""
         try:
-            from megatron_ext.cost_model import GPUS
-            from megatron_ext.plan import plan
-
-            r = make_recipe(self.s, recompute)
-            r = dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length))
-            m = plan(r, GPUS["h200-141gb"], gpus=1).memory
+            m = self.plan(length, recompute).memory
             return {"total_gib": m.total / GIB, "without_overhead_gib": (m.total - m.overhead) / GIB,
                     "logits_gib": m.logits / GIB, "activations_gib": m.activations / GIB,
                     "states_gib": (m.weights + m.grads + m.optimizer) / GIB}
@@ -211,18 +214,34 @@ class Run:
             self.doc.setdefault("leftover_gib", []).append(
                 {"after": f"{name}/{recompute}/{self.layers()}L", "allocated_gib": torch.cuda.memory_allocated() / GIB})
 
-    def partial_layers(self, length: int) -> int | None:
-        """Fewest first layers to recompute that the planner fits in 90% of an H200 at `length` (None: none)."""
-        from megatron_ext.cost_model import GPUS
+    def plan(self, length: int, recompute: str):
+        """megatron_ext.plan's plan of our stack at `length` with the current layer count, on `self.gpu`."""
         from megatron_ext.plan import plan
 
+        r = make_recipe(self.s, recompute)
+        return plan(dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length)), self.gpu, gpus=1)
+
+    def partial_layers(self, length: int) -> int | None:
+        """Fewest first layers to recompute that the planner fits in 90% of the GPU at `length` (None: none)."""
         for n in range(1, self.layers()):
-            r = make_recipe(self.s, f"full:{n}")
-            p = plan(dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length)),
-                     GPUS["h200-141gb"], gpus=1)
+            p = self.plan(length, f"full:{n}")
             if p.fits and not p.tight:
                 return n
         return None
+
+    def fallback_layers_for(self, length: int, recompute: str) -> int:
+        """The most layers (fewer than the main run's, at least 1) that the planner fits in 90% of the GPU at
+        `length`: `--fallback-layers auto` (an H100 holds 128K of this model at fewer layers than an H200)."""
+        main = self.s
+        try:
+            for n in range(self.main_layers - 1, 0, -1):
+                self.s = dataclasses.replace(main, layers=n)
+                p = self.plan(length, recompute)
+                if p.fits and not p.tight:
+                    return n
+        finally:
+            self.s = main
+        return 1
 
     def run_partial_recompute(self) -> None:
         """Ours again where full recompute ran, recomputing only the first N layers (`train.recompute_layers`)."""
@@ -233,19 +252,24 @@ class Run:
             if n is not None:
                 self.run_stack("ours", f"full:{n}", [L])
 
-    def run_fallback(self, fallback_layers: int) -> None:
+    def run_fallback(self, fallback_layers: int | None) -> None:
         """Lengths where our stack ran out of memory (or was skipped after a shorter one did), again with
-        `fallback_layers` layers (both stacks)."""
+        `fallback_layers` layers (both stacks); None: per length, the most layers the planner fits."""
         oom = sorted({r["length"] for r in self.results
                       if r["stack"] == "ours" and r["layers"] == self.main_layers
                       and (r["status"] == "oom" or r.get("reason", "").startswith("out of memory at"))})
-        if not oom or not 0 < fallback_layers < self.main_layers:
-            return
         main = self.s
-        self.s = dataclasses.replace(main, layers=fallback_layers)
+        groups: dict[tuple[int, str], list[int]] = {}
+        for L in oom:
+            recompute = "full" if L >= main.recompute_from else "none"
+            n = fallback_layers if fallback_layers is not None else self.fallback_layers_for(L, recompute)
+            if 0 < n < self.main_layers:
+                groups.setdefault((n, recompute), []).append(L)
         try:
-            for name in main.stacks:
-                self.run_stack(name, "full" if oom[0] >= main.recompute_from else "none", oom)
+            for (n, recompute), lengths in sorted(groups.items(), reverse=True):  # most layers first
+                self.s = dataclasses.replace(main, layers=n)
+                for name in main.stacks:
+                    self.run_stack(name, recompute, lengths)
         finally:
             self.s = main
 
@@ -294,20 +318,22 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
     import torch
 
     from megatron_ext.hf_config import hf_config_from_recipe
-    from megatron_ext.cost_model import GPUS, shape_from_hf_config, train_flops_per_token
+    from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
     from megatron_ext.runtime import destroy_distributed, init_distributed, rank_device
 
     if s.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is visible; use --cpu-dry-run on a CPU machine")
     hf_cfg = hf_config_from_recipe(make_recipe(s, "none"))
-    peak = GPUS["h200-141gb"].bf16_tflops
+    gpu, gpu_note = bench_gpu(s)
 
     def flops_per_token(layers: int, L: int) -> float:
         return train_flops_per_token(shape_from_hf_config(dict(hf_cfg, num_hidden_layers=layers)), L, causal=True)
 
     doc = {"schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "label": label,
            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
-           "installed_wheels": installed, "model": hf_cfg, "peak_tflops": peak,
+           "installed_wheels": installed, "model": hf_cfg, "gpu_spec": {"name": gpu.name, "memory_gb": gpu.memory_gb,
+                                                                        "note": gpu_note},
+           "peak_tflops": gpu.bf16_tflops,
            "flops": "causal, megatron_ext.cost_model.train_flops_per_token (perf.md 5a); recompute not counted",
            "matmul": None, "stacks": {}, "results": []}
     init_distributed(s.device, seed=1234)
@@ -317,7 +343,9 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
         torch.distributed.all_reduce(torch.ones(1, device=rank_device()))
         print(f"[bench] {torch.distributed.get_backend()} ok", flush=True)
         doc["environment"] = environment(s.device)
-        run = Run(s, clock, doc, flops_per_token, peak)
+        run = Run(s, clock, doc, flops_per_token, gpu)
+        print(f"[bench] planning for {gpu.name} ({gpu.memory_gb:.0f} GB, {gpu.bf16_tflops} TFLOP/s bf16 peak; "
+              f"{gpu_note})", flush=True)
         doc["matmul"] = measure_matmul(s.device, s.matmul_n)
         print(f"[bench] bf16 matmul {s.matmul_n}^3: {doc['matmul']['tflops']:.1f} TFLOP/s", flush=True)
         run.save()
@@ -327,7 +355,7 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
             for name in s.stacks:
                 if lengths:
                     run.run_stack(name, recompute, lengths)
-        if s.fallback_layers:
+        if s.fallback_layers != 0:
             run.run_fallback(s.fallback_layers)
         if s.partial_recompute and "ours" in s.stacks:
             run.run_partial_recompute()
@@ -336,6 +364,28 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
     finally:
         destroy_distributed()
     return doc
+
+
+def bench_gpu(s: Settings):
+    """The `cost_model.GPU` the run plans memory for and counts MFU against, and where it came from: `--gpu`, else
+    the CUDA device's name (an H100 has 80 GB where an H200 has 141: the planner's fallback and partial-recompute
+    choices differ), else, for a device the table lacks, the H100/H200 peak with the device's own memory."""
+    import torch
+
+    from megatron_ext.cost_model import GPUS, gpu_from_device_name
+
+    if s.device != "cuda":
+        return GPUS[s.gpu or "h200-141gb"], "a CPU run: planned as on this GPU"
+    if s.gpu is not None:
+        return GPUS[s.gpu], "--gpu"
+    name = torch.cuda.get_device_name()
+    known = gpu_from_device_name(name)
+    if known is not None:
+        return known, f"from the device name {name!r}"
+    memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 / 1.07  # nvidia-smi's bytes, marketed GB
+    return (dataclasses.replace(GPUS["h200-141gb"], name=name, memory_gb=memory_gb),
+            f"{name!r} is not in cost_model.GPUS: its memory, the H100/H200 peak (MFU against the datasheet is "
+            "meaningless if this is another chip)")
 
 
 def print_summary(doc: dict, s: Settings) -> None:
@@ -365,8 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul-n", type=int, default=None, help="bf16 matmul size for the measured rate (8192)")
     p.add_argument("--profile-lengths", default=None,
                    help="lengths to profile one extra step of (default 32K,128K; 'none' to skip)")
-    p.add_argument("--fallback-layers", type=int, default=None,
-                   help="lengths where ours runs out of memory are run again with this many layers (default 2; 0: off)")
+    p.add_argument("--fallback-layers", default=None,
+                   help="lengths where ours runs out of memory are run again with this many layers (0: off); default "
+                        "auto: per length, the most layers the planner fits in 90%% of the GPU")
+    p.add_argument("--gpu", default=None,
+                   help="plan memory and count the datasheet MFU for this GPU (h100, h200, b200; default: the "
+                        "device's own, by name; h200 in the CPU dry run)")
     p.add_argument("--loss-head", default="chunked", choices=("chunked", "full"),
                    help="our loss head: chunked (megatron_ext.loss_head, default) or Megatron's (full)")
     p.add_argument("--no-partial-recompute", action="store_true",

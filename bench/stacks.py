@@ -26,11 +26,12 @@ class Settings:
     matmul_n: int
     profile_lengths: list[int]
     out: Path
-    fallback_layers: int = 0
+    fallback_layers: int | None = 0  # None: per length, the most layers the planner fits on the GPU (auto)
     min_timed_s: float = 0.0
     loss_head: str = "chunked"  # ours: megatron_ext.loss_head (chunked) or Megatron's output layer + CE (full)
     partial_recompute: bool = False  # ours, after the main rows: also recompute only the first N layers (full:N)
     sdpa_kernel: str = "auto"  # ours: runtime.sdpa_kernel (auto: SDPA's own choice, what a recipe gets by default)
+    gpu: str | None = None  # cost_model.GPUS key the planner and the datasheet peak use (None: the device's own)
 
 
 def make_recipe(s: Settings, recompute: str):

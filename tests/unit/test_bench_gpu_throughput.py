@@ -15,7 +15,7 @@ import torch
 from bench import gpu_throughput as gt
 from bench.measure import Clock
 from bench.stacks import Settings
-from megatron_ext.cost_model import shape_from_hf_config, train_flops_per_token
+from megatron_ext.cost_model import GPUS, shape_from_hf_config, train_flops_per_token
 from megatron_ext.presets import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +37,7 @@ def test_dry_run_table_and_json(dry_run):
     stdout, doc, out = dry_run
     assert doc["schema"] == gt.SCHEMA and doc["settings"]["device"] == "cpu" and doc["label"] == "dry"
     assert doc["peak_tflops"] == 989.4 and doc["matmul"]["tflops"] > 0
+    assert doc["gpu_spec"]["name"] == "h200-141gb" and "planned as on this GPU" in stdout
     rows = [r for r in doc["results"] if ":" not in r["recompute"]]
     assert sorted((r["stack"], r["length"]) for r in rows) == [(s, L) for s in ("ours", "peer") for L in (64, 128, 256)]
     # then ours again where full recompute ran, recomputing only the first layer (the planner's fewest that fit)
@@ -147,7 +148,7 @@ def _run(tmp_path, budget_s):
                  profile_lengths=[], out=tmp_path)
     doc = {"model": {"vocab_size": 512, "num_hidden_layers": 4}, "matmul": {"tflops": 1.0}, "stacks": {},
            "results": []}
-    return gt.Run(s, Clock(budget_s), doc, lambda layers, L: 1e6 * layers, 989.4), doc
+    return gt.Run(s, Clock(budget_s), doc, lambda layers, L: 1e6 * layers, GPUS["h200-141gb"]), doc
 
 
 def test_out_of_memory_is_recorded_and_longer_lengths_skipped(tmp_path, monkeypatch):
@@ -165,6 +166,37 @@ def test_out_of_memory_is_recorded_and_longer_lengths_skipped(tmp_path, monkeypa
     extra = doc["results"][3:]
     assert [(r["length"], r["layers"], r["status"]) for r in extra] == [(128, 2, "ok"), (256, 2, "ok")]
     assert extra[0]["flops_per_token"] == 2e6 and run.s.layers == 4
+    # auto (the default on a GPU): the layer count the planner gives each length
+    run, doc = _run(tmp_path, budget_s=600)
+    run.run_stack("ours", "none", [64, 128, 256])
+    monkeypatch.setattr(run, "fallback_layers_for", lambda L, recompute: 3 if L == 128 else 2)
+    run.run_fallback(None)
+    assert [(r["length"], r["layers"], r["status"]) for r in doc["results"][3:]] == [(128, 3, "oom"), (256, 2, "ok")]
+
+
+def test_the_gpu_found_decides_fallback_and_partial_recompute(tmp_path):
+    """The planner fits rows in the GPU the run has (an H100's 80 GB, an H200's 141), not always an H200's: on an
+    H100 a 128K row of the 4-layer model needs 1 layer and 64K no partial recompute fits; on an H200, 3 and 2."""
+    runs = {}
+    for gpu in ("h100", "h200"):
+        s = gt.settings_from_args(gt.build_parser().parse_args(["--gpu", gpu, "--out", str(tmp_path)]))
+        runs[gpu] = gt.Run(s, Clock(600), {"model": {"num_hidden_layers": 32}, "results": []}, None, GPUS[s.gpu])
+    h100, h200 = runs["h100"], runs["h200"]
+    assert h100.main_layers == h200.main_layers == 4 and h100.gpu.memory_gb == 80
+    assert not h100.plan(131072, "full").fits and h200.plan(131072, "full").fits
+    assert (h100.fallback_layers_for(131072, "full"), h200.fallback_layers_for(131072, "full")) == (1, 3)
+    assert h100.s.layers == 4  # the planning does not change the run's layer count
+    assert (h100.partial_layers(65536), h200.partial_layers(131072)) == (None, 2)
+
+
+def test_gpu_flag_is_checked():
+    with pytest.raises(gt.BenchError, match=r"--gpu 'a100': expected one of h100-80gb, h200-141gb"):
+        gt.settings_from_args(gt.build_parser().parse_args(["--gpu", "a100"]))
+    with pytest.raises(gt.BenchError, match=r"--fallback-layers 'two': expected auto or a number"):
+        gt.settings_from_args(gt.build_parser().parse_args(["--fallback-layers", "two"]))
+    assert gt.settings_from_args(gt.build_parser().parse_args(["--gpu", "H100"])).gpu == "h100-80gb"
+    assert gt.settings_from_args(gt.build_parser().parse_args([])).fallback_layers is None  # auto on a GPU
+    assert gt.settings_from_args(gt.build_parser().parse_args(["--cpu-dry-run"])).fallback_layers == 0
 
 
 def test_time_budget_skips_and_says_so(tmp_path, monkeypatch):
