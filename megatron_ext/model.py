@@ -164,7 +164,8 @@ def transformer_config(hf_cfg: dict, opts: BuildOptions):
 
 
 def layer_spec(config, opts: BuildOptions):
-    """TE spec when TE is used, else Megatron's local spec with torch SDPA core attention."""
+    """TE spec when TE is used, else the block of Megatron's local layers with torch SDPA core attention and torch's
+    RMSNorm after the last layer."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -173,13 +174,19 @@ def layer_spec(config, opts: BuildOptions):
     if config.transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec()
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from megatron_ext.attention import TorchSDPAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=TorchSDPAttention, params={"sdpa_kernel": opts.sdpa_kernel})
-    return spec
+    # Given a layer spec alone, Megatron picks the final norm when it is imported: TE's where TE imports (a CUDA
+    # kernel, which fails on CPU tensors, and an _extra_state key checkpoints written without TE lack), Apex's
+    # LayerNorm where only Apex does (it refuses RMSNorm: the build failed). Torch's, as in the layers, everywhere.
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=WrappedTorchNorm)
 
 
 # Megatron-Core sets TE's NVTE_*_ATTN variables from the attention backend at every model build, and stops at other

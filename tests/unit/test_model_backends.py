@@ -14,13 +14,31 @@ from megatron_ext.recipe import RecipeError
 from megatron_ext.runtime import te_available
 
 
-def test_cpu_uses_local_spec_with_sdpa():
+def test_cpu_uses_local_spec_with_sdpa(cpu_parallel_state):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     opts = BuildOptions(device="cpu")
     assert not opts.use_te() and opts.attention_backend() == "sdpa"
     cfg = transformer_config(TINY, opts)
     assert cfg.transformer_impl == "local" and not cfg.bias_activation_fusion and not cfg.apply_rope_fusion
-    spec = layer_spec(cfg, opts)
-    assert spec.submodules.self_attention.submodules.core_attention.module is TorchSDPAttention
+    block = layer_spec(cfg, opts)
+    assert len(block.layer_specs) == TINY["num_hidden_layers"] and block.layer_norm is WrappedTorchNorm
+    assert block.layer_specs[0].submodules.self_attention.submodules.core_attention.module is TorchSDPAttention
+
+
+def test_sdpa_model_final_norm_is_torch_rmsnorm_where_apex_or_te_imports(cpu_parallel_state, monkeypatch):
+    """Megatron picks a layer spec's final norm at import time: TE's where TE imports, Apex's FusedLayerNorm where
+    only Apex does. The sdpa model names torch's, so it builds and runs on the CPU of a node with TE or Apex. The
+    Apex case is Megatron's own state when Apex imports (its FusedLayerNorm refuses RMSNorm: the build failed)."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer import transformer_block
+
+    from megatron_ext.model import build_model
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", FusedLayerNorm)
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    assert type(model.decoder.final_layernorm) is torch.nn.RMSNorm
+    assert [k for k in model.state_dict() if "final_layernorm" in k] == ["decoder.final_layernorm.weight"]
 
 
 @pytest.mark.skipif(te_available(), reason="checks the error when Transformer Engine is missing")
@@ -170,7 +188,8 @@ def test_sdpa_kernel_is_forced_and_computes_the_same(cpu_parallel_state):
     losses, ops = {}, {}
     for kernel in ("auto", "math", "flash"):
         opts = BuildOptions(device="cpu", seq_length=64, sdpa_kernel=kernel)
-        spec = layer_spec(transformer_config(TINY, opts), opts).submodules.self_attention.submodules.core_attention
+        block = layer_spec(transformer_config(TINY, opts), opts)
+        spec = block.layer_specs[0].submodules.self_attention.submodules.core_attention
         assert spec.module is TorchSDPAttention and spec.params == {"sdpa_kernel": kernel}
         torch.manual_seed(0)
         model = build_model(TINY, opts)
