@@ -21,6 +21,10 @@ from pathlib import Path
 # this module first.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+from megatron_ext.runtime.cpu_backend import hide_gpu_packages  # noqa: E402
+
+hide_gpu_packages()  # and Transformer Engine / Apex, before Megatron-Core is imported (cpu_backend.py, P0)
+
 
 # The library warnings a conversion raises that concern no conversion: (category, message, module), matched as
 # warnings.filterwarnings matches them (each regex from the start of the text, the message ignoring case). They broke

@@ -29,6 +29,10 @@ from pathlib import Path
 # GPUs hidden before torch is imported (megatron_ext/runtime/cpu_backend.py); the subprocesses inherit this.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+from megatron_ext.runtime.cpu_backend import hide_gpu_packages  # noqa: E402
+
+hide_gpu_packages()  # and Transformer Engine / Apex, before Megatron-Core is imported (cpu_backend.py, P0)
+
 from megatron_ext.demo.pipeline import (ABLATION, ROOT, DemoSettings, StepLog,  # noqa: E402
                                         rope_overrides_from_hf, run_tool, run_tools, torchrun,
                                         yarn_untrained)

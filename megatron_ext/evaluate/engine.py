@@ -133,8 +133,6 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
     """Start the process group for this job's ranks (torchrun or srun; DP = world / (TP x PP x CP)), load the
     checkpoint at that layout, and end the group on exit. `tokenizer`: a directory or name (default: the one
     the checkpoint records)."""
-    from megatron.core import parallel_state as ps
-
     from megatron_ext.evaluate.loading import megatron_tokenizer, resolve_dtype
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
 
@@ -150,6 +148,8 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
     if precision is None:
         raise EvalError(f"--dtype {dtype}: the Megatron engine runs bf16 or fp32")
     init_distributed(device, tensor=tensor, pipeline=pipeline, context=context)
+    from megatron.core import parallel_state as ps  # after: on the CPU, Megatron-Core without TE/Apex (cpu_backend P0)
+
     try:
         model, hf_cfg, recorded = load_megatron_for_eval(checkpoint, tensor=tensor, pipeline=pipeline, context=context,
                                                          device=device, precision=precision)

@@ -1,9 +1,15 @@
 """CPU backend: lets the real Megatron-Core 0.16.1 (GPTModel, schedules, DDP, optimizer,
 dist_checkpointing, recompute) run on CPU with gloo.
 
-This is the ONE module of the project that patches anything. P1-P4 and P6 are applied only for
+This is the ONE module of the project that patches anything. P0-P4 and P6 are applied only for
 `runtime.device: cpu`, once per process, before any model is built. Megatron-Core assumes CUDA in
 places that have nothing to do with the math; each of them exists for one such assumption:
+
+P0  Megatron-Core chooses its kernels when its modules are imported: Transformer Engine's or Apex's fused Adam,
+    multi-tensor norm and final norm wherever those import, whatever the device. On the CPU path of a GPU node
+    (TE installed, GPUs hidden) they ran CUDA kernels on CPU tensors. The CPU path hides those packages
+    (`sys.modules[name] = None`: an import of them raises ImportError, Megatron's cue for its torch fallbacks)
+    before Megatron-Core is imported: the torch fallbacks are what runs on a machine without them.
 
 P1  `torch.cuda.current_device()` is used as a device in ~175 places (tensor creation, model init);
     it returns "cpu" here. Models are built with `use_cpu_initialization=True`.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -183,11 +190,28 @@ def _fork_checkpoint_results_queue() -> None:
     start_write_results_queue()
 
 
+# P0: what Megatron-Core 0.16.1 imports, each in a try/except ImportError, to pick GPU kernels
+_GPU_PACKAGES = ("transformer_engine", "transformer_engine_torch", "apex", "amp_C", "fused_weight_gradient_mlp_cuda")
+
+
+def hide_gpu_packages() -> None:
+    """P0 (idempotent): Transformer Engine and Apex do not import in this process, so that Megatron-Core, imported
+    after, takes its torch code. DeviceError when one is already imported (Megatron may have chosen its kernels)."""
+    loaded = [name for name in _GPU_PACKAGES if sys.modules.get(name) is not None]
+    if loaded:
+        raise DeviceError(f"runtime.device = 'cpu' in a process that has already imported {', '.join(loaded)}: "
+                          "Megatron-Core would run its CUDA kernels on CPU tensors; run the CPU path in its own "
+                          "process, or use runtime.device=cuda")
+    for name in _GPU_PACKAGES:
+        sys.modules[name] = None  # type: ignore[assignment]
+
+
 def apply_cpu_backend() -> None:
-    """Apply P1-P4 and P6 (idempotent). Call before building any Megatron-Core object on CPU."""
+    """Apply P0-P4 and P6 (idempotent). Call before building any Megatron-Core object on CPU."""
     global _APPLIED
     if _APPLIED:
         return
+    hide_gpu_packages()
     # On a machine with GPUs (a cluster node converting a checkpoint, a workstation running the demo) the CPU path
     # must see none, here and in child processes: the patches above answer CUDA questions for the CPU, and code
     # that asks torch.cuda.is_available() would send tensors to a GPU. This works while nothing in the process

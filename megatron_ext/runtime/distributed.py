@@ -30,13 +30,11 @@ def init_distributed(
 
     On cpu the CPU backend is applied first. Idempotent for the default group.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
     penv = process_env()
     if device == "cpu":
         from megatron_ext.runtime.cpu_backend import apply_cpu_backend
 
-        apply_cpu_backend()
+        apply_cpu_backend()  # before Megatron-Core is imported (P0)
         backend = "gloo"
     else:
         if tensor > 1 or context > 1:
@@ -47,6 +45,8 @@ def init_distributed(
             raise DeviceError("runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu")
         torch.cuda.set_device(penv.local_rank % torch.cuda.device_count())
         backend = "nccl"
+    from megatron.core import parallel_state, tensor_parallel
+
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", penv.master_addr)
         os.environ.setdefault("MASTER_PORT", str(penv.master_port))
