@@ -45,6 +45,7 @@ class BuildOptions:
     seq_length: int = 4096
     loss_head: str = "chunked"  # chunked | full (see megatron_ext/loss_head.py)
     loss_chunk_tokens: int = 2048
+    packed_sequences: bool = False  # SFT: conversations packed into one sequence (THD attention under TE)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "BuildOptions":
@@ -56,10 +57,28 @@ class BuildOptions:
             recompute=recipe.train.recompute, recompute_layers=recipe.train.recompute_layers, fp8=rt.fp8, fp8_attention=rt.fp8_attention, fp8_recipe=rt.fp8_recipe,
             make_vocab_size_divisible_by=recipe.model.make_vocab_size_divisible_by, seq_length=recipe.train.seq_length,
             loss_head=recipe.train.loss_head, loss_chunk_tokens=recipe.train.loss_chunk_tokens,
+            packed_sequences=recipe.train.stage == "sft",
         )
 
+    def _te_attention_refuses_fp32(self) -> str | None:
+        """Why TE has no attention backend for this fp32 run, or None. Flash and cuDNN attention take bf16/fp16
+        only; TE's unfused backend, the one left in fp32, takes no context parallelism, nor packed (THD) sequences
+        before TE 2.11: the first forward raised 'No dot product attention backend is available'."""
+        if self.precision != "fp32":
+            return None
+        if self.context > 1:
+            return f"parallel.context = {self.context}"
+        if self.packed_sequences:
+            import transformer_engine
+
+            version = tuple(int(x) for x in transformer_engine.__version__.split(".")[:2] if x.isdigit())
+            if version < (2, 11):
+                return f"SFT's packed sequences under transformer_engine {transformer_engine.__version__} (< 2.11)"
+        return None
+
     def use_te(self) -> bool:
-        """Transformer Engine spec: asked for, or `auto` on cuda when TE imports. FP8 demands it."""
+        """Transformer Engine spec: asked for, or `auto` on cuda when TE imports and has an attention backend for
+        the run's precision and layout. FP8 demands it."""
         from megatron_ext.runtime import te_available
 
         if self.attention == "te" or self.fp8 is not None:
@@ -78,8 +97,15 @@ class BuildOptions:
             if self.fp8_attention and self.fp8_recipe == "tensorwise" and arch < (10, 0):
                 raise RecipeError(f"runtime.fp8_attention = true with runtime.fp8_recipe = 'tensorwise': TE runs it "
                                   f"only on sm100+, this GPU is {here}; use runtime.fp8_recipe=delayed")
+            why = self._te_attention_refuses_fp32()
+            if why is not None:
+                raise RecipeError(f"{field} with train.precision = 'fp32' and {why}: Transformer Engine attends fp32 "
+                                  "only in its unfused backend, which does not take that; use train.precision=bf16, "
+                                  "or runtime.attention=sdpa (auto chooses it here)")
             return True
-        return self.attention == "auto" and self.device == "cuda" and te_available()
+        # auto: TE where it imports, unless it has no fp32 backend for the run (the torch SDPA backend has one)
+        return (self.attention == "auto" and self.device == "cuda" and te_available()
+                and self._te_attention_refuses_fp32() is None)
 
     def attention_backend(self) -> str:
         """`te` or `sdpa` (the torch backend; under CP it all-gathers K/V whatever cp_comm_type says)."""

@@ -210,7 +210,8 @@ class RuntimeConfig:
 
     device: Literal["cuda", "cpu"] = _f("cuda", "cuda (NCCL) or cpu (gloo, CPU backend).")
     attention: Literal["auto", "te", "sdpa"] = _f(
-        "auto", "Core attention: te (Transformer Engine), sdpa (torch), auto = te when importable on cuda."
+        "auto", "Core attention: te (Transformer Engine), sdpa (torch), auto = te when importable on cuda, except "
+        "in fp32 under CP or with SFT's packed sequences before TE 2.11 (TE has no fp32 attention for those)."
     )
     sdpa_kernel: Literal["auto", "flash", "cudnn", "efficient", "math"] = _f(
         "auto", "The torch SDPA kernel of the sdpa attention backend: auto = SDPA's own choice; flash, cudnn, efficient "

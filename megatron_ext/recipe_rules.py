@@ -147,6 +147,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              "parallel.sequence_parallel = true with runtime.attention = 'sdpa': sequence parallelism needs the "
              "Transformer Engine path (Megatron's torch norms refuse it); use runtime.attention=auto or te, or "
              "parallel.sequence_parallel=false")
+    _require(not (r.attention == "te" and r.device == "cuda" and t.precision == "fp32" and p.context > 1),
+             f"runtime.attention = 'te' with train.precision = 'fp32' and parallel.context = {p.context}: Transformer "
+             "Engine attends fp32 only in its unfused backend, which takes no context parallelism; use "
+             "train.precision=bf16, or runtime.attention=sdpa (auto chooses it here)")
     _require(not r.fp8_attention or r.fp8 is not None,
              "runtime.fp8_attention = true: needs runtime.fp8 (hybrid or e4m3)")
     _require(not (r.fp8_attention and p.context > 1 and p.cp_comm_type in ("all_gather", "a2a+p2p")),

@@ -4,6 +4,8 @@ Which spec and which TransformerConfig fields each recipe setting produces; the 
 are in tests/gpu/.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from megatron_ext.model import BuildOptions, layer_spec, transformer_config
 from megatron_ext.presets import TINY
 from megatron_ext.recipe import RecipeError
 from megatron_ext.runtime import te_available
+from tests.conftest import ROOT
 
 
 def test_cpu_uses_local_spec_with_sdpa(cpu_parallel_state):
@@ -56,6 +59,43 @@ def pretend_te(monkeypatch):
     """Make the choice logic see TE and an sm90 GPU, to check the config it builds."""
     monkeypatch.setattr("megatron_ext.runtime.te_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+
+def test_te_attention_needs_a_backend_for_fp32(pretend_te, monkeypatch):
+    """TE attends fp32 only in its unfused backend, which takes no CP (nor packed sequences before TE 2.11): auto
+    picks the torch SDPA backend there, an explicit te is one error; bf16 and fp32 without CP keep TE."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.10.0+abc"))
+    assert BuildOptions(device="cuda", precision="fp32").use_te()
+    assert BuildOptions(device="cuda", precision="bf16", context=2).use_te()
+    assert BuildOptions(device="cuda", precision="bf16", packed_sequences=True).use_te()
+    assert not BuildOptions(device="cuda", precision="fp32", context=2).use_te()
+    assert BuildOptions(device="cuda", precision="fp32", context=2).attention_backend() == "sdpa"
+    assert not BuildOptions(device="cuda", precision="fp32", packed_sequences=True).use_te()
+    with pytest.raises(RecipeError, match=r"runtime.attention = 'te' with train.precision = 'fp32' and "
+                                          r"parallel.context = 2: .* use train.precision=bf16"):
+        BuildOptions(device="cuda", precision="fp32", context=2, attention="te").use_te()
+    with pytest.raises(RecipeError, match=r"SFT's packed sequences under transformer_engine 2.10.0\+abc \(< 2.11\)"):
+        BuildOptions(device="cuda", precision="fp32", packed_sequences=True, attention="te").use_te()
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.11.0"))
+    assert BuildOptions(device="cuda", precision="fp32", packed_sequences=True).use_te()
+
+
+def test_te_fp32_under_cp_is_refused_at_load():
+    from megatron_ext.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match=r"runtime.attention = 'te' with train.precision = 'fp32' and "
+                                          r"parallel.context = 2"):
+        load_recipe(ROOT / "recipes/tiny/cpt.yaml", ["runtime.device=cuda", "runtime.attention=te",
+                                                     "train.precision=fp32", "parallel.context=2"], world_size=2)
+    assert load_recipe(ROOT / "recipes/tiny/cpt.yaml", ["runtime.device=cuda", "runtime.attention=auto",
+                                                        "train.precision=fp32", "parallel.context=2"], world_size=2)
+    from megatron_ext.model import BuildOptions as B
+
+    sft = load_recipe(ROOT / "recipes/tiny/sft.yaml", [], world_size=1)
+    assert B.from_recipe(sft).packed_sequences and not B.from_recipe(
+        load_recipe(ROOT / "recipes/tiny/cpt.yaml", [], world_size=2)).packed_sequences
 
 
 @pytest.mark.parametrize("recipe_fp8, fp8_recipe", [("hybrid", "delayed"), ("e4m3", "tensorwise")])
