@@ -39,7 +39,7 @@ from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.launch_stages import Stage, chain_sft_stage, check_stage_follows, check_stage_order, plan_stages
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
-from megatron_ext.launch_check import check, describe, run_check
+from megatron_ext.launch_check import check, check_tensor_parallel_within_node, describe, run_check
 from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
 from megatron_ext.train_setup import check_data, check_setup
 
@@ -246,6 +246,8 @@ def submit(args, plan: list[Stage]) -> int:
         recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
         if i and chain_sft_stage(jobs_params[-1][0], recipe, stage):
             recipe = check(stage.recipe, stage.overrides + size, None, paths=False)
+        # a GPU job runs one task per GPU (slurm_parameters): the check the sbatch scripts make with Slurm's count
+        check_tensor_parallel_within_node(recipe, recipe.cluster.gpus_per_node, f"stage {stage.name}: ")
         if i and not args.dry_run:
             try:
                 check_data(recipe)

@@ -36,17 +36,23 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
         check_setup(recipe)
-    if recipe.runtime.device == "cuda" and tasks_per_node is not None and tasks_per_node % recipe.parallel.tensor:
-        # Megatron puts TP on consecutive ranks: with whole groups per node they stay on NVLink
-        raise RecipeError(f"parallel.tensor = {recipe.parallel.tensor} with {tasks_per_node} tasks per node: tensor "
-                          "parallel groups would span nodes (their all-reduce over the network in every layer); give "
-                          "a number of tasks per node that parallel.tensor divides, or a smaller parallel.tensor")
+    if tasks_per_node is not None:
+        check_tensor_parallel_within_node(recipe, tasks_per_node)
     if recipe.runtime.device == "cuda" and gpus_per_node is not None and tasks_per_node is not None:
         if gpus_per_node < tasks_per_node:
             raise RecipeError(
                 f"runtime.device = 'cuda': {tasks_per_node} tasks per node but {gpus_per_node} GPUs per node "
                 f"allocated; submit with --gpus-per-node={tasks_per_node} (one task per GPU) or set runtime.device=cpu")
     return recipe
+
+
+def check_tensor_parallel_within_node(recipe: Recipe, tasks_per_node: int, where: str = "") -> None:
+    """RecipeError when a cuda run's tensor-parallel groups would span nodes of `tasks_per_node` tasks each."""
+    if recipe.runtime.device == "cuda" and tasks_per_node % recipe.parallel.tensor:
+        # Megatron puts TP on consecutive ranks: with whole groups per node they stay on NVLink
+        raise RecipeError(f"{where}parallel.tensor = {recipe.parallel.tensor} with {tasks_per_node} tasks per node: "
+                          "tensor parallel groups would span nodes (their all-reduce over the network in every layer); "
+                          "give a number of tasks per node that parallel.tensor divides, or a smaller parallel.tensor")
 
 
 def describe(recipe: Recipe, world_size: int) -> str:

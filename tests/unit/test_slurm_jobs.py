@@ -334,6 +334,20 @@ def test_tensor_parallel_groups_stay_within_a_node(monkeypatch):
     assert launch.check("recipes/cpt_1m.yaml", [], 256, tasks_per_node=8, gpus_per_node=8, paths=False)
 
 
+def test_submitit_path_keeps_tensor_parallel_groups_within_a_node(monkeypatch, capsys):
+    """The launcher's jobs run one task per GPU: --gpus-per-node 4 with TP 8 is refused as the sbatch preflight
+    refuses it (it was submitted: every TP group across two nodes); control: 8 GPUs per node."""
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    assert launch.main(["--recipe", "recipes/cpt_1m.yaml", "--gpus-per-node", "4", "--nodes", "64", "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: stage cpt_1m: parallel.tensor = 8 with 4 tasks per node: tensor parallel groups would "
+                   "span nodes (their all-reduce over the network in every layer); give a number of tasks per node "
+                   "that parallel.tensor divides, or a smaller parallel.tensor"]
+    assert launch.main(["--recipe", "recipes/cpt_1m.yaml", "--gpus-per-node", "8", "--nodes", "32", "--dry-run"]) == 0
+
+
 def test_launch_refuses_an_evaluation_folder_with_earlier_results(tmp_path):
     """The NIAH job refuses an --out holding an earlier run's results.json: found before submitting, not by the job
     after the whole training (a dry run does not look at paths)."""
