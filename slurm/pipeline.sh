@@ -202,7 +202,12 @@ if [[ -n $NIAH || -n $RULER ]]; then
   # The CPT layout holds the longest sequences; evaluation passes need less memory than its training steps.
   TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
   CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
-  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < 8 ? TP * CP : 8))
+  # GPUs per node: SBATCH_ARGS' --gpus-per-node=N where given (it sizes the training jobs too), else the recipe's
+  GPN=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
+  for arg in "${EXTRA[@]}"; do
+    [[ $arg =~ ^--gpus-per-node=([0-9]+)$ ]] && GPN=${BASH_REMATCH[1]}
+  done
+  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < GPN ? TP * CP : GPN))
   [[ -n $NIAH ]] && PREV=$TRAINED && eval_job niah "" --lengths "$NIAH" --depths 0:100:10
   [[ -n $RULER ]] && PREV=$TRAINED && eval_job ruler ruler --lengths "$RULER" --tasks all
 fi

@@ -201,6 +201,20 @@ def test_pipeline_paths_are_the_callers(tmp_path):
     assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help)\n"
 
 
+@pytest.mark.parametrize("sbatch_args, overrides, per_node, nodes", [
+    ("", [], 8, 4),  # TP 8 x CP 4 of cpt_1m on the recipe's 8 GPUs per node
+    ("--account=a --gpus-per-node=4 --ntasks-per-node=4", [], 4, 8),  # 4-GPU nodes: was 8 per node, refused by sbatch
+    ("", ["cluster.gpus_per_node=4"], 4, 8),
+])
+def test_pipeline_evaluation_jobs_fit_the_nodes(tmp_path, sbatch_args, overrides, per_node, nodes):
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", SBATCH_ARGS=sbatch_args)
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", "--no-sft", "--hf", "/m", "--niah",
+                           "128K:1M:4", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    niah = [line for line in proc.stdout.splitlines() if "slurm/niah.sh" in line]
+    assert len(niah) == 1 and f"--nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} " in niah[0]
+
+
 def test_loopback_master_addr_from_the_login_shell_stops_a_multi_node_job(job):
     """sbatch exports the submitting shell's MASTER_ADDR; before, a 2-node job took 'localhost' as its rendezvous
     and the second node's ranks waited for themselves until the timeout."""
