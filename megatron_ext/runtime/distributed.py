@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
+from typing import Mapping
 
 import torch
 
@@ -15,6 +17,38 @@ def rank_device() -> torch.device:
     run hides the GPUs, `cpu_backend.py`). Batches and the tensors of collectives go there: NCCL takes only CUDA
     tensors, gloo CPU ones."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def tasks_on_this_node(environ: Mapping[str, str] | None = None) -> int | None:
+    """How many tasks of this job step run on this node (torchrun's LOCAL_WORLD_SIZE, or Slurm's tasks-per-node list
+    at this node's index: `8(x4)`, `8,4`, `4(x2),2`), None where neither says."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun's variables win, as in process_env
+        return int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE", "").isdigit() else None
+    spec, node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), env.get("SLURM_NODEID")
+    if not spec or node is None or not node.isdigit():
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[int(node)] if int(node) < len(counts) else None
+
+
+def gpu_of_local_rank(local_rank: int, visible: int, tasks_on_node: int | None) -> int:
+    """The index, among the GPUs this task sees, of the one it uses. A task sees all the node's GPUs (one each by
+    local rank) or exactly one (`--gpus-per-task=1`); between the two (`--gpu-bind=closest` hands each task its
+    NUMA domain's GPUs, and Slurm's cyclic placement puts local ranks 0 and 4 in one domain) two ranks would take
+    the same GPU: out of memory, or half the speed without a word. That is a DeviceError."""
+    if tasks_on_node is not None and 1 < visible < tasks_on_node:
+        raise DeviceError(
+            f"this task sees {visible} GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}) "
+            f"and {tasks_on_node} tasks share the node: local rank {local_rank} would share GPU "
+            f"{local_rank % visible} with another task; give every task all of the node's GPUs (--gpus-per-node, "
+            "without --gpu-bind) or one each (--gpus-per-task=1)")
+    return local_rank % visible
 
 
 def init_distributed(
@@ -43,7 +77,7 @@ def init_distributed(
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         if not torch.cuda.is_available():
             raise DeviceError("runtime.device = 'cuda' but no CUDA device is visible; use runtime.device=cpu")
-        torch.cuda.set_device(penv.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(gpu_of_local_rank(penv.local_rank, torch.cuda.device_count(), tasks_on_this_node()))
         backend = "nccl"
     from megatron.core import parallel_state, tensor_parallel
 

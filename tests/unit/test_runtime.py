@@ -101,3 +101,32 @@ for value in (7, 30):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-3:-1] == ["7 [7.0, 7.0, 7.0, 7.0, 7.0]", "30 [30.0, 30.0, 30.0, 30.0, 30.0]"]
+
+
+@pytest.mark.parametrize("environ, tasks", [
+    ({"RANK": "3", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 8),
+    ({"RANK": "3", "WORLD_SIZE": "16"}, None),
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x4)", "SLURM_NODEID": "3"}, 8),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),2", "SLURM_NODEID": "2"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "8,4", "SLURM_NODEID": "1"}, 4),
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x4)"}, None),
+    ({}, None),
+])
+def test_tasks_on_this_node(environ, tasks):
+    from megatron_ext.runtime.distributed import tasks_on_this_node
+
+    assert tasks_on_this_node(environ) == tasks
+
+
+def test_two_ranks_never_share_a_gpu():
+    """All GPUs per task (8 tasks, 8 GPUs: one each by local rank) or one per task (--gpus-per-task=1) are right;
+    --gpu-bind=closest gives each task its NUMA domain's 4 GPUs, where local ranks 0 and 4 took the same one."""
+    from megatron_ext.runtime import DeviceError
+    from megatron_ext.runtime.distributed import gpu_of_local_rank
+
+    assert [gpu_of_local_rank(r, 8, 8) for r in range(8)] == list(range(8))
+    assert [gpu_of_local_rank(r, 1, 8) for r in range(8)] == [0] * 8
+    assert gpu_of_local_rank(5, 8, None) == 5 and gpu_of_local_rank(1, 8, 4) == 1
+    with pytest.raises(DeviceError, match=r"this task sees 4 GPUs .* and 8 tasks share the node: local rank 4 would "
+                                          r"share GPU 0 with another task; .*--gpus-per-task=1"):
+        gpu_of_local_rank(4, 4, 8)
