@@ -12,7 +12,9 @@ OptimizerParamScheduler, `get_forward_backward_func` schedules, `finalize_model_
 Exit codes: 0 done; 1 user error (one line on stderr); `EXIT_REQUEUE` (= 3) after SIGTERM/SIGUSR1/SIGUSR2,
 once a checkpoint is written, so that the Slurm scripts requeue the job (not after a USR2 stop,
 slurm/common.sh); `EXIT_DIVERGED` (= 4) at the first step whose loss or gradient norm is not finite,
-without saving: the newest checkpoint is from before (a requeue would only repeat the divergence).
+without saving: the newest checkpoint is from before (a requeue would only repeat the divergence);
+`EXIT_INTERRUPTED` (= 130) after Ctrl-C: saved at the end of the step in the loop, unsaved before it or
+at a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -32,35 +34,11 @@ from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.train_metrics import LogWindow, MetricsLog, format_duration, log, memory_gib
 from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, setup_warnings
+from megatron_ext.train_stop import StopFlag, any_rank
 
 EXIT_REQUEUE = 3
 EXIT_DIVERGED = 4
-
-
-# ---------------------------------------------------------------------------- signals
-
-
-class StopFlag:
-    """Set by SIGTERM / SIGUSR1 / SIGUSR2; every rank agrees on it at the end of a step. (USR2 is the batch shell's
-    stop-without-requeue signal, slurm/common.sh; if a Slurm passes it on to the tasks, they save as for USR1.)"""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signum
-
-    def agreed(self) -> bool:
-        return any_rank(self.signal is not None)
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether `flag` holds on any rank (every rank calls it): so that all ranks take the same branch."""
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=rank_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it: a stop the user asked for, not requeued
 
 
 # ---------------------------------------------------------------------------- setup
@@ -259,6 +237,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
             "lr and memory of the last (metrics.jsonl: every step)")
     step, loop_start = start, time.time()
     window = LogWindow()
+    stop.in_loop = True
     try:
         while step < t.steps:
             step_start = time.time()
@@ -328,6 +307,10 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                     ddp_model.start_param_sync(force_sync=True)  # next forward: gather them before saving
                 saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
                            wait=stopping or step == t.steps)
+            if stopping and step < t.steps and stop.interrupted_anywhere:
+                log(f"[train] interrupted (Ctrl-C) after step {step}; checkpoint saved, exiting with "
+                    f"{EXIT_INTERRUPTED}: the same command goes on from it")
+                return EXIT_INTERRUPTED
             if stopping and step < t.steps:
                 # stop.signal is None on a rank the signal did not reach (agreed() heard it from another)
                 received = signal.Signals(stop.signal).name if stop.signal else "a stop signal on another rank"
@@ -364,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=env.world_size)
         check_setup(recipe)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     except RecipeError as e:
         # from the recipe and the files it names, alike on every rank of a node: said by each node's first rank, not
         # once per GPU (a node that alone cannot see a file still says so)
@@ -378,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:  # may be one task's alone (its CUDA_VISIBLE_DEVICES): every rank says its own
         print(f"error: rank {env.rank}: {e}" if env.world_size > 1 else f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     try:
         from megatron_ext.checkpoint import CheckpointError
         from megatron_ext.data import DataError
@@ -394,6 +381,16 @@ def main(argv: list[str] | None = None) -> int:
         advice = out_of_memory_advice(recipe, args.recipe, args.overrides, env.world_size)
         print(f"error: rank {env.rank}: out of memory ({what}): {advice}", file=sys.stderr, flush=True)
         return 1
+    except MemoryError as e:  # the host's (numpy's sample index among others), which no RuntimeError covers
+        t = recipe.train
+        print(f"error: rank {process_env().rank}: out of host memory ({type(e).__name__}: {e}); the data index holds "
+              f"train.steps x train.global_batch_size = {t.steps:,} x {t.global_batch_size:,} samples: check "
+              "train.steps, and the memory the job may use", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:  # before the loop, or a second Ctrl-C (StopFlag): nothing saved now
+        log("[train] interrupted (Ctrl-C): stopped without saving; the newest checkpoint in checkpoint.dir is where "
+            "the same command goes on from")
+        return EXIT_INTERRUPTED
     finally:
         destroy_distributed()
 
