@@ -110,3 +110,18 @@ def test_out_of_memory_advice_names_the_planner_command():
     assert out_of_memory(cuda) == ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
                                    "79.11 GiB of which 30.19 MiB is free")
     assert out_of_memory(RuntimeError("Expected all tensors to be on the same device")) is None
+
+
+def test_host_memory_error_is_one_line(tmp_path, token_data):
+    """A mistyped train.steps (2e9) passes the checks; its sample index (numpy) needs ~156 GiB: under a 6 GiB address
+    space that is a MemoryError, which is no RuntimeError (was a numpy traceback)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), "parallel.context=1",
+                           f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "train.steps=2000000000"],
+                          capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit)
+    assert_one_line_error(proc, "out of host memory", "train.steps x train.global_batch_size = 2,000,000,000 x")
