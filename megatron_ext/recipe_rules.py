@@ -5,6 +5,7 @@ Each rule names the fields involved, the values and what would be valid, in one 
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 from megatron_ext.presets import PRESETS
@@ -39,6 +40,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     for name in ("seq_length", "global_batch_size", "micro_batch_size", "steps", "log_interval", "loss_chunk_tokens"):
         v = getattr(t, name)
         _require(v >= 1, f"train.{name} = {v}: must be >= 1")
+    # float("inf") passes every comparison below; the run then diverged at its second step
+    for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+        v = getattr(t, name)
+        _require(math.isfinite(v), f"train.{name} = {v}: must be a finite number")
     _require(t.lr > 0, f"train.lr = {t.lr}: must be > 0")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr}: must be between 0 and train.lr = {t.lr}")
     # Optimizer and schedule values the model builder would take as they are: torch's AdamW raises a bare

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.checkpoint import CheckpointError, load_checkpoint
-from megatron_ext.checkpoint_layout import carry_forward, iter_dir_name, read_metadata
+from megatron_ext.checkpoint_layout import carry_forward, read_metadata, resolve_iteration_dir
 from megatron_ext.recipe import Recipe
 from megatron_ext.resume import agreed_latest_iteration, plan_resume, rope_changes
 from megatron_ext.train_metrics import log
@@ -46,7 +46,8 @@ def _resume(recipe: Recipe, root: Path, done: int, model, optimizer, scheduler, 
             dp_size: int) -> StartPoint:
     """Go on from `root`'s iteration `done`: the whole state where it follows the layout, else the weights."""
     t = recipe.train
-    saved = read_metadata(root / iter_dir_name(done))
+    # its own error where the latest pointer names a folder that is gone ('has no iteration N; available: ...')
+    saved = read_metadata(resolve_iteration_dir(root, done)[1])
     resume = plan_resume(saved, done, recipe, dp_size, data_now)
     if resume.finished:  # a finished run started again (a requeue, a rerun)
         log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "

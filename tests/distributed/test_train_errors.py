@@ -125,3 +125,12 @@ def test_host_memory_error_is_one_line(tmp_path, token_data):
                            f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "train.steps=2000000000"],
                           capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit)
     assert_one_line_error(proc, "out of host memory", "train.steps x train.global_batch_size = 2,000,000,000 x")
+
+
+def test_latest_pointer_naming_a_missing_iteration(tmp_path, token_data):
+    """The pointer names iteration 9, which is gone: the error says so and what there is, as convert and
+    checkpoint info do (it said iter_0000009 'was not written by megatron_ext.checkpoint')."""
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("9")
+    proc = train(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1", "train.steps=12")
+    assert_one_line_error(proc, f"{tmp_path} has no iteration 9 (iter_0000009); available: [4]")

@@ -52,6 +52,8 @@ def test_string_floats_from_yaml_are_numbers():
     (["parallel.cp_comm_type=ring"], r"parallel\.cp_comm_type = 'ring': expected one of 'p2p', 'a2a', 'all_gather', 'a2a\+p2p'"),
     (["train.lr.x=1"], r"train\.lr\.x: train\.lr is a value, not a section"),
     (["train.steps"], r"expected dotted\.key=value"),
+    (["train.lr=inf"], r"train\.lr = inf: must be a finite number"),  # passed `lr > 0`; diverged at step 2
+    (["train.clip_grad=nan"], r"train\.clip_grad = nan: must be a finite number"),
 ])
 def test_type_and_key_errors(override, message):
     with pytest.raises(RecipeError, match=message):
