@@ -29,7 +29,7 @@ from pathlib import Path
 # GPUs hidden before torch is imported (megatron_ext/runtime/cpu_backend.py); the subprocesses inherit this.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from megatron_ext.runtime.cpu_backend import hide_gpu_packages  # noqa: E402
+from megatron_ext.runtime.gpu_packages import hide_gpu_packages  # noqa: E402
 
 hide_gpu_packages()  # and Transformer Engine / Apex, before Megatron-Core is imported (cpu_backend.py, P0)
 

@@ -9,7 +9,9 @@ P0  Megatron-Core chooses its kernels when its modules are imported: Transformer
     multi-tensor norm and final norm wherever those import, whatever the device. On the CPU path of a GPU node
     (TE installed, GPUs hidden) they ran CUDA kernels on CPU tensors. The CPU path hides those packages
     (`sys.modules[name] = None`: an import of them raises ImportError, Megatron's cue for its torch fallbacks)
-    before Megatron-Core is imported: the torch fallbacks are what runs on a machine without them.
+    before Megatron-Core is imported: the torch fallbacks are what runs on a machine without them. It lives in
+    `megatron_ext.runtime.gpu_packages`, which imports no torch, so that CPU-only tools apply it at their start
+    and their --help stays fast.
 
 P1  `torch.cuda.current_device()` is used as a device in ~175 places (tensor creation, model init);
     it returns "cpu" here. Models are built with `use_cpu_initialization=True`.
@@ -47,13 +49,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.runtime.gpu_packages import hide_gpu_packages
 from megatron_ext.runtime.job_env import DeviceError
 
 _APPLIED = False
@@ -190,28 +192,12 @@ def _fork_checkpoint_results_queue() -> None:
     start_write_results_queue()
 
 
-# P0: what Megatron-Core 0.16.1 imports, each in a try/except ImportError, to pick GPU kernels
-_GPU_PACKAGES = ("transformer_engine", "transformer_engine_torch", "apex", "amp_C", "fused_weight_gradient_mlp_cuda")
-
-
-def hide_gpu_packages() -> None:
-    """P0 (idempotent): Transformer Engine and Apex do not import in this process, so that Megatron-Core, imported
-    after, takes its torch code. DeviceError when one is already imported (Megatron may have chosen its kernels)."""
-    loaded = [name for name in _GPU_PACKAGES if sys.modules.get(name) is not None]
-    if loaded:
-        raise DeviceError(f"runtime.device = 'cpu' in a process that has already imported {', '.join(loaded)}: "
-                          "Megatron-Core would run its CUDA kernels on CPU tensors; run the CPU path in its own "
-                          "process, or use runtime.device=cuda")
-    for name in _GPU_PACKAGES:
-        sys.modules[name] = None  # type: ignore[assignment]
-
-
 def apply_cpu_backend() -> None:
     """Apply P0-P4 and P6 (idempotent). Call before building any Megatron-Core object on CPU."""
     global _APPLIED
     if _APPLIED:
         return
-    hide_gpu_packages()
+    hide_gpu_packages()  # P0
     # On a machine with GPUs (a cluster node converting a checkpoint, a workstation running the demo) the CPU path
     # must see none, here and in child processes: the patches above answer CUDA questions for the CPU, and code
     # that asks torch.cuda.is_available() would send tensors to a GPU. This works while nothing in the process
