@@ -28,7 +28,7 @@ import torch
 
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits
 from megatron_ext.checkpoint_layout import LATEST_FILE, available_iterations, iter_dir_name, resolve_iteration_dir
-from megatron_ext.runtime.signals import children_killed_on_interrupt
+from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
 FORMAT = "megatron_ext/1"
 
@@ -152,8 +152,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks: list, *, opt
 
 
 def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadata: dict,
-                       sharding_metadata: dict | None = None, keep_last: int | None = None,
-                       async_queue=None) -> Path:
+                       sharding_metadata: dict | None = None, keep_last: int | None = None, async_queue=None) -> Path:
     """Write a ready sharded state dict as `root/iter_{iteration:07d}` (temp dir + rename) and update `latest`.
 
     The layer under `save_checkpoint`; the converter uses it directly with tensors it built itself.
@@ -307,6 +306,7 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
     _barrier()
 
 
+@interrupts_unwrapped()  # Ctrl-C / SIGTERM mid-load: the interrupt, not torch's CheckpointException wrapping it
 def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, scheduler=None,
                     iteration: int | None = None, weights_only: bool = False,
                     fully_parallel: bool = False) -> tuple[int, dict | None]:

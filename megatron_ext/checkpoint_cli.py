@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from megatron_ext.checkpoint_index import CheckpointError, check_complete, saved_bucket_size, saved_fully_reshardable
-from megatron_ext.checkpoint_layout import (available_iterations, latest_iteration, read_metadata,
+from megatron_ext.checkpoint_layout import (available_iterations, checked_metadata, latest_iteration,
                                             resolve_iteration_dir, unfinished_saves)
 from megatron_ext.cli_types import whole_number
 from megatron_ext.recipe import RecipeError, load_recipe
@@ -38,7 +38,7 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
     """Printable lines about `root`'s checkpoint `iteration` (latest if None), that iteration, its metadata and
     whether it is complete."""
     iteration, path = resolve_iteration_dir(root, iteration)
-    meta = read_metadata(path)
+    meta = checked_metadata(path)
     complete = True
     try:
         check_complete(path)

@@ -128,3 +128,28 @@ def carry_forward(metadata: dict, source: dict) -> None:
     for key in TOKEN_ID_KEYS:
         if cfg.get(key) is None and known.get(key) is not None:
             cfg[key] = known[key]
+
+
+def checked_metadata(path: Path) -> dict:
+    """The metadata of the `iter_*` folder `path` (`read_metadata`), or a CheckpointError naming its file when it is
+    not what every save writes: a JSON object with the model's `hf_config`, and objects where it has a recipe, the
+    recipe's train block, versions and layout. Damaged, it gave tracebacks or a description of nothing ('? layers')."""
+    file = path / METADATA_FILE
+    try:
+        meta = read_metadata(path)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not UTF-8 text ({e}); the checkpoint metadata is corrupt") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(meta).__name__}, not an object; the checkpoint metadata "
+                              "is corrupt")
+    if not isinstance(meta.get("hf_config"), dict):  # in the words of the converter and the evaluation engine
+        raise CheckpointError(f"{path}: metadata has no hf_config; cannot tell the architecture ({file} was not "
+                              "written by megatron_ext.checkpoint, or is damaged)")
+    sections = {key: meta.get(key) for key in ("recipe", "versions", "parallel")}
+    if isinstance(meta.get("recipe"), dict):
+        sections["recipe.train"] = meta["recipe"].get("train")
+    for key, value in sections.items():
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(f"{file}: {key} is a JSON {type(value).__name__}, not an object; the checkpoint "
+                                  "metadata is corrupt")
+    return meta

@@ -15,8 +15,9 @@ import shutil
 import time
 from pathlib import Path
 
-from megatron_ext.checkpoint_layout import read_metadata, resolve_iteration_dir
+from megatron_ext.checkpoint_layout import checked_metadata, resolve_iteration_dir
 from megatron_ext.checkpoint_index import CheckpointError, saved_bucket_size, saved_fully_reshardable
+from megatron_ext.data.common import WRITE_PROBE_PREFIX, folder_write_problem
 
 # written by every save itself (megatron_ext.checkpoint): not carried over from the source
 _OWN_KEYS = ("format", "iteration", "created", "parallel", "versions", "git_sha", "model_chunks", "has_optimizer",
@@ -25,9 +26,9 @@ _OWN_KEYS = ("format", "iteration", "created", "parallel", "versions", "git_sha"
 
 def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_size: int) -> tuple[Path, dict, list]:
     """(the source `iter_*` folder, its metadata, the recipe overrides of the conversion run), or a CheckpointError
-    naming what stops it. Needs no process group."""
+    naming what stops it. Needs no process group. Creates `out` (empty) if missing: whether it can is checked here."""
     _, path = resolve_iteration_dir(src, iteration)
-    saved = read_metadata(path)
+    saved = checked_metadata(path)
     out = Path(out)
     train = (saved.get("recipe") or {}).get("train")
     if not train or not saved.get("parallel"):
@@ -56,13 +57,16 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
     if not there.is_dir():
         where = "is a file" if there == out.absolute() else f"lies under {there}, which is a file"
         raise CheckpointError(f"--out {out} {where}, not a folder: give a new folder path")
-    if out.exists() and any(out.iterdir()):
-        left = sorted(p.name for p in out.iterdir())
+    left = sorted(p.name for p in out.iterdir() if not p.name.startswith(WRITE_PROBE_PREFIX)) if out.exists() else []
+    if left:  # (another rank's probe below is no content: every rank runs this check at once)
         if all(name.endswith(".partial") for name in left):
             raise CheckpointError(f"--out {out} holds only the unfinished save of an interrupted run ({', '.join(left)})"
                                   f": remove {out} and run again")
         raise CheckpointError(f"--out {out} exists and is not empty: pick a new folder (a resharded checkpoint is "
                               "a new checkpoint.dir to resume from)")
+    problem = folder_write_problem(out)  # now, not after the load: there the save failed as a traceback per rank
+    if problem:
+        raise CheckpointError(f"--out {out}: {problem}")
     overrides = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.context=1",
                  "parallel.cp_comm_type=p2p", "parallel.hierarchical_context_sizes=null",
                  f"train.global_batch_size={world_size // (tp * pp)}", "train.micro_batch_size=1",

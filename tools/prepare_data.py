@@ -111,6 +111,11 @@ def _write_toy(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"error: --out {out}: {'not empty' if out.is_dir() else 'not a folder'}; give a new folder")
     from megatron_ext.data import toy
+    from megatron_ext.data.common import folder_write_problem
+
+    problem = folder_write_problem(out)  # before the tokenizer is trained, not as a traceback from its save
+    if problem:
+        sys.exit(f"error: --out {out}: {problem}")
 
     written = toy.write_toy_inputs(out, documents=args.documents, chats=args.chats, seed=args.seed)
     print("wrote " + ", ".join(map(str, written.values())), file=sys.stderr)

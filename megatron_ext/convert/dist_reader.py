@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_ext.checkpoint_index import check_complete, read_dcp_index
+from megatron_ext.runtime.signals import interrupts_unwrapped
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -74,6 +75,7 @@ class TorchDistReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
+    @interrupts_unwrapped()  # Ctrl-C / SIGTERM mid-read: the interrupt, not torch's CheckpointException wrapping it
     def read(self, keys: list[str], layer: int | None = None) -> dict[str, torch.Tensor]:
         """Tensors of `keys`; with `layer`, only slice `layer` of their leading (stacked layer) axis."""
         state, chunks = {}, {}

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,10 @@ def load_tokenizer(spec: str, announce: str | None = None) -> Any:
     if announce:
         print(f"{announce}: loading tokenizer {spec}", file=sys.stderr, flush=True)
     path = Path(spec)
+    if path.is_file():  # a tokenizer is a folder of files; the message below said there were none "there"
+        fix = (f"give its folder: --tokenizer {path.parent}" if path.name in ("tokenizer.json", "tokenizer_config.json")
+               else "pass an HF tokenizer folder (e.g. one written by save_pretrained)")
+        raise DataError(f"--tokenizer {spec}: is a file, but --tokenizer takes the folder of a tokenizer; {fix}")
     if path.exists() and not (path.is_dir() and ((path / "tokenizer.json").is_file()
                                                   or (path / "tokenizer_config.json").is_file())):
         raise DataError(f"--tokenizer {spec}: no tokenizer.json / tokenizer_config.json there; "
@@ -71,6 +76,32 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= 65536 else np.int32
 
 
+WRITE_PROBE_PREFIX = ".write-test-"  # `folder_write_problem`'s file, there for a moment: a folder holding it is empty
+
+
+def folder_write_problem(folder: str | Path) -> str | None:
+    """Why no file can be written in `folder`, as the end of a one-line error ("cannot create a folder there (No
+    such file or directory: /proc/x); choose a writable path"), or None when one can.
+
+    For a command's output folder, checked before its work: the write failed only afterwards, as a traceback. The
+    folder and its missing parents are created (the command writes there next; an empty one that a later failure
+    leaves is taken as new), and a file in it is created and removed (a read-only file system, no permission).
+    Every process of a job may call it at once: nothing it creates is removed but its own file.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, a read-only or virtual file system (/proc), no permission
+        return f"cannot create a folder there ({e.strerror or e}: {e.filename}); choose a writable path"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=WRITE_PROBE_PREFIX, dir=folder)
+    except OSError as e:  # the name tried is random: the folder says more
+        return f"cannot write in {folder} ({e.strerror or e}); choose a writable path"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def output_paths(prefix: str, with_lossmask: bool = False) -> list[Path]:
     """The files a dataset PREFIX consists of."""
     names = [prefix + ".bin", prefix + ".idx"]
@@ -95,6 +126,9 @@ def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None
     parent = Path(prefix).parent
     if not parent.is_dir():
         raise DataError(f"--output {prefix}: folder {parent} does not exist; create it first")
+    problem = folder_write_problem(parent)
+    if problem:  # found now, not as a traceback from the first write after the tokenizer and a read of the inputs
+        raise DataError(f"--output {prefix}: {problem}")
     existing = [str(p) for p in output_paths(prefix, with_lossmask) if p.exists()]
     if existing and not force:
         raise DataError(f"--output {prefix}: {existing[0]} already exists; pass --force to overwrite "

@@ -126,14 +126,42 @@ def read_manifest(prefix: str, kind: str | None = None) -> dict:
         if not Path(prefix + suffix).is_file():
             raise DataError(f"data prefix {prefix}: {missing_file(prefix, suffix)}")
     try:
-        manifest = json.loads(Path(prefix + ".json").read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(Path(prefix + ".json").read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"data prefix {prefix}: {prefix}.json is truncated or corrupt ({e}); prepare the data "
                         "again (tools/prepare_data.py)") from None
+    problem = _manifest_problem(manifest)
+    if problem:  # the trainer and the loaders read these fields: a KeyError or AttributeError there said nothing
+        raise DataError(f"data prefix {prefix}: {prefix}.json is not a dataset manifest ({problem}); prepare the "
+                        "data again (tools/prepare_data.py)")
     if kind is not None and manifest.get("kind") != kind:
         raise DataError(f"data prefix {prefix}: a {manifest.get('kind')!r} dataset, expected {kind!r}; "
                         f"prepare it with `prepare_data.py {kind}`")
     return manifest
+
+
+# The manifest fields read as they are (count, check, key the index caches), of every kind and of one kind; both
+# `prepare_data.py` commands have written all of them since the first format version.
+_MANIFEST_INTS = ("vocab_size", "documents", "tokens")
+_MANIFEST_KIND_INTS = {"sft": ("pad_id",)}
+
+
+def _manifest_problem(manifest: object) -> str | None:
+    """What makes a parsed PREFIX.json unusable as a manifest, in a few words; None when nothing does."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("kind") not in ("cpt", "sft"):
+        return f"kind {manifest.get('kind')!r}, not 'cpt' or 'sft'" if "kind" in manifest else "no kind"
+    if not isinstance(manifest.get("tokenizer_hash"), str):
+        return "no tokenizer_hash" if "tokenizer_hash" not in manifest else "tokenizer_hash is not a string"
+    optional = ("max_token_id",) if "max_token_id" in manifest else ()
+    for key in _MANIFEST_INTS + _MANIFEST_KIND_INTS.get(manifest["kind"], ()) + optional:
+        if key not in manifest:
+            return f"no {key}"
+        value = manifest[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"{key} = {value!r}, not a whole number"
+    return None
 
 
 def check_token_ids(prefix: str, manifest: dict, vocab_size: int) -> None:

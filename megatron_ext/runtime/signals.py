@@ -3,7 +3,7 @@
 Slurm's `scancel` and its time limit, and a plain `kill`, send SIGTERM, whose default action ends the
 process at once: the cleanup that runs on Ctrl-C (removing a half-written output's temporary folder)
 never runs, and a full-size hidden copy stays behind per attempt. The trainer has its own handler
-(`megatron_ext.train.StopFlag`: finish the step, save, exit for requeue); this one is for the tools.
+(`megatron_ext.train_stop.StopFlag`: finish the step, save, exit for requeue); this one is for the tools.
 
 Only the process that installed the handler raises. `scancel` and Ctrl-C signal every process of the job
 step or terminal, and processes forked from a tool inherit its handlers: Megatron-Core's checkpoint writers
@@ -17,7 +17,7 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 _owner_pid: int | None = None  # the process inside `sigterm_as_interrupt`; its forked children have other pids
 _received: list[int] = []  # signals that raised in the owner, oldest first
@@ -67,33 +67,65 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def interrupts_unwrapped(on_interrupt: Callable[[], None] | None = None) -> Iterator[None]:
+    """An interrupt of the block (Ctrl-C, or SIGTERM under `sigterm_as_interrupt`) reaches the caller as itself.
+
+    For blocks that save or load with torch.distributed.checkpoint, which turns any exception of its planning and
+    reading, a KeyboardInterrupt too, into a CheckpointException: the tools then printed a long traceback and exited
+    1, not their one `error: interrupted` line and 130 / 143. It is raised as the interrupt again: the one our handler
+    raised, or the one the exception holds (Python's own SIGINT handler, which records nothing here). Python runs a
+    handler inside at-fork hooks, whose exceptions it only prints: the interrupt is raised when the block ends.
+    Usable as a decorator. `on_interrupt` runs first when the block ends by an interrupt (cleanup that must not wait).
+    """
+    seen = len(_received)
+    try:
+        yield
+    except BaseException as e:
+        interrupt = _interrupt_within(e, seen)
+        if interrupt is None:
+            raise
+        if on_interrupt is not None:
+            on_interrupt()
+        if interrupt is e:
+            raise
+        raise interrupt from e
+    if len(_received) > seen:
+        raise _interrupt_for(_received[-1])
+
+
+def _interrupt_within(e: BaseException, seen: int) -> KeyboardInterrupt | None:
+    """The interrupt that `e` is or stands for (None if none): `e` itself, the one our handler raised since
+    `len(_received) == seen`, or one that torch.distributed.checkpoint's CheckpointException holds (its `failures`:
+    rank -> (exception, traceback); not imported here, so that the tools import no torch for their --help)."""
+    if isinstance(e, KeyboardInterrupt):
+        return e
+    if len(_received) > seen:
+        return _interrupt_for(_received[-1])
+    failures = getattr(e, "failures", None)
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, KeyboardInterrupt):
+            return inner
+    return None
+
+
+@contextlib.contextmanager
 def children_killed_on_interrupt() -> Iterator[None]:
     """Child processes started in the block do not outlive an interrupt of it, and the interrupt is not lost.
 
     For a block that forks helpers and waits for them (Megatron-Core's checkpoint writers). On KeyboardInterrupt
     (Ctrl-C, or SIGTERM under `sigterm_as_interrupt`) the helpers are killed before it propagates: the caller's
     cleanup then does not race with them (removing the folder they write to), and the exit does not wait for
-    them. Two ways an interrupt got lost in such a block are undone here. torch.distributed.checkpoint turns a
-    KeyboardInterrupt in its planning into a CheckpointException: it is raised as the interrupt again. Python
-    runs a handler inside at-fork hooks, whose exceptions it only prints: the interrupt is raised when the block
-    ends (the helpers ignore the signal, so the block does end, when their write is done).
+    them. An interrupt that torch.distributed.checkpoint wrapped, or that came inside an at-fork hook, is raised as
+    itself (`interrupts_unwrapped`; after a hook's, the helpers ignore the signal and the block ends when their
+    write is done).
     """
     import psutil
 
     me = psutil.Process()
     before = {p.pid for p in me.children()}
-    seen = len(_received)
-    try:
+    with interrupts_unwrapped(on_interrupt=lambda: _kill_children(me, before)):
         yield
-    except BaseException as e:
-        if not isinstance(e, KeyboardInterrupt) and len(_received) == seen:
-            raise
-        _kill_children(me, before)
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise _interrupt_for(_received[-1]) from e
-    if len(_received) > seen:
-        raise _interrupt_for(_received[-1])
 
 
 def _kill_children(me, before: set[int]) -> None:
