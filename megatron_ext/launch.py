@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     args.overrides += args.set_overrides
     try:
+        if args.check and args.get:  # --check answered alone, --get silently dropped
+            raise RecipeError("--check and --get: give one (--get prints a field of a recipe that loads)")
         if args.check:
             return run_check(args)
         if args.get:

@@ -386,3 +386,16 @@ def test_an_evaluation_requeued_by_slurm_itself_resumes(monkeypatch, tmp_path):
     stage()
     assert seen == [["--megatron", "ckpt", "--out", str(tmp_path)], ["--megatron", "ckpt", "--out", str(tmp_path),
                                                                      "--resume"]]
+
+
+def test_check_and_get_together_is_an_error(monkeypatch, capsys):
+    """--check answered alone and dropped --get (exit 0, 'ok:'); control: --get alone prints the field."""
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    assert launch.main(["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", "--get",
+                        "train.steps"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --check and --get: give one (--get prints a field of a recipe " \
+                                              "that loads)"
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--get", "train.steps"]) == 0
+    assert capsys.readouterr().out.strip().isdigit()
