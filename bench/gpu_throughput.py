@@ -39,6 +39,7 @@ from bench.measure import Clock, is_oom, measure_matmul, peak_memory_gib, profil
 from bench.report import (  # noqa: E402
     GIB, format_table, median, parse_lengths, predict_step_s, ratios, throughput, write_json_atomic,
 )
+from bench.gpu_plan import auto_fallback_layers, bench_gpu, partial_layers, planned_memory  # noqa: E402
 from bench.stacks import STACKS, Settings, make_recipe  # noqa: E402
 
 SCHEMA = "megatron_ext.bench.gpu_throughput/1"
@@ -142,16 +143,6 @@ class Run:
         return predict_step_s(own or other, length, recompute, lambda L: self.flops_per_token(layers, L) * L,
                               fallback)
 
-    def planned_memory(self, length: int, recompute: str) -> dict | None:
-        """The planner's memory of our stack at this length (megatron_ext.plan), to compare with the peak."""
-        try:
-            m = self.plan(length, recompute).memory
-            return {"total_gib": m.total / GIB, "without_overhead_gib": (m.total - m.overhead) / GIB,
-                    "logits_gib": m.logits / GIB, "activations_gib": m.activations / GIB,
-                    "states_gib": (m.weights + m.grads + m.optimizer) / GIB}
-        except Exception as e:  # noqa: BLE001 - a diagnostic only
-            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-
     def run_stack(self, name: str, recompute: str, lengths: list[int]) -> None:
         import torch
 
@@ -179,7 +170,7 @@ class Run:
         for L in lengths:
             row = {**base, "length": L}
             if name == "ours":
-                row["plan"] = self.planned_memory(L, recompute)
+                row["plan"] = planned_memory(s, self.gpu, L, recompute)
             if failed_at is not None:
                 self.record({**row, "status": "skipped", "reason": f"out of memory at {failed_at}"})
                 continue
@@ -214,41 +205,12 @@ class Run:
             self.doc.setdefault("leftover_gib", []).append(
                 {"after": f"{name}/{recompute}/{self.layers()}L", "allocated_gib": torch.cuda.memory_allocated() / GIB})
 
-    def plan(self, length: int, recompute: str):
-        """megatron_ext.plan's plan of our stack at `length` with the current layer count, on `self.gpu`."""
-        from megatron_ext.plan import plan
-
-        r = make_recipe(self.s, recompute)
-        return plan(dataclasses.replace(r, train=dataclasses.replace(r.train, seq_length=length)), self.gpu, gpus=1)
-
-    def partial_layers(self, length: int) -> int | None:
-        """Fewest first layers to recompute that the planner fits in 90% of the GPU at `length` (None: none)."""
-        for n in range(1, self.layers()):
-            p = self.plan(length, f"full:{n}")
-            if p.fits and not p.tight:
-                return n
-        return None
-
-    def fallback_layers_for(self, length: int, recompute: str) -> int:
-        """The most layers (fewer than the main run's, at least 1) that the planner fits in 90% of the GPU at
-        `length`: `--fallback-layers auto` (an H100 holds 128K of this model at fewer layers than an H200)."""
-        main = self.s
-        try:
-            for n in range(self.main_layers - 1, 0, -1):
-                self.s = dataclasses.replace(main, layers=n)
-                p = self.plan(length, recompute)
-                if p.fits and not p.tight:
-                    return n
-        finally:
-            self.s = main
-        return 1
-
     def run_partial_recompute(self) -> None:
         """Ours again where full recompute ran, recomputing only the first N layers (`train.recompute_layers`)."""
         done = [r["length"] for r in self.results if r["stack"] == "ours" and r["recompute"] == "full"
                 and r["status"] == "ok" and r["layers"] == self.main_layers]
         for L in done:
-            n = self.partial_layers(L)
+            n = partial_layers(dataclasses.replace(self.s, layers=self.layers()), self.gpu, L)
             if n is not None:
                 self.run_stack("ours", f"full:{n}", [L])
 
@@ -262,7 +224,8 @@ class Run:
         groups: dict[tuple[int, str], list[int]] = {}
         for L in oom:
             recompute = "full" if L >= main.recompute_from else "none"
-            n = fallback_layers if fallback_layers is not None else self.fallback_layers_for(L, recompute)
+            n = fallback_layers if fallback_layers is not None else auto_fallback_layers(
+                dataclasses.replace(main, layers=self.main_layers), self.gpu, L, recompute)
             if 0 < n < self.main_layers:
                 groups.setdefault((n, recompute), []).append(L)
         try:
@@ -364,28 +327,6 @@ def bench(s: Settings, clock: Clock, installed: list[str], label: str | None = N
     finally:
         destroy_distributed()
     return doc
-
-
-def bench_gpu(s: Settings):
-    """The `cost_model.GPU` the run plans memory for and counts MFU against, and where it came from: `--gpu`, else
-    the CUDA device's name (an H100 has 80 GB where an H200 has 141: the planner's fallback and partial-recompute
-    choices differ), else, for a device the table lacks, the H100/H200 peak with the device's own memory."""
-    import torch
-
-    from megatron_ext.cost_model import GPUS, gpu_from_device_name
-
-    if s.device != "cuda":
-        return GPUS[s.gpu or "h200-141gb"], "a CPU run: planned as on this GPU"
-    if s.gpu is not None:
-        return GPUS[s.gpu], "--gpu"
-    name = torch.cuda.get_device_name()
-    known = gpu_from_device_name(name)
-    if known is not None:
-        return known, f"from the device name {name!r}"
-    memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 / 1.07  # nvidia-smi's bytes, marketed GB
-    return (dataclasses.replace(GPUS["h200-141gb"], name=name, memory_gb=memory_gb),
-            f"{name!r} is not in cost_model.GPUS: its memory, the H100/H200 peak (MFU against the datasheet is "
-            "meaningless if this is another chip)")
 
 
 def print_summary(doc: dict, s: Settings) -> None:

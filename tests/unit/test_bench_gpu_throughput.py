@@ -169,24 +169,22 @@ def test_out_of_memory_is_recorded_and_longer_lengths_skipped(tmp_path, monkeypa
     # auto (the default on a GPU): the layer count the planner gives each length
     run, doc = _run(tmp_path, budget_s=600)
     run.run_stack("ours", "none", [64, 128, 256])
-    monkeypatch.setattr(run, "fallback_layers_for", lambda L, recompute: 3 if L == 128 else 2)
+    monkeypatch.setattr(gt, "auto_fallback_layers", lambda s, gpu, L, recompute: 3 if L == 128 else 2)
     run.run_fallback(None)
     assert [(r["length"], r["layers"], r["status"]) for r in doc["results"][3:]] == [(128, 3, "oom"), (256, 2, "ok")]
 
 
-def test_the_gpu_found_decides_fallback_and_partial_recompute(tmp_path):
+def test_the_gpu_found_decides_fallback_and_partial_recompute():
     """The planner fits rows in the GPU the run has (an H100's 80 GB, an H200's 141), not always an H200's: on an
     H100 a 128K row of the 4-layer model needs 1 layer and 64K no partial recompute fits; on an H200, 3 and 2."""
-    runs = {}
-    for gpu in ("h100", "h200"):
-        s = gt.settings_from_args(gt.build_parser().parse_args(["--gpu", gpu, "--out", str(tmp_path)]))
-        runs[gpu] = gt.Run(s, Clock(600), {"model": {"num_hidden_layers": 32}, "results": []}, None, GPUS[s.gpu])
-    h100, h200 = runs["h100"], runs["h200"]
-    assert h100.main_layers == h200.main_layers == 4 and h100.gpu.memory_gb == 80
-    assert not h100.plan(131072, "full").fits and h200.plan(131072, "full").fits
-    assert (h100.fallback_layers_for(131072, "full"), h200.fallback_layers_for(131072, "full")) == (1, 3)
-    assert h100.s.layers == 4  # the planning does not change the run's layer count
-    assert (h100.partial_layers(65536), h200.partial_layers(131072)) == (None, 2)
+    from bench.gpu_plan import auto_fallback_layers, partial_layers, plan_row
+
+    s = gt.settings_from_args(gt.build_parser().parse_args([]))
+    h100, h200 = GPUS["h100-80gb"], GPUS["h200-141gb"]
+    assert s.layers == 4 and h100.memory_gb == 80
+    assert not plan_row(s, h100, 131072, "full").fits and plan_row(s, h200, 131072, "full").fits
+    assert (auto_fallback_layers(s, h100, 131072, "full"), auto_fallback_layers(s, h200, 131072, "full")) == (1, 3)
+    assert (partial_layers(s, h100, 65536), partial_layers(s, h200, 131072)) == (None, 2)
 
 
 def test_gpu_flag_is_checked():
