@@ -22,9 +22,9 @@ from pathlib import Path
 
 from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers, validate_args
 from megatron_ext.evaluate.errors import EvalError, RankError
-from megatron_ext.evaluate.io import not_there, read_utf8
+from megatron_ext.evaluate.interrupts import interrupts_reported
+from megatron_ext.evaluate.io import check_writable_folder, not_there, read_utf8
 from megatron_ext.log_lines import log_line
-from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
 @contextmanager
@@ -382,15 +382,15 @@ def _run_generate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1."""
+    """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1 (Ctrl-C: 130)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     by_command = parsers()
     command = argv.pop(0) if argv and argv[0] in by_command else "niah"
     args = by_command[command].parse_args(argv)
     run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate, "ruler": _run_ruler}[command]
-    # SIGTERM (scancel, a time limit) removes the temporary HF copy of a --megatron checkpoint, as Ctrl-C does
-    with warnings.catch_warnings(), sigterm_as_interrupt():
-        # our warnings (lengths skipped, ...) as plain "warning: ..." lines
+    # SIGTERM (scancel, a time limit) removes the temporary HF copy of a --megatron checkpoint, as Ctrl-C does; both
+    # end in one line saying what was kept. Our warnings (lengths skipped, ...) as plain "warning: ..." lines:
+    with warnings.catch_warnings(), interrupts_reported(command, args):
         warnings.simplefilter("ignore")  # libraries' notes (missing Apex/TE, deprecations) are not the user's business
         warnings.filterwarnings("always", category=UserWarning, module=r"megatron_ext(\.|$)")
         warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
@@ -398,11 +398,11 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             validate_args(command, args)
+            check_writable_folder(args.out, "--out")  # here, not at the first save after the model load and a length
             from megatron_ext.evaluate.loading import check_device  # imports torch: after the argument checks
 
             check_device(args.device, megatron_engine=args.engine == "megatron")
             run(args)
-        except (EvalError, DeviceError) as e:
-            # An error every rank of a job finds alike: one line, from rank 0.
+        except (EvalError, DeviceError) as e:  # every rank of a job finds it alike: one line, from rank 0
             sys.exit(f"error: {e}" if process_env().rank == 0 or isinstance(e, RankError) else 1)
     return 0

@@ -1,6 +1,7 @@
 """Atomic output: write to a temporary file beside the target, then rename it into place.
 
-A crash or Ctrl-C never leaves a half-written results.json or PNG where a good one was expected.
+A crash or Ctrl-C never leaves a half-written results.json or PNG where a good one was expected. And an output
+folder that cannot be written is found before the work (`check_writable_folder`), not at its first save.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def check_writable_folder(path: str | Path | None, flag: str, error: type[Exception] = EvalError) -> None:
+    """`error` naming `flag`, the path and the fix unless a folder can be made and written at `path`
+    (`cli_types.folder_write_problem`; None: no output, nothing to check)."""
+    from megatron_ext.cli_types import folder_write_problem
+
+    problem = None if path is None else folder_write_problem(path)
+    if problem:
+        raise error(f"{flag} {path}: {problem}")
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:

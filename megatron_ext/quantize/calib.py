@@ -47,15 +47,41 @@ def _text_documents(path: Path) -> Iterator[str]:
         raise QuantizeError(f"calibration directory {path} has no {'/'.join(TEXT_SUFFIXES)} files")
     for f in files:
         if f.suffix == ".jsonl":
-            with open(f, encoding="utf-8") as lines:  # line by line: a corpus file may be tens of GB
-                for n, line in enumerate(lines, 1):
+            # line by line (a corpus file may be tens of GB), decoded here: a text-mode file names no line
+            with open(f, "rb") as lines:
+                for n, raw in enumerate(lines, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise _not_utf8(f, n, e.reason, e.start) from None
                     if line.strip():
                         try:
-                            yield json.loads(line)["text"]
+                            text = json.loads(line)["text"]
                         except (ValueError, KeyError, TypeError):
                             raise QuantizeError(f"{f}:{n}: expected a JSON object with a \"text\" field") from None
+                        yield _text(text, f"{f}:{n}: \"text\"", "give each line's \"text\" as a JSON string")
         else:
-            yield f.read_text(encoding="utf-8")
+            data = f.read_bytes()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line_start = data.rfind(b"\n", 0, e.start) + 1
+                raise _not_utf8(f, data.count(b"\n", 0, e.start) + 1, e.reason, e.start - line_start) from None
+            yield text
+
+
+def _not_utf8(f: Path, line: int, reason: str, offset: int) -> QuantizeError:
+    """The error for a calibration file that is not UTF-8, by file and line (a UnicodeDecodeError traceback named
+    neither); `offset`: of the bad byte in the line, from 0."""
+    return QuantizeError(f"{f}:{line}: not UTF-8 text ({reason} at byte {offset + 1} of the line); save the file as "
+                         "UTF-8, or pass an indexed dataset PREFIX")
+
+
+def _text(value: object, where: str, fix: str) -> str:
+    """`value` if it is a string; else a QuantizeError (the tokenizer failed on it with a ValueError traceback)."""
+    if not isinstance(value, str):
+        raise QuantizeError(f"{where} is {type(value).__name__} {json.dumps(value)[:40]}, not a string: {fix}")
+    return value
 
 
 def _hf_documents(name: str, split: str, text_key: str) -> Iterator[str]:
@@ -70,7 +96,8 @@ def _hf_documents(name: str, split: str, text_key: str) -> Iterator[str]:
     for row in rows:
         if text_key not in row:
             raise QuantizeError(f"Hugging Face dataset {name!r} has no column {text_key!r} (columns: {sorted(row)})")
-        yield row[text_key]
+        yield _text(row[text_key], f"Hugging Face dataset {name!r}, column {text_key!r}",
+                    "calibrate on a dataset whose text column holds strings")
 
 
 def _tokenize(texts: Iterable[str], tokenizer, source: str) -> Iterator[np.ndarray]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
 from megatron_ext.quantize.errors import QuantizeError
-from megatron_ext.runtime.signals import sigterm_as_interrupt
+from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
 DEFAULT_SEQ_CAP = 32768
 
@@ -46,17 +45,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_out_parent(out: Path) -> None:
-    """--out's nearest existing ancestor must be a writable directory (checked before minutes of calibration)."""
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise QuantizeError(f"--out {out}: {parent} is a file, not a directory; choose another --out")
-    if not os.access(parent, os.W_OK):
-        raise QuantizeError(f"--out {out}: cannot write into {parent}; choose another --out")
-
-
 def _check_device(device: str | None) -> None:
     """The evaluation tool's --device check (cpu, cuda, cuda:N on a visible GPU), as this tool's error."""
     from megatron_ext.evaluate.loading import check_device
@@ -81,18 +69,30 @@ def run(args: argparse.Namespace) -> int:
     unused = [flag for flag, dest in check_only.items() if getattr(args, dest) != defaults.get_default(dest)]
     if unused and not args.check:
         raise QuantizeError(f"{unused[0]} sets the accuracy check, which runs with --check only: add --check")
+    # 0 meant the default (`or`), where every other tool of the stack refuses it
+    if args.calib_seq_length is not None and args.calib_seq_length < 2:
+        raise QuantizeError(f"--calib-seq-length {args.calib_seq_length}: tokens per calibration window, a number "
+                            f">= 2 (default: the model's max_position_embeddings, at most {DEFAULT_SEQ_CAP:,})")
+    if args.calib_samples < 1:
+        raise QuantizeError(f"--calib-samples {args.calib_samples}: the calibration windows, a number >= 1 "
+                            "(default 8)")
     if args.check and args.check_samples < 1:  # an IndexError after the whole calibration
         raise QuantizeError(f"--check-samples {args.check_samples}: the held-out windows --check compares, a "
                             "number >= 1")
     # before ModelOpt's import (~20 s)
     if Path(args.out).exists():
         raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
-    _check_out_parent(Path(args.out))
+    from megatron_ext.evaluate.io import check_writable_folder
+
+    # the export writes beside --out: found here, not after minutes of calibration (os.access says yes to root)
+    check_writable_folder(args.out, "--out", QuantizeError)
     hf_cfg = fp8.read_hf_config(args.hf)
     version, mtq, _ = fp8.modelopt()
     fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading
     _check_device(args.device)
-    seq = args.calib_seq_length or min(int(hf_cfg.get("max_position_embeddings") or DEFAULT_SEQ_CAP), DEFAULT_SEQ_CAP)
+    seq = args.calib_seq_length
+    if seq is None:
+        seq = min(int(hf_cfg.get("max_position_embeddings") or DEFAULT_SEQ_CAP), DEFAULT_SEQ_CAP)
     t0 = time.time()
     tokenizer = fp8.load_tokenizer(args.tokenizer or args.hf, required=bool(args.tokenizer))
     # data errors (too short, wrong vocabulary) before the model load, which takes minutes at 8B
@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: user errors end as one `error: ...` line and exit status 2."""
+    """Entry point: user errors end as one `error: ...` line and exit status 2; Ctrl-C as one line and 130,
+    SIGTERM 143."""
     args = parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
     try:
@@ -140,3 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # the export's temporary folder is gone (fp8.export): nothing is half-written
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"error: interrupted ({how}); nothing was written (--out {args.out} is written only by a complete "
+              "run): run it again", file=sys.stderr, flush=True)
+        return 143 if isinstance(e, Terminated) else 130

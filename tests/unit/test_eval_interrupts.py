@@ -1,0 +1,155 @@
+"""tools/niah.py stopped by Ctrl-C or SIGTERM (scancel, a time limit), and an --out it cannot write.
+
+Both ended in tracebacks: a KeyboardInterrupt / `Terminated` one (SIGTERM exited 1), and a FileNotFoundError at the
+first save, after the model load and a whole length. Now one `error: ...` line each, 130 / 143 for the signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from megatron_ext.evaluate.cli import main
+from megatron_ext.runtime.signals import Terminated
+from tests.conftest import ROOT
+from tests.unit.test_evaluate import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny_hf"))
+
+
+def _niah(*argv: str | Path) -> subprocess.Popen:
+    """tools/niah.py in a process of its own, its output (log lines on stdout, the error on stderr) into a file: read
+    while it runs, no pipe to fill."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(Path(argv[argv.index("--out") + 1]).parent / "output.txt", "w") as log:
+        return subprocess.Popen([sys.executable, str(ROOT / "tools/niah.py"), *map(str, argv)], stdout=log,
+                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+
+def _stopped(proc: subprocess.Popen, sig: signal.Signals, ready: Callable[[], bool], what: str,
+             timeout: float = 180) -> tuple[int, str]:
+    """Send `sig` once `ready()` holds; (exit status, output)."""
+    log = Path(proc.args[proc.args.index("--out") + 1]).parent / "output.txt"
+    deadline = time.time() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, f"ended before {what}: {log.read_text()}"
+            assert time.time() < deadline, f"no {what} in {timeout} s: {log.read_text()}"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a failed test leaves no sweep running
+    return proc.returncode, log.read_text()
+
+
+def _one_error_line(stderr: str) -> str:
+    """The run's one error line, last; no traceback."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and stderr.strip().splitlines()[-1] == errors[0], stderr
+    return errors[0]
+
+
+# Two lengths of 20 cells: the first is saved in seconds, the second still runs when the signal comes.
+SWEEP = ("--lengths", "64,256", "--depths", "0:100:25", "--samples", "4", "--batch-tokens", "256", "--no-progress")
+
+
+def test_ctrl_c_after_a_length_says_resume_goes_on(tiny_dir, tmp_path):
+    out = tmp_path / "niah"
+    proc = _niah("--model", tiny_dir, "--out", out, *SWEEP)
+    code, stderr = _stopped(proc, signal.SIGINT, (out / "results.json").is_file, "results.json")
+    assert code == 130, stderr
+    line = _one_error_line(stderr)
+    assert line.startswith("error: interrupted (Ctrl-C); the results so far are saved in ") and "--resume" in line
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no half-written temporary file
+
+
+def test_sigterm_before_the_first_length_says_nothing_was_saved(tiny_dir, tmp_path):
+    out = tmp_path / "niah"
+    proc = _niah("--model", tiny_dir, "--out", out, *SWEEP)
+    log = tmp_path / "output.txt"
+    code, stderr = _stopped(proc, signal.SIGTERM, lambda: "[niah] " in log.read_text(), "[niah] line")
+    assert code == 143, stderr
+    assert _one_error_line(stderr).startswith("error: interrupted (SIGTERM); no length was finished, nothing was "
+                                              f"saved in --out {out}")
+
+
+def _text(tmp_path: Path) -> Path:
+    from megatron_ext.evaluate.haystack import filler_words
+
+    path = tmp_path / "book.txt"
+    path.write_text(" ".join(filler_words()[:150]))
+    return path
+
+
+@contextlib.contextmanager
+def _escaped_interrupts_fail():
+    """An interrupt that leaves `main` (the traceback users saw) fails the test, where it would end pytest's run."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        pytest.fail(f"{type(e).__name__} escaped main: a traceback")
+
+
+# Each command stopped where its work runs (in this process: the signal is stood in for by its exception).
+STOPS = {
+    "ruler": ("megatron_ext.evaluate.ruler.run_ruler", ["--tasks", "niah_single_1", "--lengths", "256",
+                                                        "--samples", "1"]),
+    "ppl": ("megatron_ext.evaluate.perplexity.perplexity_by_position", ["--text", "BOOK"]),
+    "generate": ("megatron_ext.evaluate.ask.generate_hf", ["--document", "BOOK", "--question", "Why?"]),
+    "niah": ("megatron_ext.evaluate.niah.run_niah", ["--lengths", "256"]),
+}
+
+
+@pytest.mark.parametrize("interrupt, status", [(KeyboardInterrupt, 130), (Terminated, 143)])
+@pytest.mark.parametrize("command", sorted(STOPS))
+def test_every_command_ends_an_interrupt_in_one_line(command, interrupt, status, tiny_dir, tmp_path, monkeypatch):
+    where, argv = STOPS[command]
+    module, name = where.rsplit(".", 1)
+
+    def stop(*args, **kwargs):
+        raise interrupt()
+
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, stop)
+    book = str(_text(tmp_path))
+    argv = [command, "--model", str(tiny_dir), "--out", str(tmp_path / "out"),
+            *[book if a == "BOOK" else a for a in argv]]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+            pytest.raises(SystemExit) as stopped, _escaped_interrupts_fail():
+        main(argv)
+    assert stopped.value.code == status, err.getvalue()
+    how = "SIGTERM" if interrupt is Terminated else "Ctrl-C"
+    line = _one_error_line(err.getvalue())
+    kept = "no length was finished" if command in ("niah", "ruler") else "nothing was written"
+    assert line.startswith(f"error: interrupted ({how}); {kept}"), line
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nothing can be created")
+@pytest.mark.parametrize("command", ["niah", "ruler", "ppl"])
+def test_an_unwritable_out_is_found_before_the_model_loads(command, tiny_dir, tmp_path, monkeypatch):
+    import megatron_ext.evaluate.loading as loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(loading, "load_hf", no_load)
+    extra = {"niah": ["--lengths", "256"], "ruler": ["--tasks", "niah_single_1", "--lengths", "256"],
+             "ppl": ["--text", str(_text(tmp_path))]}[command]
+    with pytest.raises(SystemExit) as failed:
+        main([command, "--model", str(tiny_dir), "--out", "/proc/x", *extra])
+    assert failed.value.code == ("error: --out /proc/x: cannot create a folder there (No such file or directory in "
+                                 "/proc); choose a writable path")
