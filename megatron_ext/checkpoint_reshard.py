@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_ext.checkpoint_layout import checked_metadata, resolve_iteration_dir
 from megatron_ext.checkpoint_index import CheckpointError, saved_bucket_size, saved_fully_reshardable
-from megatron_ext.data.common import WRITE_PROBE_PREFIX, folder_write_problem
+from megatron_ext.cli_types import WRITE_PROBE_PREFIX, folder_write_problem
 
 # written by every save itself (megatron_ext.checkpoint): not carried over from the source
 _OWN_KEYS = ("format", "iteration", "created", "parallel", "versions", "git_sha", "model_chunks", "has_optimizer",
@@ -26,7 +26,7 @@ _OWN_KEYS = ("format", "iteration", "created", "parallel", "versions", "git_sha"
 
 def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_size: int) -> tuple[Path, dict, list]:
     """(the source `iter_*` folder, its metadata, the recipe overrides of the conversion run), or a CheckpointError
-    naming what stops it. Needs no process group. Creates `out` (empty) if missing: whether it can is checked here."""
+    naming what stops it. Needs no process group."""
     _, path = resolve_iteration_dir(src, iteration)
     saved = checked_metadata(path)
     out = Path(out)

@@ -1,9 +1,37 @@
-"""argparse types shared by the command-line tools: a mistake is argparse's one-line usage error, naming the flag."""
+"""What the command-line tools share about their arguments: argparse types (a mistake is argparse's one-line usage
+error, naming the flag), and whether an output folder can be written, asked before the work."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 from typing import Callable
+
+WRITE_PROBE_PREFIX = ".write-test-"  # `folder_write_problem`'s folder, there for a moment: a folder holding it is empty
+
+
+def folder_write_problem(folder: str | Path) -> str | None:
+    """Why no folder can be made and written at `folder`, as the end of a one-line error ("cannot create a folder
+    there (No such file or directory in /proc); choose a writable path"), or None when one can.
+
+    For a command's output, checked before its work (the write failed after it, as a traceback). Tried with a
+    hidden folder, removed at once, in the nearest folder on the way that exists: nothing is left, the folders not
+    there yet are not made. os.access cannot tell: it says yes to root everywhere, /proc and read-only mounts too.
+    Every process of a job may call it at once (each its own probe).
+    """
+    folder = Path(folder)
+    base = folder.absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return f"{base} is a file, not a directory; choose a writable path"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=base, prefix=WRITE_PROBE_PREFIX))
+    except OSError as e:
+        return f"cannot create a folder there ({e.strerror or e} in {base}); choose a writable path"
+    return None
 
 
 def whole_number(minimum: int, meaning: str = "") -> Callable[[str], int]:

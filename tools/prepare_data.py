@@ -111,7 +111,7 @@ def _write_toy(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"error: --out {out}: {'not empty' if out.is_dir() else 'not a folder'}; give a new folder")
     from megatron_ext.data import toy
-    from megatron_ext.data.common import folder_write_problem
+    from megatron_ext.cli_types import folder_write_problem
 
     problem = folder_write_problem(out)  # before the tokenizer is trained, not as a traceback from its save
     if problem:

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,32 +75,6 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= 65536 else np.int32
 
 
-WRITE_PROBE_PREFIX = ".write-test-"  # `folder_write_problem`'s file, there for a moment: a folder holding it is empty
-
-
-def folder_write_problem(folder: str | Path) -> str | None:
-    """Why no file can be written in `folder`, as the end of a one-line error ("cannot create a folder there (No
-    such file or directory: /proc/x); choose a writable path"), or None when one can.
-
-    For a command's output folder, checked before its work: the write failed only afterwards, as a traceback. The
-    folder and its missing parents are created (the command writes there next; an empty one that a later failure
-    leaves is taken as new), and a file in it is created and removed (a read-only file system, no permission).
-    Every process of a job may call it at once: nothing it creates is removed but its own file.
-    """
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a parent that is a file, a read-only or virtual file system (/proc), no permission
-        return f"cannot create a folder there ({e.strerror or e}: {e.filename}); choose a writable path"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=WRITE_PROBE_PREFIX, dir=folder)
-    except OSError as e:  # the name tried is random: the folder says more
-        return f"cannot write in {folder} ({e.strerror or e}); choose a writable path"
-    os.close(fd)
-    os.unlink(probe)
-    return None
-
-
 def output_paths(prefix: str, with_lossmask: bool = False) -> list[Path]:
     """The files a dataset PREFIX consists of."""
     names = [prefix + ".bin", prefix + ".idx"]
@@ -126,6 +99,8 @@ def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None
     parent = Path(prefix).parent
     if not parent.is_dir():
         raise DataError(f"--output {prefix}: folder {parent} does not exist; create it first")
+    from megatron_ext.cli_types import folder_write_problem
+
     problem = folder_write_problem(parent)
     if problem:  # found now, not as a traceback from the first write after the tokenizer and a read of the inputs
         raise DataError(f"--output {prefix}: {problem}")

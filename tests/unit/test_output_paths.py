@@ -30,16 +30,15 @@ def _exit_line(capsys, argv: list[str]) -> str:
 
 
 def test_folder_write_problem(tmp_path):
-    from megatron_ext.data.common import folder_write_problem
+    from megatron_ext.cli_types import folder_write_problem
 
-    assert folder_write_problem(tmp_path / "a" / "b") is None
-    assert [p.name for p in tmp_path.iterdir()] == ["a"] and list((tmp_path / "a" / "b").iterdir()) == []
-    assert folder_write_problem(tmp_path) is None and sorted(p.name for p in tmp_path.iterdir()) == ["a"]
-    assert folder_write_problem(f"{NOWHERE}/x") == (f"cannot create a folder there (No such file or directory: "
-                                                    f"{NOWHERE}); choose a writable path")
-    assert folder_write_problem("/proc") == "cannot write in /proc (No such file or directory); choose a writable path"
+    assert folder_write_problem(tmp_path / "a" / "b") is None and list(tmp_path.iterdir()) == []  # nothing left
+    assert folder_write_problem(tmp_path) is None and list(tmp_path.iterdir()) == []
+    assert folder_write_problem(f"{NOWHERE}/x") == ("cannot create a folder there (No such file or directory in "
+                                                    "/proc); choose a writable path")
     (tmp_path / "file").write_text("")
-    assert "cannot create a folder there (Not a directory: " in folder_write_problem(tmp_path / "file" / "x")
+    assert folder_write_problem(tmp_path / "file" / "x") == f"{tmp_path / 'file'} is a file, not a directory; choose a " \
+                                                            "writable path"
 
 
 @pytest.mark.parametrize("kind", ["cpt", "sft"])
@@ -49,13 +48,14 @@ def test_prepare_data_output_that_cannot_be_written(kind, tmp_path, toy_tokenize
     extra = ["--seq-length", "256"] if kind == "sft" else []
     code = _exit_line(capsys, [kind, "--input", str(data), "--tokenizer", toy_tokenizer, "--output", "/proc/x",
                                "--quiet", *extra])
-    assert code == "error: --output /proc/x: cannot write in /proc (No such file or directory); choose a writable path"
+    assert code == ("error: --output /proc/x: cannot create a folder there (No such file or directory in /proc); "
+                    "choose a writable path")
 
 
 def test_toy_out_that_cannot_be_created(capsys):
     code = _exit_line(capsys, ["toy", "--out", f"{NOWHERE}/toy"])
-    assert code == (f"error: --out {NOWHERE}/toy: cannot create a folder there (No such file or directory: "
-                    f"{NOWHERE}); choose a writable path")
+    assert code == (f"error: --out {NOWHERE}/toy: cannot create a folder there (No such file or directory in "
+                    "/proc); choose a writable path")
 
 
 def test_tokenizer_file_instead_of_its_folder(tmp_path, toy_tokenizer, capsys):
@@ -102,13 +102,13 @@ def test_reshard_out_that_cannot_be_created(tmp_path, monkeypatch, capsys):
     code = main(["reshard", str(root), "--out", f"{NOWHERE}/new"])
     err = capsys.readouterr().err
     assert code == 1 and err == (f"error: --out {NOWHERE}/new: cannot create a folder there (No such file or "
-                                 f"directory: {NOWHERE}); choose a writable path\n")
+                                 "directory in /proc); choose a writable path\n")
 
 
 def test_reshard_out_check_ignores_another_ranks_probe(tmp_path):
     """Every rank runs the checks at once: another's probe file, there for a moment, is no content."""
     from megatron_ext.checkpoint_reshard import reshard_plan
-    from megatron_ext.data.common import WRITE_PROBE_PREFIX
+    from megatron_ext.cli_types import WRITE_PROBE_PREFIX
 
     root = _run_checkpoint(tmp_path)
     (tmp_path / "new").mkdir()
