@@ -38,14 +38,14 @@ def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
     return path
 
 
-def check_writable_folder(path: str | Path | None, flag: str, error: type[Exception] = EvalError) -> None:
-    """`error` naming `flag`, the path and the fix unless a folder can be made and written at `path`
+def check_writable_folder(path: str | Path | None, flag: str) -> None:
+    """EvalError naming `flag`, the path and the fix unless a folder can be made and written at `path`
     (`cli_types.folder_write_problem`; None: no output, nothing to check)."""
     from megatron_ext.cli_types import folder_write_problem
 
     problem = None if path is None else folder_write_problem(path)
     if problem:
-        raise error(f"{flag} {path}: {problem}")
+        raise EvalError(f"{flag} {path}: {problem}")
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:

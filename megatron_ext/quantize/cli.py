@@ -82,10 +82,12 @@ def run(args: argparse.Namespace) -> int:
     # before ModelOpt's import (~20 s)
     if Path(args.out).exists():
         raise QuantizeError(f"--out {args.out} exists: remove it or choose a new directory")
-    from megatron_ext.evaluate.io import check_writable_folder
+    from megatron_ext.cli_types import folder_write_problem
 
     # the export writes beside --out: found here, not after minutes of calibration (os.access says yes to root)
-    check_writable_folder(args.out, "--out", QuantizeError)
+    problem = folder_write_problem(args.out)
+    if problem:
+        raise QuantizeError(f"--out {args.out}: {problem}")
     hf_cfg = fp8.read_hf_config(args.hf)
     version, mtq, _ = fp8.modelopt()
     fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading

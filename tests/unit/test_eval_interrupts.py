@@ -34,8 +34,11 @@ def _niah(*argv: str | Path) -> subprocess.Popen:
     while it runs, no pipe to fill."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(Path(argv[argv.index("--out") + 1]).parent / "output.txt", "w") as log:
+        # SIGINT as a terminal leaves it: a test run started in the background (CI) has it ignored, and so would
+        # the tool, whose Python then installs no Ctrl-C handler
         return subprocess.Popen([sys.executable, str(ROOT / "tools/niah.py"), *map(str, argv)], stdout=log,
-                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _stopped(proc: subprocess.Popen, sig: signal.Signals, ready: Callable[[], bool], what: str,

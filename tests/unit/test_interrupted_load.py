@@ -61,8 +61,16 @@ def test_sigterm_during_load_checkpoint_is_terminated(saved, signal_while_readin
 
 
 def test_ctrl_c_during_load_checkpoint_is_keyboard_interrupt(saved, signal_while_reading):
-    """Python's own SIGINT handler (no `sigterm_as_interrupt`: the trainer, a library caller)."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    """Python's own SIGINT handler (no `sigterm_as_interrupt`: a library caller). Set here: a test run started in the
+    background (CI) has SIGINT ignored, and Python then installs no handler of its own."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_during_load(saved, signal_while_reading)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_during_load(saved, signal_while_reading) -> None:
     sent = signal_while_reading(signal.SIGINT)
     model = _model()
     with pytest.raises(KeyboardInterrupt) as caught:
