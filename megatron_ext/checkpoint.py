@@ -28,6 +28,7 @@ import torch
 
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits
 from megatron_ext.checkpoint_layout import LATEST_FILE, available_iterations, iter_dir_name, resolve_iteration_dir
+from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
 FORMAT = "megatron_ext/1"
@@ -336,7 +337,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
         if "optimizer" not in common and not _has_prefix(path, "optimizer."):
             raise CheckpointError(f"{path} holds no optimizer state; resume with weights_only=True "
                                   "(checkpoint.init_from) instead")
-        _materialise_optimizer_state(optimizer)
+        materialise_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
     skipped = _drop_extra_state(state, _model_keys(model_chunks)) if weights_only else {}
     strategy = _load_strategy(path, md.get("dp_cp_group")) if fully_parallel else None
@@ -352,7 +353,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
             keep_torch_adam_step_on_reshardable_load()
         with torch.no_grad():  # fp32 main params are views of the (leaf) model params
             optimizer.load_state_dict(loaded["optimizer"])
-        _restore_torch_adam_steps(optimizer)
+        fit_loaded_optimizer_state(optimizer)
     if scheduler is not None and not weights_only:
         if "scheduler" not in loaded:
             raise CheckpointError(f"{path} holds no scheduler state; resume with weights_only=True instead")
@@ -374,43 +375,6 @@ def _drop_extra_state(state: dict, model_keys: list[str]) -> dict[str, list[str]
             del state[key][n]
         skipped[key] = names
     return skipped
-
-
-def _materialise_optimizer_state(optimizer) -> None:
-    """Give a never-stepped DistributedOptimizer its state tensors before its sharded state dict is built.
-
-    Without TE/Apex (CPU) its `state_dict()` reads `step` from the inner torch Adam state, which is empty
-    until the first step. Megatron's own dummy-step helper fills it; the model weights and optimizer
-    state it touches are all overwritten by the load that follows.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if isinstance(part, DistributedOptimizer) and len(part.optimizer.state) == 0:
-            part._init_optimizer_states_with_dummy_values()
-
-
-def _restore_torch_adam_steps(optimizer) -> None:
-    """Per-parameter Adam `step` of a DistributedOptimizer on the torch fallback (no TE/Apex) after a load.
-
-    Megatron 0.16.1 restores `step` into the param groups, then copies the stale pre-load per-parameter
-    `step` back over it (dp_reshardable path), or shares one tensor among all parameters (both paths), which
-    torch Adam increments once per parameter. Give each parameter its own tensor holding the saved step.
-    """
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return
-    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if not isinstance(part, distrib_optimizer.DistributedOptimizer):
-            continue
-        for group in part.optimizer.param_groups:
-            if "step" not in group:
-                continue
-            for p in group["params"]:
-                state = part.optimizer.state.get(p)
-                if state is not None and "step" in state:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def _has_prefix(path: Path, prefix: str) -> bool:
