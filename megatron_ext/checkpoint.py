@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits
+from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits, read_dcp_index
 from megatron_ext.checkpoint_layout import LATEST_FILE, available_iterations, iter_dir_name, resolve_iteration_dir
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
@@ -339,7 +339,9 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
                                   "(checkpoint.init_from) instead")
         materialise_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
-    skipped = _drop_extra_state(state, _model_keys(model_chunks)) if weights_only else {}
+    # a full load keeps the extra state the checkpoint holds (TE's FP8 scaling history); one saved where the module
+    # had none (the sdpa backend's final norm, resumed with TE's) is skipped, not a missing-key failure
+    skipped = _drop_extra_state(state, _model_keys(model_chunks), None if weights_only else _stored_keys(path))
     strategy = _load_strategy(path, md.get("dp_cp_group")) if fully_parallel else None
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
@@ -361,8 +363,9 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     return iteration, loaded.get("extra")
 
 
-def _drop_extra_state(state: dict, model_keys: list[str]) -> dict[str, list[str]]:
-    """Remove the modules' `_extra_state` objects from a load request; returns their names per model key.
+def _drop_extra_state(state: dict, model_keys: list[str], stored: set[str] | None = None) -> dict[str, list[str]]:
+    """Remove the modules' `_extra_state` objects from a load request (`stored` given: those the checkpoint does not
+    hold); returns their names per model key, to be loaded as None.
 
     torch.distributed.checkpoint reads such objects with a full (not weights-only) torch load, i.e. it
     unpickles them. Weights-only loads (`checkpoint.init_from`, often a checkpoint from elsewhere) skip
@@ -370,11 +373,17 @@ def _drop_extra_state(state: dict, model_keys: list[str]) -> dict[str, list[str]
     """
     skipped = {}
     for key in model_keys:
-        names = [n for n in state[key] if n.endswith("._extra_state")]
+        names = [n for n in state[key] if n.endswith("._extra_state")
+                 and (stored is None or getattr(state[key][n], "key", None) not in stored)]
         for n in names:
             del state[key][n]
         skipped[key] = names
     return skipped
+
+
+def _stored_keys(path: Path) -> set[str]:
+    """The keys of what a torch_dist checkpoint holds (tensors and objects; an object's shards as one key)."""
+    return {k.split("/shard_")[0] for k in read_dcp_index(path).state_dict_metadata}
 
 
 def _has_prefix(path: Path, prefix: str) -> bool:

@@ -348,3 +348,34 @@ def test_save_with_a_lost_shard_keeps_the_previous_checkpoint(tmp_path, cpu_para
     with pytest.raises(CheckpointError, match="save of iteration 2 failed: .*incomplete checkpoint: __0_1.distcp is missing"):
         save_checkpoint(root, 2, [model], metadata={"hf_config": TINY})
     assert latest_iteration(root) == 1 and not (root / "iter_0000002").exists()
+
+
+class _NormWithExtraState(torch.nn.RMSNorm):
+    """A final norm with extra state, as TE's is (its FP8 scaling history; `set_extra_state(None)` is a no-op)."""
+
+    def get_extra_state(self):
+        return torch.tensor([1.0])
+
+    def set_extra_state(self, state):
+        self.restored = state
+
+
+def test_full_resume_where_a_module_gained_extra_state(tmp_path, cpu_parallel_state):
+    """Saved by the sdpa model (torch's final norm, no extra state), resumed with TE's (its norm has some): the
+    checkpoint has nothing for it, which was a missing-key failure of the load; now it loads as None. Extra state the
+    checkpoint holds is still loaded (the control: a checkpoint saved with it)."""
+    root = tmp_path / "ckpt"
+    model, ddp, opt, sched = setup(1, True)
+    step(ddp, opt, sched, 0)
+    save_checkpoint(root, 1, [model], optimizer=opt, scheduler=sched, metadata={"hf_config": TINY})
+    model2, ddp2, opt2, sched2 = setup(2, True)
+    norm = model2.decoder.final_layernorm
+    norm.__class__ = _NormWithExtraState
+    assert "decoder.final_layernorm._extra_state" in model2.state_dict()
+    load_checkpoint(root, [model2], optimizer=opt2, scheduler=sched2)
+    assert norm.restored is None
+    torch.testing.assert_close(params(model2), params(model), rtol=0, atol=0)
+    save_checkpoint(root, 2, [model2], optimizer=opt2, scheduler=sched2, metadata={"hf_config": TINY})
+    norm.restored = "not loaded"
+    load_checkpoint(root, [model2], optimizer=opt2, scheduler=sched2)
+    assert torch.equal(norm.restored, torch.tensor([1.0]))
