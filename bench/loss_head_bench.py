@@ -11,7 +11,9 @@ start (CUDA: `max_memory_allocated`; CPU: the profiler's allocator events), both
 and the largest difference of loss and of gradients to the baseline's, relative to the baseline's largest value.
 With `--kept F` < 1 (SFT: loss on the answers only) a random fraction F of the tokens carries the loss: every
 head's loss is multiplied by that mask, and rows `chunked/N+mask` give the mask to the chunked head, which then
-forms no logits for the other tokens. Writes a JSON under bench/results/.
+forms no logits for the other tokens. In bf16, rows `chunked/N+main_grad` give the weight an fp32 `main_grad` as
+Megatron's DDP does (allocated before the step, as DDP's buffer is): the head adds its weight gradient there.
+Writes a JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -26,16 +28,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measure(head, hidden, weight, labels, iters: int, device: str) -> dict:
-    """Median step seconds, peak bytes of one step, and the loss and gradients of the last step."""
+def measure(head, hidden, weight, labels, iters: int, device: str, main_grad=None) -> dict:
+    """Median step seconds, peak bytes of one step, and the loss and gradients of the last step. With `main_grad`
+    (fp32, the weight's shape, allocated before: DDP's buffer) the weight carries it as Megatron's DDP sets it up,
+    and its gradient is read from there."""
     import torch
 
     from bench.measure import step_time_and_peak
 
     def step():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        if main_grad is not None:
+            w.main_grad, w.grad_added_to_main_grad = main_grad.zero_(), False
         loss = head(h, w, labels)
         loss.backward(torch.ones_like(loss))
+        if main_grad is not None:
+            assert w.grad_added_to_main_grad, "the head did not add into main_grad"
+            return loss.detach(), h.grad, main_grad.clone()
         return loss.detach(), h.grad, w.grad
 
     return step_time_and_peak(step, iters, device)
@@ -96,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         head = lambda h, w, lab, c=c: masked(  # noqa: E731
             vocab_parallel_linear_cross_entropy(h, w, lab, chunk_tokens=c))
         rows[f"chunked/{c}"] = measure(head, hidden, weight, labels, args.iters, args.device)
+        if dtype == torch.bfloat16:  # fp32: DDP's addition costs what the head's own accumulator did
+            rows[f"chunked/{c}+main_grad"] = measure(head, hidden, weight, labels, args.iters, args.device,
+                                                     main_grad=torch.zeros(weight.shape, device=args.device))
         if mask is not None:
             head = lambda h, w, lab, c=c: vocab_parallel_linear_cross_entropy(  # noqa: E731
                 h, w, lab, chunk_tokens=c, loss_mask=mask)
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
               "kept": args.kept,
               "logits_bytes": args.tokens * args.vocab * (2 if dtype == torch.bfloat16 else 4), "rows": {}}
     print(f"loss head, {args.tokens} tokens x h {args.hidden} x V {args.vocab}, {args.dtype}, {args.device}")
-    print(f"{'head':<19}{'step_s':>9}{'time/full':>11}{'peak_MB':>10}{'mem/full':>10}{'loss_diff':>12}{'grad_diff':>12}")
+    print(f"{'head':<24}{'step_s':>9}{'time/full':>11}{'peak_MB':>10}{'mem/full':>10}{'loss_diff':>12}{'grad_diff':>12}")
     for name, r in rows.items():
         diff_loss, diff_grad = (max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                                     for a, b in zip(r["out"][i:j], base["out"][i:j])) for i, j in ((0, 1), (1, 3)))
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                "time_ratio": r["step_s"] / base["step_s"], "memory_ratio": r["peak_bytes"] / base["peak_bytes"],
                "max_rel_loss_diff": diff_loss, "max_rel_grad_diff": diff_grad}
         result["rows"][name] = row
-        print(f"{name:<19}{row['step_s']:9.3f}{row['time_ratio']:10.2f}x{r['peak_bytes'] / 1e6:10.1f}"
+        print(f"{name:<24}{row['step_s']:9.3f}{row['time_ratio']:10.2f}x{r['peak_bytes'] / 1e6:10.1f}"
               f"{row['memory_ratio']:9.2f}x{diff_loss:12.2e}{diff_grad:12.2e}")
     path = Path(args.out) / f"loss_head-{result['date']}.json"
     write_json_atomic(path, result)

@@ -237,9 +237,10 @@ def loss_head_bytes(s: Shape, tokens: int, vocab_rows: int, tensor: int = 1, seq
 
     full: Megatron's output layer + cross entropy, `logits_bytes_per_token` per token (`fused_ce` assumes a
     fused CE). chunked (`megatron_ext.loss_head`): one chunk's logits and their fp32 copy (plus, under
-    sequence parallelism, the chunk's gathered hidden states and their gradient), the fp32 weight-gradient
-    accumulator (4 B x V/TP x h; in bf16 also each chunk's bf16 weight-gradient GEMM output and its fp32 copy,
-    6 B x V/TP x h more) and 4 B of log-sum-exp per token.
+    sequence parallelism, the chunk's gathered hidden states and their gradient), one tensor of the output
+    weight's size (dtype B x V/TP x h: under the trainer's DDP the head adds into the fp32 main_grad itself and
+    keeps only each chunk's product, in bf16, which is then the placeholder gradient autograd hands on; in fp32
+    that placeholder, or without DDP the head's own fp32 accumulator) and 4 B of log-sum-exp per token.
     """
     if loss_head == "full":
         return tokens * logits_bytes_per_token(vocab_rows, tensor, dtype_bytes, fused_ce)
@@ -247,7 +248,7 @@ def loss_head_bytes(s: Shape, tokens: int, vocab_rows: int, tensor: int = 1, seq
         raise ValueError(f"loss_head = {loss_head!r}: expected 'full' or 'chunked'")
     gathered = 2 * s.hidden * dtype_bytes if sequence_parallel and tensor > 1 else 0.0
     per_chunk_token = logits_bytes_per_token(vocab_rows, tensor, dtype_bytes) + gathered
-    weight_grad = (4.0 + (6.0 if dtype_bytes == 2 else 0.0)) * vocab_rows / tensor * s.hidden
+    weight_grad = dtype_bytes * vocab_rows / tensor * s.hidden
     return min(chunk_tokens, tokens) * per_chunk_token + weight_grad + 4.0 * tokens
 
 

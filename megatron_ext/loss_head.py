@@ -12,7 +12,9 @@ each chunk's rows are gathered from the TP ranks when used, in forward and again
 
 The arithmetic follows Megatron's `vocab_parallel_cross_entropy` (bf16 logits upcast to fp32, max and sum-exp
 all-reduced over the tensor-parallel group, padded vocabulary rows included), so losses agree with it to fp32
-rounding; the weight gradient is summed over chunks in fp32.
+rounding; the weight gradient is summed over chunks in fp32: under Megatron's DDP straight into its fp32 `main_grad`
+(as Megatron's fused-accumulation linears do), which saves an fp32 and a bf16 copy of the weight's size (4 GB at
+TP=1 with Llama-3's vocabulary) and rounds the gradient to bf16 once per chunk only.
 
 `ChunkedLossGPTModel` plugs this into Megatron-Core's `GPTModel` where it turns hidden states into the loss
 (`_postprocess`) whenever labels are given; logits (no labels), inference and multi-token prediction take
@@ -74,6 +76,33 @@ def _chunks(local_tokens: int, tp: int, sequence_parallel: bool, chunk_tokens: i
         yield slice(start, end), (rank_offsets + torch.arange(start, end, device=device)).reshape(-1)
 
 
+def _ddp_main_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """Megatron DDP's fp32 gradient buffer of `weight` [V/TP, h], where the head may add its weight gradient itself.
+
+    DDP gives each parameter a `main_grad` view of its buffer and a `grad_added_to_main_grad` flag; its backward
+    hook adds `param.grad` into `main_grad` unless the flag is set (Megatron's own linears set it when a fused
+    kernel accumulated the gradient already). None without DDP (evaluation, tests of the head alone).
+    """
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
+        return None  # a buffer the head does not know how to add into (bf16 gradient reduce): DDP adds as usual
+    return main_grad
+
+
+def _placeholder_weight_grad(weight: torch.Tensor, product: torch.Tensor | None) -> torch.Tensor:
+    """What backward returns for a weight whose gradient is already in DDP's `main_grad`: autograd must still
+    reach the parameter (DDP's hook there marks its bucket ready), so a tensor of its shape, which the hook drops.
+
+    Where the weight is also the input embedding on this stage (tied), autograd adds the embedding's gradient to
+    this one and Megatron marks the weight `zero_out_wgrad`: its hook then adds the sum, so it must be zeros.
+    """
+    weight.grad_added_to_main_grad = True
+    grad = product if product is not None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return grad.zero_() if getattr(weight, "zero_out_wgrad", False) else grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """loss[t] = logsumexp(h[t] @ W.T) - (h[t] @ W.T)[label[t]] with W split over TP ranks by vocabulary rows.
 
@@ -117,7 +146,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         rank, tp = _tp_rank_and_size(group)
         vocab_rows = weight.shape[0]
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        into_main_grad = _ddp_main_grad(weight)
+        # fp32 [V/TP, h]: DDP's buffer (the sum over microbatches), else our own
+        grad_weight = into_main_grad if into_main_grad is not None else torch.zeros(
+            weight.shape, dtype=torch.float32, device=weight.device)
+        # bf16: each chunk's [V/TP, h] product lands here (reused) and is added in fp32; no fp32 copy of it
+        product = None if grad_weight.dtype == hidden.dtype else torch.empty(weight.shape, dtype=hidden.dtype,
+                                                                             device=weight.device)
         for rows, where in _chunks(hidden.shape[0], tp, sequence_parallel, ctx.chunk_tokens, hidden.device):
             h = _gather_sequence(hidden[rows], group) if sequence_parallel else hidden[rows]
             # softmax - one_hot(label), scaled by each token's incoming gradient: [c, V/TP]
@@ -126,10 +161,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs.scatter_add_(-1, target.unsqueeze(-1), -in_slice.to(probs.dtype).unsqueeze(-1))
             grad_logits = probs.mul_(grad_loss[where].unsqueeze(-1)).to(hidden.dtype)
             del probs
-            if grad_weight.dtype == h.dtype:  # fp32: accumulate in place, no [V/TP, h] temporary
+            if product is None:  # fp32: accumulate in place
                 grad_weight.addmm_(grad_logits.t(), h)
             else:
-                grad_weight += (grad_logits.t() @ h).float()
+                grad_weight.add_(torch.mm(grad_logits.t(), h, out=product))
             # This rank's input gradient covers its vocabulary rows only: summed over the TP ranks.
             if sequence_parallel:
                 mine = torch.empty_like(hidden[rows])
@@ -140,7 +175,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del grad_logits  # before the next chunk's logits exist: one chunk alive at a time
         if not sequence_parallel:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        if into_main_grad is None:
+            return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, _placeholder_weight_grad(weight, product), None, None, None, None
 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,

@@ -204,6 +204,15 @@ def test_loss_head_bench_runs_at_toy_size(tmp_path):
         assert row["peak_bytes"] > 0 and row["max_rel_loss_diff"] < 1e-5 and row["max_rel_grad_diff"] < 1e-5
     # 16-token chunks hold 1/6 of the logits at a time; the full head holds all 96 tokens' logits
     assert rows["chunked/16"]["memory_ratio"] < 0.7
+    # bf16: rows where the weight carries DDP's fp32 main_grad, which the head adds into (the bench asserts it did)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/loss_head_bench.py"), "--tokens", "96", "--hidden", "64",
+                           "--vocab", "256", "--chunks", "32", "--iters", "1", "--dtype", "bf16", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = (p for p in tmp_path.glob("loss_head-*.json") if json.loads(p.read_text())["dtype"] == "bf16")
+    rows = json.loads(path.read_text())["rows"]
+    assert set(rows) == {"full", "chunked/32", "chunked/32+main_grad"}
+    assert rows["chunked/32+main_grad"]["max_rel_grad_diff"] < 2e-2  # bf16 GEMMs of another shape than Megatron's
     bad = subprocess.run([sys.executable, str(ROOT / "bench/loss_head_bench.py"), "--chunks", "0"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 1 and "--chunks '0'" in bad.stderr and "Traceback" not in bad.stderr
@@ -219,3 +228,97 @@ def test_megatron_postprocess_signature_we_override():
     params = list(inspect.signature(GPTModel._postprocess).parameters)
     assert params[:5] == ["self", "hidden_states", "input_ids", "position_ids", "labels"]
     assert {"mtp_in_postprocess", "inference_context", "loss_mask"} <= set(params)
+
+
+# ------------------------------------------------------------------------------------- under Megatron's DDP
+
+def _ddp_step(model, tokens, overrides, microbatches=2):
+    """Two microbatches of one step under the trainer's DDP: every parameter's main_grad, and what stayed in .grad."""
+    from pathlib import Path
+
+    from megatron_ext.recipe import load_recipe
+    from megatron_ext.train import wrap_ddp
+
+    seq = tokens.shape[1]
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes/tiny/cpt.yaml",
+                         ["parallel.context=1", f"train.seq_length={seq}", *overrides], world_size=1)
+    ddp = wrap_ddp(recipe, model)
+    ddp.zero_grad_buffer()
+    for micro in range(microbatches):
+        batch = torch.roll(tokens, micro, 1)
+        loss = ddp(batch, torch.arange(seq).expand_as(batch), None, labels=torch.roll(batch, -1, 1))
+        loss.float().mean().backward()
+    ddp.finish_grad_sync()
+    return ({n: p.main_grad.clone() for n, p in ddp.named_parameters()},
+            [n for n, p in ddp.named_parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("tied, overrides", [(False, []), (True, []), (False, ["train.overlap_grad_reduce=true"]),
+                                             (True, ["train.overlap_grad_reduce=true"])])
+def test_ddp_main_grad_equals_megatron_head(cpu_parallel_state, tied, overrides):
+    """Under DDP the chunked head adds the output weight's gradient straight into main_grad (no fp32 and bf16
+    copies of the weight's size); every parameter's accumulated gradient equals Megatron's head's, the tied
+    embedding's included (where the head's placeholder gradient must be zeros: `zero_out_wgrad`)."""
+    full, chunked = _pair(dict(TINY, tie_word_embeddings=tied), 64, chunk=48)
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    grads_f, left_f = _ddp_step(full, tokens, overrides)
+    grads_c, left_c = _ddp_step(chunked, tokens, overrides)
+    assert left_f == left_c == []  # DDP's hook consumed every .grad
+    head = "module.embedding.word_embeddings.weight" if tied else "module.output_layer.weight"
+    assert chunked.shared_embedding_or_output_weight().grad_added_to_main_grad if tied else \
+        chunked.output_layer.weight.grad_added_to_main_grad  # the head's own accumulation path ran
+    assert grads_c.keys() == grads_f.keys() and head in grads_c
+    for name in grads_f:
+        torch.testing.assert_close(grads_c[name], grads_f[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _new_weight_sized_tensors(ddp, tokens, shape):
+    """(dtype, bytes) of each tensor of `shape` the backward pass of one microbatch creates (new storage)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == shape:
+                    seen.setdefault(t.untyped_storage().data_ptr(), (t.dtype, t.untyped_storage().nbytes()))
+            return out
+
+    seq = tokens.shape[1]
+    ddp.zero_grad_buffer()
+    loss = ddp(tokens, torch.arange(seq).expand_as(tokens), None, labels=torch.roll(tokens, -1, 1))
+    existing = {p.untyped_storage().data_ptr() for p in ddp.parameters()}
+    existing |= {p.main_grad.untyped_storage().data_ptr() for p in ddp.parameters()}
+    with Record():
+        loss.float().mean().backward()
+    return [v for ptr, v in seen.items() if ptr not in existing]
+
+
+def test_bf16_ddp_head_makes_one_weight_sized_temporary(cpu_parallel_state):
+    """bf16 under DDP: the chunked head's backward forms one bf16 tensor of the output weight's size (each chunk's
+    product, then the placeholder gradient) and no fp32 one: at TP=1 with Llama-3's vocabulary that is 1 GB where
+    an fp32 accumulator, an fp32 copy of each product and a final bf16 cast held 5 GB at once. Its main_grad is as
+    close to the fp32 model's as Megatron's head's is."""
+    from pathlib import Path
+
+    from megatron_ext.recipe import load_recipe
+    from megatron_ext.train import wrap_ddp
+
+    cfg = dict(WIDE_VOCAB, vocab_size=1024)
+    full, chunked = _pair(cfg, 128, chunk=32, precision="bf16")
+    oracle, _ = _pair(cfg, 128, chunk=32)  # fp32 weights: the same draw
+    tokens = torch.randint(0, 1024, (1, 128), generator=torch.Generator().manual_seed(3))
+    name = "module.module.output_layer.weight"
+    got_f, _ = _ddp_step(full, tokens, [])
+    got_c, _ = _ddp_step(chunked, tokens, [])
+    ref = _ddp_step(oracle, tokens, [])[0][name.replace("module.module.", "module.")]
+    err_c, err_f = ((got[name] - ref).abs().max().item() for got in (got_c, got_f))
+    assert err_c <= 1.5 * err_f, (err_c, err_f)
+
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes/tiny/cpt.yaml",
+                         ["parallel.context=1", "train.seq_length=128"], world_size=1)
+    shape = tuple(chunked.output_layer.weight.shape)
+    made = _new_weight_sized_tensors(wrap_ddp(recipe, chunked), tokens, shape)
+    assert [dtype for dtype, _ in made] == [torch.bfloat16], made
