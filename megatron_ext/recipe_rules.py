@@ -40,6 +40,12 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     for name in ("seq_length", "global_batch_size", "micro_batch_size", "steps", "log_interval", "loss_chunk_tokens"):
         v = getattr(t, name)
         _require(v >= 1, f"train.{name} = {v}: must be >= 1")
+    # Megatron-Core sums a step's loss tokens in int32 (schedules.py) and divides the gradients by that sum
+    # (finalize_model_grads): past 2^31 - 1 it wraps, and a negative count leaves the gradients unscaled
+    _require(t.global_batch_size * t.seq_length < 2**31,
+             f"train.global_batch_size x train.seq_length = {t.global_batch_size:,} x {t.seq_length:,} = "
+             f"{t.global_batch_size * t.seq_length:,} tokens per step: Megatron-Core counts a step's tokens in int32 "
+             f"(at most {2**31 - 1:,}); use fewer sequences per step (the paper's 4M stage: 2)")
     # float("inf") passes every comparison below; the run then diverged at its second step
     for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
         v = getattr(t, name)

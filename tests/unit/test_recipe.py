@@ -145,6 +145,10 @@ def test_missing_architecture():
       "parallel.hierarchical_context_sizes=[1, 2]"], 4, None),
     (["runtime.device=cuda", "runtime.attention=sdpa", "parallel.tensor=2", "parallel.sequence_parallel=true",
       "parallel.context=1"], 2, r"parallel\.sequence_parallel = true with runtime\.attention = 'sdpa'"),
+    # Megatron-Core's int32 token count of a step: 512 x 4M wraps to negative (gradients left unscaled)
+    (["train.global_batch_size=512", "train.seq_length=4194304"], 2,
+     r"train\.global_batch_size x train\.seq_length = 512 x 4,194,304 = 2,147,483,648 tokens per step: .* int32"),
+    (["train.global_batch_size=510", "train.seq_length=4194304"], 2, None),
 ])
 def test_cross_field_rules(override, world, message):
     if message is None:
