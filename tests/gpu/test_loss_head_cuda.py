@@ -56,3 +56,35 @@ def test_chunked_head_on_cuda(gpu_state):
         assert err_ours <= 2 * err_theirs + 1e-6, (i, err_ours, err_theirs)
     # Megatron: bf16 logits + fp32 copy of all 8192 tokens (1.6 GB); ours: one 1024-token chunk of them
     assert ours[3] < 0.35 * theirs[3], (ours[3], theirs[3])
+
+
+def test_chunked_head_adds_into_ddp_main_grad_on_cuda(gpu_state):
+    """With the fp32 `main_grad` Megatron's DDP gives a weight, the head adds its bf16 chunk products there
+    (CUDA's mixed-dtype add, no fp32 copy): the same gradient as its own fp32 accumulator, at least the
+    accumulator's 4 B x V x h less memory."""
+    from megatron_ext.loss_head import vocab_parallel_linear_cross_entropy
+
+    tokens, h, vocab = 8192, 1024, 32768
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(tokens, 1, h, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()
+    labels = torch.randint(0, vocab, (1, tokens), device="cuda", generator=gen)
+
+    def head(hd, w, lab):
+        return vocab_parallel_linear_cross_entropy(hd, w, lab, chunk_tokens=1024)
+
+    plain = _run(head, hidden, weight, labels)
+    main_grad = torch.zeros(weight.shape, device="cuda")
+    h_, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad = main_grad, False
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    loss = head(h_, w, labels)
+    loss.backward(torch.ones_like(loss))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    assert w.grad_added_to_main_grad
+    # the plain path's sum is cast to bf16 at the end; main_grad keeps fp32: within one bf16 rounding of it
+    torch.testing.assert_close(main_grad.bfloat16().double(), plain[2], rtol=1e-2, atol=1e-6)
+    assert peak <= plain[3] - 3 * vocab * h, (peak, plain[3])
