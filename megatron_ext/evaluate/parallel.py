@@ -197,12 +197,15 @@ class MegatronGreedy:
     def __call__(self, prompts: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
         """New ids per row of `prompts` (`[B, L]`, or rows of any lengths), greedy (draft i checked against row i when
         given)."""
-        rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(r) for r in prompts]  # any lengths
-        drafts = drafts or [[] for _ in rows]
+        # Only this replica's rows become lists: a 4M-token row is ~150 MB of Python ints, and every rank of a node
+        # held all DP rows' copies at once
+        n_rows = len(prompts)
+        drafts = drafts or [[] for _ in range(n_rows)]
         mine = {}
-        for i in range(self.dp_rank, len(rows), self.dp):
+        for i in range(self.dp_rank, n_rows, self.dp):
+            row = prompts[i].tolist() if isinstance(prompts, torch.Tensor) else list(prompts[i])  # any lengths
             try:
-                mine[i] = self._greedy_row(rows[i], drafts[i])
+                mine[i] = self._greedy_row(row, drafts[i])
             except BaseException:
                 if self.cache is not None:
                     self.cache.clear()  # a pass that failed leaves some layers' caches updated, others not
@@ -210,7 +213,7 @@ class MegatronGreedy:
         everyone: list[dict] = [{} for _ in range(self.dp)]
         dist.all_gather_object(everyone, mine, group=self.dp_group)
         merged = {k: v for part in everyone for k, v in part.items()}
-        return [merged[i] for i in range(len(rows))]
+        return [merged[i] for i in range(n_rows)]
 
 
 class MegatronTokenLosses:
