@@ -40,7 +40,8 @@ from megatron_ext.launch_eval import eval_jobs
 from megatron_ext.launch_stages import Stage, chain_sft_stage, check_stage_follows, check_stage_order, plan_stages
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.launch_check import check, check_tensor_parallel_within_node, describe, run_check
-from megatron_ext.slurm_jobs import check_warning_fits, claim_checkpoint_dir, requeue_ends_the_task, requeue_refusal
+from megatron_ext.slurm_jobs import (check_warning_fits, claim_checkpoint_dir, parse_owner_state,
+                                     requeue_ends_the_task, requeue_refusal)
 from megatron_ext.train_setup import check_data, check_setup
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -181,6 +182,13 @@ def after(params: dict, job: str) -> dict:
 _count = whole_number(1)  # nodes, tasks or CPUs
 
 
+def _owner_state(text: str) -> tuple[str, str]:
+    try:
+        return parse_owner_state(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_ext.launch", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="recipe YAML (the first stage, or the folder of --stages)")
@@ -208,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks-per-node", type=_count, help="--check: tasks per node")
     p.add_argument("--claim", action="store_true", help="--check: record this Slurm job as the one writing "
                    "checkpoint.dir; fails while another queued or running job holds it (slurm/*.sh do this)")
+    p.add_argument("--host-squeue", action="store_true", help="internal, for slurm/common.sh's preflight in a "
+                   "container: where squeue cannot tell whether the job holding checkpoint.dir has ended, exit 5 "
+                   "with a last line 'claim-owner-unknown: JOBID' so that the batch host asks Slurm")
+    p.add_argument("--owner-state", type=_owner_state, action="append", default=[], metavar="JOBID=STATE",
+                   help="internal, for slurm/common.sh's preflight: the state squeue on the batch host gave for job "
+                   "JOBID (empty: no longer listed), taken in place of asking squeue here, for that job only; an "
+                   "ended state hands its checkpoint.dir to this job, so do not pass it by hand")
     p.add_argument("--get", metavar="KEY", help="print one resolved recipe field (e.g. checkpoint.dir) and exit")
     p.add_argument("--check-data", action="store_true", help="only check the recipe's data.prefix datasets (complete, "
                    "ids within model.vocab_size, tokenized with a local model.tokenizer) and exit (slurm/pipeline.sh "

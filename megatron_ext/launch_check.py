@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
-from megatron_ext.slurm_jobs import claim_checkpoint_dir
+from megatron_ext import slurm_jobs
+from megatron_ext.slurm_jobs import EXIT_ASK_HOST, OWNER_UNKNOWN_LINE, OwnerStateUnknown, claim_checkpoint_dir
 from megatron_ext.train_setup import check_setup, setup_warnings
 
 
@@ -93,7 +94,15 @@ def resume_report(recipe: Recipe, world_size: int) -> list[str]:
 
 def run_check(args) -> int:
     """`--check`: validate the recipe for the job, say what it does with its checkpoint, and with `--claim` record
-    this Slurm job as the writer of checkpoint.dir (refused while another live job holds it)."""
+    this Slurm job as the writer of checkpoint.dir (refused while another live job holds it).
+
+    The preflight of a container job (slurm/common.sh) adds `--host-squeue`: where squeue cannot be asked here about
+    the job that holds checkpoint.dir, the last line says `claim-owner-unknown: ID` and the exit is EXIT_ASK_HOST (5);
+    the batch shell asks squeue and checks again with `--owner-state ID=STATE`, taken for job ID's state (only)."""
+    given = dict(getattr(args, "owner_state", None) or [])
+    host_squeue = getattr(args, "host_squeue", False)
+    if (given or host_squeue) and not args.claim:
+        raise RecipeError("--owner-state and --host-squeue go with --claim (slurm/common.sh's preflight passes them)")
     recipe = check(args.recipe, args.overrides, args.world_size, args.tasks_per_node, args.gpus_per_node, paths=True)
     world = args.world_size if args.world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
     report = resume_report(recipe, world)  # before "ok": a checkpoint the run cannot resume is an error
@@ -106,5 +115,14 @@ def run_check(args) -> int:
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
             raise RecipeError("--claim: no SLURM_JOB_ID; it records the Slurm job that writes checkpoint.dir")
-        claim_checkpoint_dir(recipe.checkpoint.dir, job)
+        def state_of(owner: str) -> str | None:  # what the batch host's squeue said of that job, else squeue here
+            return (given[owner] or None) if owner in given else slurm_jobs.job_state(owner)
+
+        try:
+            claim_checkpoint_dir(recipe.checkpoint.dir, job, state_of=state_of)
+        except OwnerStateUnknown as e:
+            if not host_squeue or e.owner in given or not e.owner.isdigit():
+                raise
+            print(f"{OWNER_UNKNOWN_LINE} {e.owner}", flush=True)
+            return EXIT_ASK_HOST
     return 0

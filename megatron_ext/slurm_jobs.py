@@ -23,6 +23,29 @@ _ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED
 
 
 UNKNOWN = "UNKNOWN"  # job_state's answer when squeue cannot be asked: not taken for an ended job
+# `launch --check --claim --host-squeue` (slurm/common.sh's preflight in a container, where squeue is usually missing)
+# exits with EXIT_ASK_HOST after a last stdout line `OWNER_UNKNOWN_LINE ID` where it cannot learn the state of the job
+# ID that holds checkpoint.dir; the batch shell asks squeue itself and runs the check again with
+# `--owner-state ID=STATE`.
+EXIT_ASK_HOST = 5
+OWNER_UNKNOWN_LINE = "claim-owner-unknown:"
+
+
+class OwnerStateUnknown(RecipeError):
+    """The claim is refused only because whether job `owner`, which holds the folder, still runs is unknown here."""
+
+    def __init__(self, message: str, owner: str):
+        super().__init__(message)
+        self.owner = owner
+
+
+def parse_owner_state(text: str) -> tuple[str, str]:
+    """`ID=STATE` (`--owner-state`, what squeue on the batch host says of job ID; an empty STATE: Slurm no longer
+    lists it) -> (ID, STATE). ValueError unless ID is a job number."""
+    job, sep, state = text.partition("=")
+    if not sep or not job.isdigit():
+        raise ValueError(f"{text!r}: give JOBID=STATE, e.g. 1234=COMPLETED (1234= where squeue no longer lists it)")
+    return job, state.strip()
 
 
 def job_state(job_id: str) -> str | None:
@@ -78,10 +101,11 @@ def _refuse_if_live(checkpoint_dir: str, owner: str, state_of: Callable[[str], s
     """RecipeError when job `owner`, which holds `checkpoint_dir`, is still queued or running."""
     state = (state_of or job_state)(owner)
     if state is not None and state.startswith(UNKNOWN):
-        raise RecipeError(
+        raise OwnerStateUnknown(
             f"checkpoint.dir = {checkpoint_dir!r} is held by Slurm job {owner}, and whether it still runs is "
             f"{state}: two runs in one folder overwrite each other's checkpoints. If job {owner} has ended, delete "
-            f"{Path(checkpoint_dir) / OWNER_FILE}; else wait for it, cancel it, or give this run another checkpoint.dir")
+            f"{Path(checkpoint_dir) / OWNER_FILE}; else wait for it, cancel it, or give this run another checkpoint.dir",
+            owner)
     if state is not None and state.split()[0] not in _ENDED:
         raise RecipeError(
             f"checkpoint.dir = {checkpoint_dir!r} is being written by Slurm job {owner} ({state}); two runs "

@@ -111,16 +111,65 @@ preflight() {
   per_node=${per_node%%[(,]*} # "8(x32)" -> 8
   local -a check=("$PYTHON" -m megatron_ext.launch --check --recipe "$RECIPE"
     --world-size "$SLURM_NTASKS" --tasks-per-node "$per_node"
-    --gpus-per-node "${SLURM_GPUS_ON_NODE:-0}" --claim "$@")
+    --gpus-per-node "${SLURM_GPUS_ON_NODE:-0}" --claim)
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     local help # captured first: `srun --help | grep -q` can fail under pipefail (SIGPIPE)
     help=$(srun --help 2>&1 || true)
     [[ $help == *--container-image* ]] ||
       die "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed); unset it or install pyxis"
-    "${LAUNCH[@]}" --nodes=1 --ntasks=1 "${check[@]}" || die "recipe check failed; nothing launched"
+    container_check "$@" || die "recipe check failed; nothing launched"
   else
-    "${check[@]}" || { check_python; die "recipe check failed; nothing launched"; }
+    "${check[@]}" "$@" || { check_python; die "recipe check failed; nothing launched"; }
   fi
+}
+
+# host_job_state ID: the state squeue on this (batch) host gives for job ID, as `launch --owner-state ID=STATE` takes
+# it: RUNNING, PENDING, COMPLETED...; nothing where Slurm no longer lists the job (it has ended); `UNKNOWN (why)`
+# where squeue cannot say (megatron_ext.slurm_jobs.job_state does the same where squeue is at hand).
+host_job_state() {
+  local out err why rc=0
+  err=$(mktemp)
+  out=$(timeout 60 squeue -h -j "$1" -o %T 2>"$err") || rc=$?
+  why=$(tr -s '[:space:]' ' ' <"$err")
+  rm -f -- "$err"
+  why=${why% }
+  if ((rc == 0)); then
+    printf '%s' "${out%%$'\n'*}"
+  elif [[ ${why,,} == *"invalid job id"* ]]; then
+    : # Slurm has forgotten the job: ended
+  elif ((rc == 124)); then
+    printf 'UNKNOWN (squeue on the batch host did not answer in 60 s)'
+  else
+    printf 'UNKNOWN (squeue on the batch host: %s)' "${why:-exit $rc}"
+  fi
+}
+
+# container_check [overrides]: the preflight's check (its array `check`) as one task in the container. Slurm's
+# commands are rarely in the image, so there the check cannot learn whether the job that last wrote checkpoint.dir
+# (its .slurm_job) has ended: with --host-squeue it then ends with EXIT_ASK_HOST (5) and a last line
+# `claim-owner-unknown: ID`, this shell asks squeue here, and the check runs again with --owner-state ID=STATE (an
+# ended job's claim is taken over, a live one refused, an unknown one refused as before). Bounded: the claim may
+# change hands between two runs.
+container_check() {
+  local -a told=()
+  local out rc last owner state round
+  for round in 1 2 3; do
+    rc=0
+    out=$("${LAUNCH[@]}" --nodes=1 --ntasks=1 "${check[@]}" --host-squeue "${told[@]}" "$@") || rc=$?
+    last=${out##*$'\n'}
+    if ((rc != 5)) || [[ ! $last =~ ^claim-owner-unknown:\ ([0-9]+)$ ]]; then
+      [[ -z $out ]] || printf '%s\n' "$out"
+      return "$rc"
+    fi
+    owner=${BASH_REMATCH[1]}
+    state=$(host_job_state "$owner")
+    log "checkpoint.dir was last claimed by Slurm job $owner, which squeue cannot be asked about in the container;" \
+      "on the batch host it is ${state:-no longer listed (ended)}"
+    told+=(--owner-state "$owner=$state")
+  done
+  printf '%s\n' "${out%$'\n'*}"
+  echo "error: the claim of checkpoint.dir changed hands $round times while this job checked it; submit again" >&2
+  return 1
 }
 
 # A MASTER_ADDR exported in the submitting shell (sbatch passes the environment on; torchrun habits, or one left

@@ -74,6 +74,86 @@ def test_other_tasks_only_check_the_claim(tmp_path):
     assert (run / OWNER_FILE).read_text() == "100\n"
 
 
+@pytest.fixture
+def claim_check(monkeypatch, tmp_path):
+    """`launch --check --claim ARGS` as slurm/common.sh's preflight runs it, as job 42 (the recipe loaded without its
+    data checks) on a checkpoint.dir that job 41 claimed; squeue here answers `state_here`."""
+    monkeypatch.setattr(launch_check, "check", lambda *a, **k: launch.load_recipe("recipes/tiny/cpt.yaml", a[1],
+                                                                                   world_size=2))
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    run = tmp_path / "run"
+    claim_checkpoint_dir(str(run), "41", state_of=lambda job: None)
+    asked = []
+
+    def main(*args: str, state_here: str = "UNKNOWN (squeue: No such file or directory)") -> int:
+        monkeypatch.setattr("megatron_ext.slurm_jobs.job_state", lambda job: asked.append(job) or state_here)
+        return launch.main(["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", "--claim",
+                            f"checkpoint.dir={run}", *args])
+
+    main.owner = run / OWNER_FILE
+    main.asked = asked
+    return main
+
+
+def test_a_check_that_cannot_ask_squeue_hands_the_question_to_the_batch_host(claim_check, capsys):
+    """In a container (no squeue) a new job of a run whose last job had ended was refused until .slurm_job was
+    deleted by hand. With --host-squeue the check ends with EXIT_ASK_HOST and the owner's id on its last line; by
+    hand (no --host-squeue) the refusal is as before."""
+    assert claim_check() == 1
+    out, err = capsys.readouterr()
+    assert "is held by Slurm job 41, and whether it still runs is UNKNOWN (squeue: No such file" in err
+    assert "claim-owner-unknown" not in out
+    assert claim_check("--host-squeue") == 5
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "claim-owner-unknown: 41" and err == ""
+    assert claim_check.owner.read_text() == "41\n"
+    # squeue answers here (a container with Slurm's commands): --host-squeue changes nothing
+    assert claim_check("--host-squeue", state_here="RUNNING") == 1
+    assert "being written by Slurm job 41 (RUNNING)" in capsys.readouterr().err
+    assert claim_check("--host-squeue", state_here="COMPLETED") == 0 and claim_check.owner.read_text() == "42\n"
+
+
+@pytest.mark.parametrize("state", ["COMPLETED", "FAILED", ""])
+def test_the_batch_hosts_answer_about_the_owner_decides(claim_check, capsys, state):
+    assert claim_check("--host-squeue", "--owner-state", f"41={state}") == 0
+    assert claim_check.owner.read_text() == "42\n" and claim_check.asked == []  # not asked again here
+
+
+def test_the_batch_hosts_answer_refuses_a_live_owner_or_one_it_cannot_tell(claim_check, capsys):
+    assert claim_check("--host-squeue", "--owner-state", "41=RUNNING") == 1
+    assert "being written by Slurm job 41 (RUNNING)" in capsys.readouterr().err
+    unknown = "UNKNOWN (squeue on the batch host: slurm_load_jobs error: Unable to contact slurm controller)"
+    assert claim_check("--host-squeue", "--owner-state", f"41={unknown}") == 1  # not 5: no loop
+    out, err = capsys.readouterr()
+    assert f"whether it still runs is {unknown}: two runs" in err and "If job 41 has ended, delete" in err
+    assert "claim-owner-unknown" not in out and claim_check.owner.read_text() == "41\n"
+
+
+def test_the_owner_state_speaks_for_its_job_only(claim_check, capsys):
+    """`--owner-state 41=COMPLETED` takes over only from job 41: with job 43 holding the folder (it claimed it after
+    the batch host asked about 41, or the option was typed for another run), 43's state is asked as always."""
+    claim_check.owner.write_text("43\n")
+    assert claim_check("--owner-state", "41=COMPLETED", state_here="RUNNING") == 1
+    assert "being written by Slurm job 43 (RUNNING)" in capsys.readouterr().err
+    assert claim_check("--owner-state", "41=COMPLETED") == 1  # 43 unknown here, no --host-squeue: refused
+    assert claim_check("--host-squeue", "--owner-state", "41=COMPLETED") == 5
+    assert capsys.readouterr().out.splitlines()[-1] == "claim-owner-unknown: 43"
+    assert claim_check.asked == ["43", "43", "43"] and claim_check.owner.read_text() == "43\n"
+
+
+def test_the_internal_claim_options_are_checked(claim_check, capsys):
+    with pytest.raises(SystemExit):
+        claim_check("--owner-state", "COMPLETED")  # no job id
+    assert "argument --owner-state: 'COMPLETED': give JOBID=STATE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        claim_check("--owner-state", "41x=COMPLETED")
+    assert "give JOBID=STATE" in capsys.readouterr().err
+    code = launch.main(["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", "--owner-state",
+                        "41=COMPLETED"])
+    assert code == 1 and "--owner-state and --host-squeue go with --claim" in capsys.readouterr().err
+    assert claim_check.owner.read_text() == "41\n"
+
+
 def test_requeue_refusal_bounds_restarts():
     assert requeue_refusal({"SLURM_RESTART_COUNT": "49"}) is None
     assert "50 restarts (MAX_REQUEUES = 50)" in requeue_refusal({"SLURM_RESTART_COUNT": "50"})

@@ -18,11 +18,20 @@ from tests.conftest import ROOT
 
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
+    # FAKE_CONTAINER_PATH: the preflight's check (megatron_ext.launch) runs for real, with this PATH (a container
+    # without Slurm's commands); each such call's arguments, one line, go to FAKE_CHECKS
     "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n'
+            'if [[ -n ${FAKE_CONTAINER_PATH:-} && " $* " == *" megatron_ext.launch "* ]]; then\n'
+            '  while [[ $1 == -* ]]; do shift; done; echo "$*" >>"$FAKE_CHECKS"; PATH=$FAKE_CONTAINER_PATH exec "$@"\nfi\n'
             '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
             'for s in ${FAKE_SIGNAL:-}; do kill -"$s" "$PPID"; sleep 0.1; done\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
+    # a job's state (%T): FAKE_STATES="41=COMPLETED 43=RUNNING"; a job not named there Slurm no longer lists;
+    # FAKE_SQUEUE_ERR: squeue fails with that message
     "squeue": 'case "$*" in *%r*) echo "${FAKE_REASON:-None}" ;; *%l*) echo "${FAKE_LIMIT:-30:00}" ;; '
+              '*%T*) [[ -n ${FAKE_SQUEUE_ERR:-} ]] && { echo "$FAKE_SQUEUE_ERR" >&2; exit 1; }\n'
+              '  for p in ${FAKE_STATES:-}; do [[ ${p%%=*} == "$3" ]] && { echo "${p#*=}"; exit 0; }; done\n'
+              '  echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1 ;;\n'
               '*) echo RUNNING ;; esac',
     "sacct": 'echo "${FAKE_STATE:-RUNNING}"',
     "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; '
@@ -394,3 +403,74 @@ def test_a_container_job_mounts_the_folder_it_was_submitted_from(job, tmp_path):
     args = argv.read_text().splitlines()
     assert f"--container-mounts={ROOT}:{ROOT},{elsewhere}:{elsewhere}" in args
     assert f"--container-workdir={elsewhere}" in args and "--container-image=img.sqsh" in args
+
+
+@pytest.fixture
+def container_job(job, tmp_path, token_data):
+    """A pyxis job whose preflight check runs for real in a "container" without squeue (the stub srun runs it with
+    an empty PATH), on a checkpoint.dir whose .slurm_job names job 41; the batch host's squeue is the stub."""
+    empty = tmp_path / "container_bin"
+    empty.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".slurm_job").write_text("41\n")
+    checks = tmp_path / "checks"
+
+    def run(**fake: str):
+        checks.write_text("")
+        proc, _ = job(args=("train.steps=3", f"checkpoint.dir={run_dir}", f"data.prefix={token_data}"),
+                      CONTAINER_IMAGE="img.sqsh", FAKE_HELP="--container-image", FAKE_CONTAINER_PATH=str(empty),
+                      FAKE_CHECKS=str(checks), PYTHON=sys.executable, PYTHONWARNINGS="ignore", FAKE_RC="0", **fake)
+        return proc, (run_dir / ".slurm_job").read_text(), checks.read_text().splitlines()
+
+    return run
+
+
+@pytest.mark.parametrize("states", ["41=COMPLETED", "41=TIMEOUT", ""])  # "": Slurm no longer lists job 41
+def test_a_container_job_takes_over_from_a_job_that_ended(container_job, states):
+    """squeue is not in the container, where the preflight checks the claim: every new submission of a run whose
+    last job had ended was refused ('whether it still runs is UNKNOWN') until the user deleted .slurm_job. Now the
+    batch host asks Slurm and the check, told so, takes the claim over."""
+    proc, owner, checks = container_job(FAKE_STATES=states)
+    assert proc.returncode == 0 and "training exited with 0" in proc.stdout, proc.stdout + proc.stderr
+    assert owner == "42\n"
+    assert len(checks) == 2 and "--claim --host-squeue train.steps=3" in checks[0] and "--owner" not in checks[0]
+    state = states.partition("=")[2]
+    assert f"--host-squeue --owner-state 41={state} train.steps=3" in checks[1]
+    assert f"on the batch host it is {state or 'no longer listed (ended)'}" in proc.stdout
+    assert proc.stdout.count("ok: ") == 1, proc.stdout
+    assert "claim-owner-unknown" not in proc.stdout
+
+
+@pytest.mark.parametrize("state", ["RUNNING", "PENDING", "COMPLETING"])
+def test_a_container_job_refuses_a_folder_a_live_job_writes(container_job, state):
+    proc, owner, checks = container_job(FAKE_STATES=f"41={state} 43=COMPLETED")
+    assert proc.returncode == 1 and "training exited" not in proc.stdout, proc.stdout + proc.stderr
+    assert owner == "41\n" and len(checks) == 2
+    assert f"is being written by Slurm job 41 ({state}); two runs in one folder" in proc.stderr
+    assert "cancel it (scancel 41), or give this run another checkpoint.dir" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: recipe check failed; nothing launched"
+
+
+def test_a_container_job_where_the_host_cannot_ask_slurm_either(container_job, tmp_path):
+    proc, owner, _ = container_job(FAKE_SQUEUE_ERR="slurm_load_jobs error: Unable to contact slurm controller")
+    assert proc.returncode == 1 and "training exited" not in proc.stdout and owner == "41\n", proc.stderr
+    assert ("is held by Slurm job 41, and whether it still runs is UNKNOWN (squeue on the batch host: "
+            "slurm_load_jobs error: Unable to contact slurm controller)") in proc.stderr
+    assert f"If job 41 has ended, delete {tmp_path}/run/.slurm_job" in proc.stderr
+
+
+def test_a_container_job_keeps_its_own_claim_and_a_claim_that_changed_hands_is_asked_about(container_job, tmp_path):
+    """A requeued job (the same id) asks nobody; a claim taken by job 43 between the two checks is asked about too."""
+    (tmp_path / "run/.slurm_job").write_text("42\n")
+    proc, owner, checks = container_job()
+    assert proc.returncode == 0 and owner == "42\n" and len(checks) == 1, proc.stdout + proc.stderr
+    (tmp_path / "run/.slurm_job").write_text("41\n")
+    # the host's squeue answers, and job 43 claims the folder, before the second check
+    squeue = tmp_path / "bin/squeue"
+    squeue.write_text(squeue.read_text().replace("#!/usr/bin/env bash\n",
+                                                 f"#!/usr/bin/env bash\necho 43 >{tmp_path}/run/.slurm_job\n"))
+    proc, owner, checks = container_job(FAKE_STATES="41=COMPLETED 43=RUNNING")
+    assert proc.returncode == 1 and owner == "43\n" and len(checks) == 3, proc.stdout + proc.stderr
+    assert "--owner-state 41=COMPLETED --owner-state 43=RUNNING" in checks[2]
+    assert "is being written by Slurm job 43 (RUNNING)" in proc.stderr
