@@ -27,6 +27,8 @@
 set -euo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
+# shellcheck source=slurm/common.sh
+source slurm/common.sh # log, die; refuses a bash older than 4.4
 # from_caller PATH: PATH as the user meant it, from the folder they ran this in (the jobs run in the project root).
 from_caller() {
   if [[ -z $1 || $1 == /* || $CALLER -ef . ]]; then printf '%s\n' "$1"; else printf '%s\n' "$CALLER/$1"; fi

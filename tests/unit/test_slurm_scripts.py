@@ -474,3 +474,13 @@ def test_a_container_job_keeps_its_own_claim_and_a_claim_that_changed_hands_is_a
     assert proc.returncode == 1 and owner == "43\n" and len(checks) == 3, proc.stdout + proc.stderr
     assert "--owner-state 41=COMPLETED --owner-state 43=RUNNING" in checks[2]
     assert "is being written by Slurm job 43 (RUNNING)" in proc.stderr
+
+
+@pytest.mark.parametrize("version, ok", [("4 2", False), ("4 3", False), ("3 9", False), ("4 4", True),
+                                         ("5 0", True), ("", True)])  # "": this bash (the tests need >= 4.4)
+def test_scripts_refuse_a_bash_older_than_4_4(version, ok):
+    """Before bash 4.4 (EL7's 4.2) an empty array under `set -u` is an error, which slurm/*.sh expand often
+    (a stage without overrides): common.sh, which every script and pipeline.sh source, refuses such a bash."""
+    proc = subprocess.run(["bash", "-c", f"source slurm/common.sh && bash_at_least_4_4 {version}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert (proc.returncode == 0) == ok, proc.stderr
