@@ -169,8 +169,24 @@ def model_state_bytes(params: float, shards: int, precision: str = "bf16",
             "optimizer": params * optim / shard}
 
 
+def gathered_kv_bytes(s: Shape, length: float, tensor: int = 1, dtype_bytes: float = 2.0) -> float:
+    """K and V of `length` tokens on one TP rank (kv_heads / TP heads each): with `length` the whole sequence, what
+    the torch SDPA backend all-gathers over the CP group in every layer (megatron_ext/attention.py)."""
+    return length * 2 * s.kv_heads * s.head_dim / tensor * dtype_bytes
+
+
+# One layer's backward through the SDPA backend's all-gather under CP holds the gradient of its gathered K and V
+# this many times over (megatron_ext/attention.py): the summed gradient of the whole sequence's K and V, and the
+# next chunk's SDPA gradient of its key slice padded to the whole sequence (SliceBackward) before it is added;
+# unshard's reordering then pads each piece the same way before the reduce-scatter. [D] Measured with the local
+# dQ/dK/dV added (tests/distributed/test_plan_memory_cp.py): the core attention's backward peaks at 0.83-0.92 x that
+# at CP 2, 0.90 at CP 4 and 0.94 at CP 8 (GQA 4:2), 0.89-0.95 at CP 4 (MHA), CPU kernels' temporaries included.
+LOCAL_CP_GRAD_FACTOR = 2.0
+
+
 def activation_bytes_per_token_layer(s: Shape, tensor: int = 1, sequence_parallel: bool = True,
-                                     dtype_bytes: float = 2.0, kernels: str = "te", unfused_rope: bool = False) -> float:
+                                     dtype_bytes: float = 2.0, kernels: str = "te", unfused_rope: bool = False,
+                                     context: int = 1) -> float:
     """Bytes one layer keeps for backward per token (no recompute) on one TP rank.
 
     te (perf.md §5b, fused attention, fused SwiGLU): norm in/out for attention and MLP (4h),
@@ -182,6 +198,9 @@ def activation_bytes_per_token_layer(s: Shape, tensor: int = 1, sequence_paralle
     the FC2 input (5 ffn). Sequence parallel divides the norm terms by TP too. RoPE's cos and sin are not split
     by TP (they broadcast over the heads); `unfused_rope` adds them to the te count, where perf.md assumes TE's
     fused RoPE: our model always applies RoPE unfused, to carry YaRN's attention factor (megatron_ext/rope.py).
+    local with `context` (CP) > 1: the backend all-gathers K and V of the whole sequence and SDPA keeps them, CP
+    tokens' worth per local token (`gathered_kv_bytes`), in place of the QKV buffer and the rotated K; it keeps
+    rotated Q, each chunk's output and their concatenation copied for the projection (2 o), and the log-sum-exp.
     """
     t = tensor
     norm_div = t if sequence_parallel else 1
@@ -192,14 +211,19 @@ def activation_bytes_per_token_layer(s: Shape, tensor: int = 1, sequence_paralle
         return dtype_bytes * (4 * s.hidden / norm_div + (qkv + o + 3 * s.ffn) / t) + (rope if unfused_rope else 0.0)
     if kernels == "local":
         norms = 2 * (3 * s.hidden * dtype_bytes + 4) / norm_div
-        attn = dtype_bytes * (qkv + (s.heads + s.kv_heads) * s.head_dim + o) + 4 * s.heads
+        if context > 1:
+            attn = dtype_bytes * (s.heads * s.head_dim + 2 * o) + 4 * s.heads + gathered_kv_bytes(s, context, 1,
+                                                                                                    dtype_bytes)
+        else:
+            attn = dtype_bytes * (qkv + (s.heads + s.kv_heads) * s.head_dim + o) + 4 * s.heads
         return norms + attn / t + rope + dtype_bytes * 5 * s.ffn / t
     raise ValueError(f"kernels = {kernels!r}: expected 'te' or 'local'")
 
 
 def activation_bytes(s: Shape, tokens: int, layers: int, recompute: str, tensor: int = 1,
                      sequence_parallel: bool = True, dtype_bytes: float = 2.0, kernels: str = "te",
-                     in_flight: int = 1, recompute_layers: int | None = None, unfused_rope: bool = False) -> float:
+                     in_flight: int = 1, recompute_layers: int | None = None, unfused_rope: bool = False,
+                     context: int = 1) -> float:
     """Activation memory of `layers` layers for `tokens` tokens per micro-batch, `in_flight` micro-batches.
 
     none / selective: every layer's saved tensors (selective recompute of core attention saves
@@ -210,7 +234,8 @@ def activation_bytes(s: Shape, tokens: int, layers: int, recompute: str, tensor:
     layers all their saved tensors; the backward's transient is then the larger of those other
     layers and the two layers' worth of a recomputed one (N = `layers` is full, N = 0 none).
     """
-    per_layer = activation_bytes_per_token_layer(s, tensor, sequence_parallel, dtype_bytes, kernels, unfused_rope)
+    per_layer = activation_bytes_per_token_layer(s, tensor, sequence_parallel, dtype_bytes, kernels, unfused_rope,
+                                                 context)
     if recompute in ("none", "selective"):
         return tokens * layers * per_layer * in_flight
     if recompute == "full":
@@ -266,11 +291,18 @@ def sp_buffer_bytes(s: Shape, tokens: int, tensor: int, sequence_parallel: bool,
     return 2 * tokens * s.hidden * dtype_bytes if sequence_parallel and tensor > 1 else 0.0
 
 
-def cp_buffer_bytes(s: Shape, tokens: int, tensor: int, context: int, dtype_bytes: float = 2.0) -> float:
-    """TE p2p ring: double-buffered K/V in forward, K/V + dK/dV double buffers in backward (one
-    layer at a time), plus an fp32 output accumulator (perf.md §6 'not modelled': ~0.13 GB/layer)."""
+def cp_buffer_bytes(s: Shape, tokens: int, tensor: int, context: int, dtype_bytes: float = 2.0,
+                    kernels: str = "te") -> float:
+    """te: TE p2p ring: double-buffered K/V in forward, K/V + dK/dV double buffers in backward (one
+    layer at a time), plus an fp32 output accumulator (perf.md §6 'not modelled': ~0.13 GB/layer).
+    local (torch SDPA, all-gather CP): one layer's backward transient, the gradients of its gathered K and V
+    (`LOCAL_CP_GRAD_FACTOR` x `gathered_kv_bytes` of the whole sequence) and its local dQ, dK, dV; what its forward
+    gathers is kept for backward, so `activation_bytes` counts it."""
     if context == 1:
         return 0.0
+    if kernels == "local":
+        local_grads = tokens * (s.heads + 2 * s.kv_heads) * s.head_dim / tensor * dtype_bytes  # dQ, dK, dV
+        return LOCAL_CP_GRAD_FACTOR * gathered_kv_bytes(s, tokens * context, tensor, dtype_bytes) + local_grads
     kv = 2 * s.kv_heads * s.head_dim / tensor * dtype_bytes
     return tokens * (4 * kv + 4.0 * s.heads * s.head_dim / tensor)
 

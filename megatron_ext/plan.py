@@ -142,14 +142,15 @@ def plan(recipe: Recipe, gpu: GPU, gpus: int | None = None, mfu: float = 0.35, *
     tokens = t.seq_length // cp * t.micro_batch_size  # per GPU per micro-batch
     microbatches = t.global_batch_size // (dp * t.micro_batch_size)
     states = model_state_bytes(params_per_gpu(s, tp, pp, rows), dp * cp, t.precision, t.distributed_optimizer)
+    kernels = kernels_of(recipe)
     mem = Memory(
         **states,
-        activations=activation_bytes(s, tokens, s.layers // pp, t.recompute, tp, sp, dtype, kernels_of(recipe),
+        activations=activation_bytes(s, tokens, s.layers // pp, t.recompute, tp, sp, dtype, kernels,
                                      in_flight=min(pp, microbatches), recompute_layers=t.recompute_layers,
-                                     unfused_rope=True),
+                                     unfused_rope=True, context=cp),
         logits=loss_head_bytes(s, tokens, rows, tp, sp, dtype, t.loss_head, t.loss_chunk_tokens, fused_ce),
         rope=rope_table_bytes(t.seq_length, cp, s.head_dim),
-        cp_buffers=cp_buffer_bytes(s, tokens, tp, cp, dtype),
+        cp_buffers=cp_buffer_bytes(s, tokens, tp, cp, dtype, kernels),
         sp_buffers=sp_buffer_bytes(s, tokens, tp, sp, dtype),
         overhead=OVERHEAD_BYTES if recipe.runtime.device == "cuda" else 0.0,
     )
