@@ -21,6 +21,7 @@ from megatron_ext.cost_model import (
     GPU,
     OVERHEAD_BYTES,
     Shape,
+    gathered_kv_bytes,
     kv_cache_bytes_per_token,
     layer_matmul_params,
     params_per_gpu,
@@ -126,8 +127,7 @@ def layer_working_set_bytes(s: Shape, length: int, tensor: int, context: int, dt
     tokens = length / context
     qkv = (s.heads + 2 * s.kv_heads) * s.head_dim / tensor
     rotated = (s.heads + s.kv_heads) * s.head_dim / tensor
-    kv_per_token = 2 * s.kv_heads * s.head_dim / tensor * dtype_bytes
-    ring = (length if kernels == "local" else 2 * tokens) * kv_per_token if context > 1 else 0.0
+    ring = gathered_kv_bytes(s, length if kernels == "local" else 2 * tokens, tensor, dtype_bytes) if context > 1 else 0.0
     attention = tokens * dtype_bytes * (3 * s.hidden + qkv + rotated + s.heads * s.head_dim / tensor) + ring
     mlp = tokens * dtype_bytes * (4 * s.hidden + (5 if kernels == "local" else 3) * s.ffn / tensor)
     return max(attention, mlp)

@@ -51,7 +51,7 @@ def report(p: Plan, mfu: float) -> tuple[str, Plan | None]:
         f"  {'activations':<34}{gb(m.activations)}   ({r.train.seq_length // p.context:,} tokens/GPU)",
         f"  {loss_head_label(p):<34}{gb(m.logits)}",
         f"  {'RoPE tables':<34}{gb(m.rope)}",
-        f"  {'CP ring buffers':<34}{gb(m.cp_buffers)}",
+        f"  {'CP ring buffers' if kernels_of(r) == 'te' else 'CP gathered K/V gradients':<34}{gb(m.cp_buffers)}",
         f"  {'sequence-parallel gathers':<34}{gb(m.sp_buffers)}",
         f"  {'CUDA/NCCL/allocator overhead':<34}{gb(m.overhead)}",
         f"  {'total':<34}{gb(m.total)}   of {p.gpu.memory_gb:g} GB: "
