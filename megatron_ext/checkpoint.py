@@ -20,14 +20,14 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits, read_dcp_index
-from megatron_ext.checkpoint_layout import LATEST_FILE, available_iterations, iter_dir_name, resolve_iteration_dir
+from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
+                                            resolve_iteration_dir)
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
@@ -250,6 +250,23 @@ def start_write_results_queue() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+def _rank0_problem(check) -> str | None:
+    """Run `check` on rank 0 alone and return, on every rank, the message of the CheckpointError it raised (None:
+    none), so that all raise alike. Collective. Another error is sent too (none waits for a message that never
+    comes), and rank 0 raises it itself."""
+    problem, error = [None], None
+    if _rank() == 0:
+        try:
+            check()
+        except Exception as e:
+            problem, error = [str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"], e
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(problem, src=0)
+    if error is not None and not isinstance(error, CheckpointError):
+        raise error
+    return problem[0]
+
+
 def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_last: int | None) -> None:
     """Collective, once every rank's shards are in `tmp`: metadata, completeness check, rename, `latest`."""
     final = root / iter_dir_name(iteration)
@@ -266,20 +283,8 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
         (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=_json_default) + "\n")
     # Every rank has written its shards; rank 0 checks that they are all there before anything is
     # renamed, and all ranks raise together if not (the previous checkpoint and pointer stay).
-    problem = [None]
-    if _rank() == 0:
-        for wait_s in (0, 2, 5):  # a shared filesystem may show other nodes' files a moment late
-            time.sleep(wait_s)
-            try:
-                check_complete(tmp)
-                problem = [None]
-                break
-            except CheckpointError as e:
-                problem = [str(e)]
-    if torch.distributed.is_initialized():
-        torch.distributed.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(f"save of iteration {iteration} failed: {problem[0]}")
+    if (problem := _rank0_problem(lambda: complete_soon(tmp))) is not None:
+        raise CheckpointError(f"save of iteration {iteration} failed: {problem}")
 
     if _rank() == 0:
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
@@ -323,25 +328,29 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     from megatron.core import dist_checkpointing
 
     iteration, path = resolve_iteration_dir(root, iteration)
-    check_complete(path)  # vets the pickled index before torch unpickles it, then the files it names
+    # Rank 0 alone opens the files the index names (a resume at 512 ranks: ~1,000 files, not 512 x 1,000); each
+    # rank reads the index once, allow-listed (vetted before torch unpickles it), and every check below uses it.
+    if (problem := _rank0_problem(lambda: check_complete(path))) is not None:
+        raise CheckpointError(problem)
+    index = read_dcp_index(path)
     try:
-        saved_md = dist_checkpointing.load_content_metadata(str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        saved_md = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable torch_dist checkpoint ({type(e).__name__}: {e})") from None
     load_optim = optimizer is not None and not weights_only
     md = _sharding_metadata(optimizer if load_optim else None, saved_md)
     state: dict[str, Any] = _model_state(model_chunks, md)
-    check_fits(path, state, model_chunks)
+    stored = check_fits(path, state, model_chunks, index)
     if load_optim:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-        if "optimizer" not in common and not _has_prefix(path, "optimizer."):
+        if "optimizer" not in common and not any(k.startswith("optimizer.") for k in stored):
             raise CheckpointError(f"{path} holds no optimizer state; resume with weights_only=True "
                                   "(checkpoint.init_from) instead")
         materialise_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=md)
     # a full load keeps the extra state the checkpoint holds (TE's FP8 scaling history); one saved where the module
     # had none (the sdpa backend's final norm, resumed with TE's) is skipped, not a missing-key failure
-    skipped = _drop_extra_state(state, _model_keys(model_chunks), None if weights_only else _stored_keys(path))
+    skipped = _drop_extra_state(state, _model_keys(model_chunks), None if weights_only else _stored_keys(index))
     strategy = _load_strategy(path, md.get("dp_cp_group")) if fully_parallel else None
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
@@ -381,12 +390,6 @@ def _drop_extra_state(state: dict, model_keys: list[str], stored: set[str] | Non
     return skipped
 
 
-def _stored_keys(path: Path) -> set[str]:
-    """The keys of what a torch_dist checkpoint holds (tensors and objects; an object's shards as one key)."""
-    return {k.split("/shard_")[0] for k in read_dcp_index(path).state_dict_metadata}
-
-
-def _has_prefix(path: Path, prefix: str) -> bool:
-    from megatron.core import dist_checkpointing
-
-    return any(k.startswith(prefix) for k in dist_checkpointing.load_tensors_metadata(str(path)))
+def _stored_keys(index) -> set[str]:
+    """The keys of what a torch_dist index (`read_dcp_index`) holds (tensors, objects; an object's shards as one)."""
+    return {k.split("/shard_")[0] for k in index.state_dict_metadata}

@@ -133,14 +133,18 @@ def check_complete(path: str | Path) -> None:
                               "at an earlier iter_* folder")
 
 
-def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
-    """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint."""
+def check_fits(path: Path, model_state: dict, model_chunks: list, index=None) -> dict:
+    """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint; else
+    return what it stores (Megatron-Core's tensors metadata: key -> ShardedTensor without data). `index`: the
+    checkpoint's `read_dcp_index`, when the caller has read it (else the index is read here)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     try:
-        stored = dist_checkpointing.load_tensors_metadata(str(path))
+        stored = (dist_checkpointing.load_tensors_metadata(str(path)) if index is None
+                  else TorchDistLoadShardedStrategy().load_tensors_metadata(Path(path), index))
     except Exception as e:  # CheckpointingException, OSError, torch errors on corrupt files
         raise CheckpointError(f"{path}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from None
     problems = []
@@ -169,6 +173,7 @@ def check_fits(path: Path, model_state: dict, model_chunks: list) -> None:
         shown = "; ".join(sorted(set(problems))[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
         raise CheckpointError(f"checkpoint {path} does not fit the model{why}: {shown}; "
                               "build the model from the checkpoint's hf_config (read_metadata) or pick another checkpoint")
+    return stored
 
 
 def gradient_bucket_size(overlap_grad_reduce: bool, ddp_bucket_size: int | None, data_parallel: int) -> int | None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
-from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError
+from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -61,6 +62,17 @@ def unfinished_saves(root: Path) -> list[int]:
         except ValueError:
             pass
     return sorted(its)
+
+
+def complete_soon(path: Path, waits: tuple[float, ...] = (2, 5)) -> None:
+    """`check_complete(path)`, tried again after each of `waits` seconds: a shared file system may show other nodes'
+    files a moment late (a save's last check, on rank 0)."""
+    for wait_s in waits:
+        try:
+            return check_complete(path)
+        except CheckpointError:
+            time.sleep(wait_s)
+    check_complete(path)
 
 
 def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tuple[int, Path]:
