@@ -178,15 +178,29 @@ def check_token_ids(prefix: str, manifest: dict, vocab_size: int) -> None:
                     f"{largest + 1}), or prepare the data with the model's tokenizer")
 
 
-def index_fingerprint(prefixes: Sequence[str]) -> str:
-    """sha256 over the PREFIX.idx files: the document lengths that GPTDataset's cached indices
-    (document, sample and shuffle index) are computed from."""
-    h = hashlib.sha256()
-    for p in prefixes:
-        with open(p + ".idx", "rb") as f:
+_DIGESTS: dict[tuple, str] = {}  # this process's sha256 of each file hashed, by (path, device, inode, size, mtime)
+
+
+def _file_sha256(path: str) -> str:
+    """sha256 (hex) of a file's bytes, read once per process while it is the same file (inode, size, mtime): the
+    trainer's rank 0 needs each index's for the data identity and again for the index caches, and at 100B tokens
+    an .idx is 1-2 GB. Data prepared again is new files (written beside the old, then renamed): another inode."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 24), b""):
                 h.update(block)
-    return "sha256:" + h.hexdigest()
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def index_fingerprint(prefixes: Sequence[str]) -> str:
+    """sha256 of the PREFIX.idx file ("sha256:..."; of several, over their sha256s in order): the document lengths
+    that GPTDataset's cached indices (document, sample and shuffle index) are computed from."""
+    digests = [_file_sha256(p + ".idx") for p in prefixes]
+    return "sha256:" + (digests[0] if len(digests) == 1 else hashlib.sha256(" ".join(digests).encode()).hexdigest())
 
 
 SAMPLE_BLOCKS = 64

@@ -82,9 +82,9 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
             raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
                             f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
     for p in prefixes:
-        lengths = np.array(check_complete(p).sequence_lengths, dtype=np.int64)
-        if split is not None:
-            _check_split_sizes(p, lengths, seq_length, split)
+        index = check_complete(p)
+        if split is not None:  # the lengths are read only then (4 bytes a document, on every rank)
+            _check_split_sizes(p, np.array(index.sequence_lengths, dtype=np.int64), seq_length, split)
     if weights is not None and len(weights) != len(prefixes):
         raise DataError(f"data weights {list(weights)}: {len(weights)} weights for {len(prefixes)} prefixes")
     if weights is not None and num_samples[0] is None:
@@ -97,11 +97,29 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
         random_seed=seed, sequence_length=seq_length,
         **({"blend_per_split": [blend, None, None]} if split is None else {"blend": blend, "split": split}),
         path_to_cache=cache,
-        tokenizer=_ManifestTokenizer(manifests[0], index_fingerprint(prefixes)),
+        tokenizer=_ManifestTokenizer(manifests[0], _shared_index_fingerprint(prefixes)),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit
     )
     return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
+
+
+def _shared_index_fingerprint(prefixes: list[str]) -> str:
+    """`index_fingerprint(prefixes)`, read by rank 0 alone under torch.distributed and sent to the others: every rank
+    names GPTDataset's index caches with it, and an .idx of 100B tokens is 1-2 GB (hashed by each of 512 ranks: up
+    to 128 GB off the shared file system at each start, once per node of 8). Collective, as the dataset builder is."""
+    if not torch.distributed.is_initialized():
+        return index_fingerprint(prefixes)
+    value = [None, None]  # fingerprint, or why rank 0 could not read an index (all ranks raise it)
+    if torch.distributed.get_rank() == 0:
+        try:
+            value = [index_fingerprint(prefixes), None]
+        except OSError as e:
+            value = [None, f"data prefixes {prefixes}: cannot read {e.filename} ({e.strerror})"]
+    torch.distributed.broadcast_object_list(value, src=0)
+    if value[1] is not None:
+        raise DataError(value[1])
+    return value[0]
 
 
 def _check_split_sizes(prefix: str, lengths: np.ndarray, seq_length: int, split: str) -> None:
