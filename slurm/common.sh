@@ -282,10 +282,12 @@ warned_at_start() {
 
 # run_finished [overrides]: the checkpoint of $RECIPE is at train.steps (the preflight's own report), so a USR1 that
 # killed the tasks (exit 138) came while they were exiting after the last save, not before training.
+# With CONTAINER_IMAGE it asks in the container, as the preflight does (the batch host's python may lack torch).
 run_finished() {
   local out
-  out=$("$PYTHON" -m megatron_ext.launch --check --recipe "$RECIPE" --world-size "$SLURM_NTASKS" "$@" 2>/dev/null) ||
-    return 1
+  local -a check=("$PYTHON" -m megatron_ext.launch --check --recipe "$RECIPE" --world-size "$SLURM_NTASKS" "$@")
+  [[ -z ${CONTAINER_IMAGE:-} ]] || check=("${LAUNCH[@]}" --nodes=1 --ntasks=1 "${check[@]}")
+  out=$("${check[@]}" 2>/dev/null) || return 1
   [[ $out == *"checkpoint: nothing to train"* ]]
 }
 

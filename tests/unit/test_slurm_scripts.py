@@ -40,8 +40,10 @@ STUBS = {
     # FAKE_SCANCEL_SLEEP: a slow scancel keeps the batch shell in its trap while srun ends
     "scancel": '[[ -n ${FAKE_SCANCEL:-} ]] && echo "$*" >>"$FAKE_SCANCEL"\nsleep "${FAKE_SCANCEL_SLEEP:-0}"\nexit 0',
     "getent": 'printf "10.0.0.4 STREAM %s\\n10.0.0.4 DGRAM\\n" "$2"',  # every host is 10.0.0.4
-    # the preflight (megatron_ext.launch --check) passes and prints FAKE_CHECK_OUT
-    "python": '[[ -n ${FAKE_CHECK_OUT:-} ]] && echo "$FAKE_CHECK_OUT"\nexit 0',
+    # the preflight (megatron_ext.launch --check) passes and prints FAKE_CHECK_OUT; FAKE_HOST_PYTHON_FAILS: only in
+    # the "container" (PATH = FAKE_CONTAINER_PATH), as a batch host's python without torch
+    "python": '[[ -n ${FAKE_HOST_PYTHON_FAILS:-} && $PATH != "${FAKE_CONTAINER_PATH:-}" ]] && exit 1\n'
+              '[[ -n ${FAKE_CHECK_OUT:-} ]] && echo "$FAKE_CHECK_OUT"\nexit 0',
 }
 
 
@@ -165,6 +167,20 @@ def test_evaluation_warned_at_start_requeues_only_after_a_save(job, tmp_path, co
 def test_warning_as_a_finished_run_exits_is_success(job):
     """The last save done, USR1 killed the tasks on their way out: the run is complete, not failed or requeued."""
     proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="10:00",
+                      FAKE_CHECK_OUT="checkpoint: nothing to train: the checkpoint is at step 3, train.steps = 3")
+    assert proc.returncode == 0 and calls == "", proc.stdout + proc.stderr
+    assert "USR1 came while the tasks were exiting" in proc.stdout
+
+
+def test_warning_as_a_finished_container_run_exits_is_success(job, tmp_path):
+    """The same with CONTAINER_IMAGE, where the batch host's python cannot run the check (no torch there): it asks in
+    the container, as the preflight does (before, the finished run was requeued once)."""
+    container = tmp_path / "container_bin"
+    container.mkdir()
+    (container / "bash").symlink_to(shutil.which("bash"))  # the stub python's interpreter
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="138", FAKE_LIMIT="10:00", CONTAINER_IMAGE="img.sqsh",
+                      FAKE_HELP="--container-image", FAKE_CONTAINER_PATH=str(container), FAKE_CHECKS=str(tmp_path / "c"),
+                      FAKE_HOST_PYTHON_FAILS="1",
                       FAKE_CHECK_OUT="checkpoint: nothing to train: the checkpoint is at step 3, train.steps = 3")
     assert proc.returncode == 0 and calls == "", proc.stdout + proc.stderr
     assert "USR1 came while the tasks were exiting" in proc.stdout
