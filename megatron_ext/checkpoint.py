@@ -4,8 +4,8 @@
     ROOT/iter_0000010/megatron_ext.json  our run metadata (HF config incl. rope, recipe, versions, git SHA)
     ROOT/latest_checkpointed_iteration.txt
 
-Checkpoints are global (every tensor stored with its full shape), so a checkpoint saved at any
-TP/PP loads at any other TP/PP, and `megatron.core.dist_checkpointing.load_plain_tensors` reads
+Checkpoints are global (every tensor stored with its full shape), so the weights of a checkpoint saved at any
+TP/PP load at any other TP/PP (the default dp_reshardable optimizer state does not: checkpoint_reshard.py), and `megatron.core.dist_checkpointing.load_plain_tensors` reads
 it without a model. An iteration directory appears only when complete: it is written under a
 temporary name and renamed by rank 0; the latest pointer is replaced atomically afterwards.
 """
@@ -96,7 +96,7 @@ def _uses_distributed_optimizer(optimizer) -> bool:
 
 
 def _sharding_metadata(optimizer, saved: dict | None = None, optimizer_sharding: str = "dp_reshardable") -> dict:
-    """The `metadata` argument of `sharded_state_dict` (megatron_core.md 4.1)."""
+    """The `metadata` argument of `sharded_state_dict` (Megatron-Core's sharding options: the optimizer's format)."""
     from megatron.core import parallel_state as ps
 
     md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}

@@ -279,8 +279,7 @@ def loss_head_bytes(s: Shape, tokens: int, vocab_rows: int, tensor: int = 1, seq
 
 def rope_table_bytes(seq_len: int, context: int, head_dim: int) -> float:
     """The fp32 angle table [L/CP, head_dim] of this rank's positions (`megatron_ext.rope.ScaledRotaryEmbedding`
-    builds only those; Megatron's own RotaryEmbedding builds all L on every rank: ~2 GiB at 4M, megatron_core.md
-    §1.3)."""
+    builds only those; Megatron-Core's own RotaryEmbedding builds all L on every rank: ~2 GiB at 4M)."""
     return 4.0 * head_dim * seq_len / context
 
 

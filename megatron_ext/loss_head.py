@@ -3,7 +3,7 @@
 Megatron's loss head computes the logits of every token (`[s, b, V/TP]`, bf16) and an fp32 copy (6 B x V/TP per
 token at the forward peak), and its cross entropy keeps the fp32 softmax for the backward pass (4 B x V/TP per
 token): 94 GiB and 63 GiB at 128K tokens with Llama-3's 128,256-entry vocabulary at TP=1, more than all the layer
-inputs kept under full recompute (perf.md section 5b; anchors.md pain 16). Here the
+inputs kept under full recompute (docs/research/perf.md section 5b). Here the
 logits of `chunk_tokens` tokens at a time are formed, reduced to a log-sum-exp and the target logit, and freed; the
 backward pass forms them again, chunk by chunk, to get the softmax gradient. What stays alive between forward and
 backward is the hidden state the output layer keeps anyway (under sequence parallelism only the local shard;
@@ -13,8 +13,8 @@ each chunk's rows are gathered from the TP ranks when used, in forward and again
 The arithmetic follows Megatron's `vocab_parallel_cross_entropy` (bf16 logits upcast to fp32, max and sum-exp
 all-reduced over the tensor-parallel group, padded vocabulary rows included), so losses agree with it to fp32
 rounding; the weight gradient is summed over chunks in fp32: under Megatron's DDP straight into its fp32 `main_grad`
-(as Megatron's fused-accumulation linears do), which saves an fp32 and a bf16 copy of the weight's size (4 GB at
-TP=1 with Llama-3's vocabulary) and rounds the gradient to bf16 once per chunk only.
+(as Megatron's fused-accumulation linears do): no fp32 accumulator and no fp32 copy of each chunk's product, 8 B x
+V/TP x h (4.2 GB at TP=1 with Llama-3's vocabulary), and the gradient is rounded to bf16 once per chunk only.
 
 `ChunkedLossGPTModel` plugs this into Megatron-Core's `GPTModel` where it turns hidden states into the loss
 (`_postprocess`) whenever labels are given; logits (no labels), inference and multi-token prediction take

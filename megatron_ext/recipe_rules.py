@@ -146,7 +146,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
              f"train.global_batch_size = {t.global_batch_size}: must be divisible by micro_batch_size x data parallel "
              f"= {t.micro_batch_size} x {dp} = {per_step}")
     if r.device == "cpu":
-        _require(r.fp8 is None, f"runtime.fp8 = {r.fp8!r}: FP8 needs Transformer Engine on an sm90+ GPU; "
+        _require(r.fp8 is None, f"runtime.fp8 = {r.fp8!r}: FP8 needs Transformer Engine on an sm89+ GPU; "
                                 "set runtime.fp8=null for runtime.device=cpu")
         _require(r.attention != "te", "runtime.attention = 'te': Transformer Engine needs runtime.device=cuda; use sdpa")
         _require(r.sdpa_kernel in ("auto", "flash", "math"),

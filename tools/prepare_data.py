@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     toy = sub.add_parser("toy", help="write offline toy inputs: a 512-token tokenizer, a corpus and chats (README, "
-                                     "\"Tiny, offline\")")
+                                     "\"The whole chain by hand, offline, at toy scale\")")
     toy.add_argument("--out", required=True, metavar="DIR", help="writes DIR/tokenizer/, DIR/corpus.jsonl, "
                                                                  "DIR/chats.jsonl")
     toy.add_argument("--documents", type=int, default=300, help="corpus documents (default 300: ~120K tokens)")

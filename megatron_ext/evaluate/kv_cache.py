@@ -14,7 +14,7 @@ A prompt that starts like the cached one (NIAH prompts of one length share the h
 only its tokens after the shared prefix (`extending`): a pass over them, zigzag-split over CP like a prefill,
 whose queries attend to the cached prefix (gathered from the CP ranks, one layer at a time, the keys a prefill of
 the whole prompt would have all-gathered too) and to the pass's own keys; each rank then keeps its rows after the
-prefix. For a grid whose depths spread evenly this skips about half the prefill's tokens.
+prefix. For a grid whose depths spread evenly this skips about 40% of the prefill's tokens (11 depths: at most 4.5/11).
 
 Cache size per rank: 2 x layers/PP x KV heads/TP x head dim x bytes per value per token of the prompt / CP (for
 Llama-3.1-8B in bf16: 128 KiB per token / (TP x CP); 1M tokens at TP 8 x CP 4: 4 GiB on each rank).

@@ -84,7 +84,7 @@ def test_missing_architecture():
     (["parallel.context=4", "parallel.cp_comm_type=a2a"], 4,
      r"model\.num_key_value_heads per TP rank = 2 must be divisible by parallel\.context = 4"),
     (["parallel.context=2", "parallel.cp_comm_type=a2a+p2p"], 2, r"hierarchical_context_sizes = None: cp_comm_type 'a2a\+p2p' needs"),
-    (["runtime.fp8=hybrid"], 2, r"runtime\.fp8 = 'hybrid': FP8 needs Transformer Engine on an sm90\+ GPU"),
+    (["runtime.fp8=hybrid"], 2, r"runtime\.fp8 = 'hybrid': FP8 needs Transformer Engine on an sm89\+ GPU"),
     (["runtime.attention=te"], 2, r"runtime\.attention = 'te': Transformer Engine needs runtime\.device=cuda"),
     (["runtime.device=cuda", "runtime.fp8_attention=true"], 2, r"runtime\.fp8_attention = true: needs runtime\.fp8"),
     # TE would find no attention backend at the first forward (FP8 attention: BSHD/SBHD only, current scaling sm100+)
