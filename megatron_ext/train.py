@@ -222,7 +222,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     log(f"[train] {recipe.name}: {t.stage} seq {t.seq_length} TP{p.tensor} PP{p.pipeline} CP{p.context} "
         f"DP{dp_size} ({world} ranks), {num_microbatches} microbatch(es)/step, steps {start + 1}..{t.steps} "
         f"({planned:,} tokens); checkpoints and metrics.jsonl in {root}")
-    for warning in setup_warnings(recipe):
+    for warning in setup_warnings(recipe) if torch.distributed.get_rank() == 0 else []:  # they read the data index
         log(f"[train] warning: {warning}")
 
     # each profiled rank names its own trace, so its line is not rank 0's alone
