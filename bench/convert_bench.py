@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import write_json_atomic  # noqa: E402
 from megatron_ext.presets import LLAMA31_8B  # noqa: E402
 
 SHAPES = {
@@ -67,12 +69,16 @@ def timed(cmd: list[str]) -> tuple[float, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/convert_bench"))
+    ap.add_argument("--work", type=Path, default=None,
+                    help="work folder, emptied first (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
 
     cfg = dict(LLAMA31_8B, **SHAPES[args.shape])
-    shutil.rmtree(args.work, ignore_errors=True)
+    if args.work is None:  # not a fixed name under a shared /tmp, which another user could make first
+        args.work = Path(tempfile.mkdtemp(prefix="convert_bench-"))
+    else:
+        shutil.rmtree(args.work, ignore_errors=True)
     hf, copy, mc, back = (args.work / n for n in ("hf", "hf_copy", "megatron", "hf_back"))
     t0 = time.time()
     nbytes = write_random_hf(hf, cfg)
@@ -108,9 +114,7 @@ def main() -> None:
         "round_trip_bit_exact": exact,
     }
     print(json.dumps(result))
-    results = ROOT / "bench/results"
-    results.mkdir(exist_ok=True)
-    (results / f"convert_{args.shape}_{result['date'][:10]}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(ROOT / "bench/results" / f"convert_{args.shape}_{result['date'][:10]}.json", result)
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
 

@@ -111,8 +111,9 @@ def main() -> int:
     r0, r1 = res["runs"]
     res["rss_growth"] = round(r1["pipeline"]["peak_rss_mb"] / r0["pipeline"]["peak_rss_mb"], 3)
     out = ROOT / "bench" / "results" / f"data_bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    from bench.report import write_json_atomic
+
+    write_json_atomic(out, res)
     print(json.dumps({"pipeline_vs_bare": r0["pipeline_vs_bare"], "pipeline_vs_bare_cpu": r0["pipeline_vs_bare_cpu"],
                       "rss_growth": res["rss_growth"],
                       "result": str(out.relative_to(ROOT))}))

@@ -372,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default=None, help="free text kept in the JSON, e.g. the commit that ran")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local)")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheels to install when megatron-core is missing")
-    p.add_argument("--site", default="/tmp/site", help="where the wheels are installed (pip --target)")
+    p.add_argument("--site", default=str(ROOT / ".site"),
+                   help="where the wheels are installed (pip --target; default .site in the checkout: a fixed folder "
+                   "under a shared /tmp could be made first by another user, whose packages would then be imported)")
     return p
 
 

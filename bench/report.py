@@ -8,7 +8,6 @@ section 5a, causal count); this module only divides.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Callable, Iterable
@@ -144,11 +143,9 @@ def bucket_kernels(kernels: Iterable[tuple[str, float]]) -> dict[str, float]:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON to a temporary name and rename it into place (a killed run leaves the last good file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    from megatron_ext.evaluate.io import write_atomic
+
+    write_atomic(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=False) + "\n"))
 
 
 def parse_lengths(text: str) -> list[int]:

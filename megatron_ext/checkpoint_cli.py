@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     reshard = sub.add_parser("reshard", help="save a checkpoint's distributed-optimizer state again, "
                              "fully_reshardable (any TP, PP and gradient buckets resume it); on a multiple of TP x PP "
                              "processes")
-    reshard.add_argument("dir", help="checkpoint.dir of a run, or one of its iter_* folders")
+    reshard.add_argument("dir", help="checkpoint.dir of a run, or one of its iter_* folders: one your own runs wrote "
+                         "(torch unpickles the optimizer state and extra state stored in its shards)")
     reshard.add_argument("--out", required=True, help="a new folder: the checkpoint.dir to resume from afterwards")
     reshard.add_argument("--iteration", type=_ITERATION, default=None, help="an iteration other than the latest")
     args = parser.parse_args(argv)

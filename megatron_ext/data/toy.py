@@ -16,11 +16,15 @@ Used by the tests, the CPU demo and the benchmarks; nothing here touches the net
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megatron_ext.data.chat import LLAMA31_CHAT_TEMPLATE
+from megatron_ext.evaluate.io import current_umask, write_atomic
 
 # Llama-3's special tokens, same names (ids differ: the toy vocabulary is tiny).
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -59,8 +63,17 @@ def build_toy_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
                                    pad_token="<|finetune_right_pad_id|>")
     fast.chat_template = LLAMA31_CHAT_TEMPLATE
-    out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out))
+    # saved beside `out`, then renamed into place: an interrupted run leaves no half-written tokenizer folder
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's 0700: the folder a plain mkdir would make
+        fast.save_pretrained(str(staging))
+        if out.is_dir():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
@@ -115,13 +128,12 @@ def synthetic_chats(n: int, seed: int = 0, no_assistant_every: int = 0) -> Itera
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
-    """Write records as JSON lines (UTF-8); return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    """Write records as JSON lines (UTF-8), under a temporary name renamed into place; return the path."""
+    def write(f) -> None:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return path
+
+    return write_atomic(path, write)
 
 
 def write_toy_inputs(out_dir: str | Path, documents: int = 300, chats: int = 200, seed: int = 0) -> dict[str, Path]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.demo.pipeline import ABLATION
+from megatron_ext.evaluate.io import write_json_atomic, write_text_atomic
 
 
 def _niah_rows(evals: Path, models: dict[str, Path]
@@ -212,11 +213,9 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
               f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.", "",
               "Settings: `" + json.dumps(settings.__dict__ if hasattr(settings, '__dict__') else {}, default=str) + "`", ""]
     report = out / "REPORT.md"
-    tmp = report.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, report)
+    write_text_atomic(report, "\n".join(lines))
     results = {"lengths": lengths, "niah": {label: {"by_length": per_len, "mean": acc} for label, per_len, acc, _ in rows},
                "goal_met": met, "seconds": steps.seconds, "total_s": total_s,
                "mean_loss": {k: v.mean_loss for k, v in ppl.items()}, "megatron_engine": engine}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(out / "results.json", results)
     return report

@@ -15,13 +15,16 @@ from typing import Any, Callable
 from megatron_ext.evaluate.errors import EvalError
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting it and back): the permissions mkstemp/mkdtemp's 0600/0700 should get."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
+def write_atomic(path: str | Path, write: Callable[[Any], None], mode: str = "w") -> Path:
+    """Call `write(f)` on a new file beside `path` (a unique name: two writers never share one), then rename it
+    into place; on any error the temporary file is removed and `path` is left as it was. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -30,7 +33,7 @@ def _atomic(path: str | Path, write: Callable[[Any], None], mode: str) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -50,17 +53,17 @@ def check_writable_folder(path: str | Path | None, flag: str) -> None:
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
     """Write `obj` as indented JSON to `path` atomically; returns the path."""
-    return _atomic(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), "w")
+    return write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), "w")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to `path` atomically; returns the path."""
-    return _atomic(path, lambda f: f.write(text), "w")
+    return write_atomic(path, lambda f: f.write(text), "w")
 
 
 def save_figure_atomic(fig: Any, path: str | Path) -> Path:
     """Save a matplotlib `Figure` as PNG to `path` atomically; returns the path."""
-    return _atomic(path, lambda f: fig.savefig(f, format="png", dpi=fig.get_dpi(), bbox_inches="tight"), "wb")
+    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=fig.get_dpi(), bbox_inches="tight"), "wb")
 
 
 def model_version(path: str | Path) -> str | None:
