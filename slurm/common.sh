@@ -39,14 +39,14 @@ die() {
   exit 1
 }
 
-# bash_at_least_4_4 [MAJOR MINOR]: this bash (or the version given) is 4.4 or newer. Before 4.4 (EL7's 4.2) an
+# bash_at_least_4_4 MAJOR MINOR: that bash version is 4.4 or newer. Before 4.4 (EL7's 4.2) an
 # empty array under `set -u` is an error ("args[@]: unbound variable", e.g. a stage submitted without overrides),
 # which these scripts would hit halfway through a job: they stop at once instead.
 bash_at_least_4_4() {
-  local major=${1:-${BASH_VERSINFO[0]}} minor=${2:-${BASH_VERSINFO[1]}}
+  local major=$1 minor=$2
   ((major > 4 || (major == 4 && minor >= 4)))
 }
-bash_at_least_4_4 || die "slurm/*.sh need bash >= 4.4, this is bash $BASH_VERSION; put a newer bash first in PATH" \
+bash_at_least_4_4 "${BASH_VERSINFO[0]}" "${BASH_VERSINFO[1]}" || die "slurm/*.sh need bash >= 4.4, this is bash $BASH_VERSION; put a newer bash first in PATH" \
   "(a module, or conda install bash) before sbatch or bash slurm/pipeline.sh"
 
 # NCCL / InfiniBand defaults for multi-node H100 jobs; every one can be overridden by exporting it

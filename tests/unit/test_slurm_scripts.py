@@ -493,7 +493,7 @@ def test_a_container_job_keeps_its_own_claim_and_a_claim_that_changed_hands_is_a
 
 
 @pytest.mark.parametrize("version, ok", [("4 2", False), ("4 3", False), ("3 9", False), ("4 4", True),
-                                         ("5 0", True), ("", True)])  # "": this bash (the tests need >= 4.4)
+                                         ("5 0", True), ('"${BASH_VERSINFO[0]}" "${BASH_VERSINFO[1]}"', True)])
 def test_scripts_refuse_a_bash_older_than_4_4(version, ok):
     """Before bash 4.4 (EL7's 4.2) an empty array under `set -u` is an error, which slurm/*.sh expand often
     (a stage without overrides): common.sh, which every script and pipeline.sh source, refuses such a bash."""
