@@ -203,6 +203,55 @@ def index_fingerprint(prefixes: Sequence[str]) -> str:
     return "sha256:" + (digests[0] if len(digests) == 1 else hashlib.sha256(" ".join(digests).encode()).hexdigest())
 
 
+def check_index_caches(folders: Sequence[str]) -> None:
+    """Raise DataError naming the first `*.npy` file in `folders` that is not a plain .npy array: Megatron-Core
+    loads GPTDataset's and BlendedDataset's index caches (FOLDER/<md5>-<class>-<split>-<name>.npy) with
+    `numpy.load(allow_pickle=True)`, which runs the code in a file that is really a pickle, on every rank.
+
+    Every `.npy` there is vetted, other runs' too: this build's names hash its whole dataset description (sample
+    counts the builder derives), known only inside Megatron-Core's builder. A file is read up to the end of its
+    .npy header (~128 bytes), the data is not mapped. Passes: an empty file, or a .npy whose data is short of its
+    shape (another run's rank 0 may be saving it now); numpy raises on those without unpickling anything."""
+    for folder in folders:
+        try:
+            names = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".npy") and e.is_file())
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # no caches yet (a path that is a file: Megatron-Core's own error when it saves)
+        except OSError as e:
+            raise DataError(f"data cache folder {folder}: cannot be listed ({e.strerror})") from None
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                problem = _npy_problem(path)
+            except OSError as e:
+                problem = f"cannot be read ({e.strerror})"
+            if problem:
+                raise DataError(f"data cache file {path}: {problem}, and Megatron-Core loads its index caches with "
+                                "numpy.load(allow_pickle=True), which runs the code in a pickle; delete it (or the "
+                                f"cache folder {folder}): the run rebuilds its index caches")
+
+
+def _npy_problem(path: str) -> str | None:
+    """Why `numpy.load(path, mmap_mode="r", allow_pickle=True)` would not be a plain array read, or None."""
+    with open(path, "rb") as f:
+        magic = f.read(len(np.lib.format.MAGIC_PREFIX))
+        if not magic:
+            return None
+        if magic != np.lib.format.MAGIC_PREFIX:
+            return "is not a .npy array (a pickle, or another format)"
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                return f"is a .npy of format version {version[0]}.{version[1]}, which Megatron-Core does not write"
+            dtype = read_header(f)[2]
+        except ValueError as e:
+            return f"has a broken .npy header ({e})"
+    return "holds Python objects (pickled data)" if dtype.hasobject else None
+
+
 SAMPLE_BLOCKS = 64
 SAMPLE_BLOCK_BYTES = 1 << 16
 

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from megatron_ext.data.common import DataError, split_fractions, split_range
-from megatron_ext.data.dataset_files import check_complete, check_sft_masks, index_fingerprint, read_manifest
+from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_fingerprint,
+                                             read_manifest)
 from megatron_ext.data.sft import pack_samples
 
 
@@ -67,7 +68,8 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     builder does that). Outside torch.distributed a weighted blend builds its blend index in
     memory and GPTDataset caches go to PREFIX/cache, because Megatron-Core's BlendedDataset
     cache path calls torch.distributed.get_rank().
-    Raises DataError when a corpus is too small for one sequence or tokenizers differ.
+    Raises DataError when a corpus is too small for one sequence or tokenizers differ, or when a `.npy` in the
+    cache folder is not a plain array (a pickle there would run in Megatron-Core's numpy.load: `check_index_caches`).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -93,27 +95,38 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     cache = cache_dir or str(Path(prefixes[0]).parent / "cache")
     if len(prefixes) > 1 and not torch.distributed.is_initialized():
         cache = None
+    # where Megatron-Core reads index caches: path_to_cache, or (None) its default beside each GPTDataset's prefix
+    cache_folders = [cache] if cache else [str(Path(p, "cache", f"{GPTDataset.__name__}_indices")) for p in prefixes]
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length,
         **({"blend_per_split": [blend, None, None]} if split is None else {"blend": blend, "split": split}),
         path_to_cache=cache,
-        tokenizer=_ManifestTokenizer(manifests[0], _shared_index_fingerprint(prefixes)),
+        tokenizer=_ManifestTokenizer(manifests[0], _rank_zero_checks(prefixes, cache_folders)),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit
     )
     return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
 
 
-def _shared_index_fingerprint(prefixes: list[str]) -> str:
-    """`index_fingerprint(prefixes)`, read by rank 0 alone under torch.distributed and sent to the others: every rank
-    names GPTDataset's index caches with it, and an .idx of 100B tokens is 1-2 GB (hashed by each of 512 ranks: up
-    to 128 GB off the shared file system at each start, once per node of 8). Collective, as the dataset builder is."""
+def _rank_zero_checks(prefixes: list[str], cache_folders: list[str]) -> str:
+    """`index_fingerprint(prefixes)`, once `check_index_caches(cache_folders)` passed: both by rank 0 alone under
+    torch.distributed, the result sent to the others, which raise rank 0's DataError alike. Every rank names
+    GPTDataset's index caches with the fingerprint, and an .idx of 100B tokens is 1-2 GB (hashed by each of 512
+    ranks: up to 128 GB off the shared file system at each start, once per node of 8); the cache folder is
+    Megatron-Core's shared one, whose files rank 0 builds first. Collective, as the dataset builder is."""
+    def checks() -> str:
+        fingerprint = index_fingerprint(prefixes)
+        check_index_caches(cache_folders)  # before Megatron-Core's builder numpy.load()s any of them
+        return fingerprint
+
     if not torch.distributed.is_initialized():
-        return index_fingerprint(prefixes)
-    value = [None, None]  # fingerprint, or why rank 0 could not read an index (all ranks raise it)
+        return checks()
+    value = [None, None]  # fingerprint, or why rank 0 refused (all ranks raise it)
     if torch.distributed.get_rank() == 0:
         try:
-            value = [index_fingerprint(prefixes), None]
+            value = [checks(), None]
+        except DataError as e:
+            value = [None, str(e)]
         except OSError as e:
             value = [None, f"data prefixes {prefixes}: cannot read {e.filename} ({e.strerror})"]
     torch.distributed.broadcast_object_list(value, src=0)

@@ -1,0 +1,112 @@
+"""Megatron-Core reads GPTDataset's and BlendedDataset's index caches with numpy.load(allow_pickle=True): a pickle
+planted as one of them (the names are a predictable hash; the cache folder is beside the data, often shared) ran
+its code in every rank. `build_cpt_datasets` refuses such a file before the builder reads anything, naming it."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_ext.data import DataError, build_cpt_datasets
+from tests.conftest import _cpt_data
+
+S = 32
+
+
+class _Payload:
+    """Unpickling it creates `marker`: what a planted pickle could do, made visible and harmless."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def _plant(path: Path, marker: Path) -> None:
+    path.write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _samples(ds) -> list[list[int]]:
+    return [ds[i]["tokens"].tolist() for i in range(0, len(ds), 5)]
+
+
+def _build_catching(*args, **kwargs) -> Exception | None:
+    try:
+        build_cpt_datasets(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- the unfixed code fails after unpickling; the marker is the point
+        return e
+    return None
+
+
+@pytest.mark.parametrize("affix", ["shuffle_index", "sample_index", "document_index"])
+def test_pickled_index_cache_is_refused_before_it_is_read(tmp_path, token_data, affix):
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    first = build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))[0]
+    expected = _samples(first)
+    (planted,) = cache.glob(f"*-GPTDataset-train-{affix}.npy")
+    _plant(planted, marker)
+    error = _build_catching(token_data, S, seed=3, cache_dir=str(cache))
+    assert not marker.exists(), f"the planted pickle ran (build raised {error!r})"
+    assert isinstance(error, DataError), repr(error)
+    message = str(error)
+    assert str(planted) in message and "pickle" in message and "delete it" in message, message
+    assert "\n" not in message
+    planted.unlink()  # the fix the message names: the next build rebuilds the cache
+    assert _samples(build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))[0]) == expected
+    assert planted.exists()
+
+
+def test_valid_caches_are_read_again(tmp_path, token_data):
+    cache = tmp_path / "cache"
+    first = _samples(build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))[0])
+    files = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert len([p for p in files if p.suffix == ".npy"]) == 3
+    assert _samples(build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))[0]) == first
+    assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == files  # read, not rebuilt
+
+
+def test_every_npy_in_the_folder_is_vetted(tmp_path, token_data):
+    """Another run's caches share the folder; their names cannot be told apart from this build's before Megatron's
+    builder hashes its settings, so any pickled or object .npy there is refused; an empty file or a .npy whose data
+    is still being written (another run's rank 0 saving it now) is no risk and passes."""
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))
+    header_only = cache / "0123-GPTDataset-train-sample_index.npy"
+    np.save(header_only, np.zeros((1000, 2), dtype=np.int64))
+    header_only.write_bytes(header_only.read_bytes()[:200])
+    (cache / "4567-GPTDataset-valid-shuffle_index.npy").write_bytes(b"")
+    (cache / "notes.txt").write_bytes(pickle.dumps(_Payload(marker)))  # Megatron reads no such file
+    build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))
+    objects = cache / "89ab-BlendedDataset-train-dataset_index.npy"
+    np.save(objects, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(DataError, match=f"{objects}: holds Python objects"):
+        build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))
+    objects.unlink()
+    zipped = cache / "cdef-GPTDataset-test-document_index.npy"
+    with open(zipped, "wb") as f:
+        np.savez(f, a=np.arange(3))
+    with pytest.raises(DataError, match=f"{zipped}: is not a .npy array"):
+        build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))
+    assert not marker.exists()
+
+
+def test_blend_outside_torch_distributed_vets_each_prefix_cache(tmp_path, toy_tokenizer):
+    """Without torch.distributed a blend's GPTDatasets cache under PREFIX/cache/GPTDataset_indices (Megatron-Core's
+    default; its BlendedDataset cache needs a process group): those folders are vetted."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = _cpt_data(tmp_path / "a", toy_tokenizer, 20, seed=1)
+    b = _cpt_data(tmp_path / "b", toy_tokenizer, 20, seed=2)
+    marker = tmp_path / "marker"
+    kwargs = dict(weights=[0.5, 0.5], seed=3, num_samples=(20, None, None))
+    expected = _samples(build_cpt_datasets([a, b], S, **kwargs)[0])
+    (planted,) = Path(b, "cache", "GPTDataset_indices").glob("*-shuffle_index.npy")
+    _plant(planted, marker)
+    error = _build_catching([a, b], S, **kwargs)
+    assert not marker.exists(), f"the planted pickle ran (build raised {error!r})"
+    assert isinstance(error, DataError) and str(planted) in str(error), repr(error)
+    planted.unlink()
+    assert _samples(build_cpt_datasets([a, b], S, **kwargs)[0]) == expected
