@@ -15,16 +15,22 @@ def gpu_state():
     destroy_distributed()
 
 
-def _run(head, hidden, weight, labels):
-    """Loss, input and weight gradients, and the peak memory of one forward + backward above its start."""
+def _run(head, hidden, weight, labels, main_grad=None):
+    """Loss, input and weight gradients, and the peak memory of one forward + backward above its start. With
+    `main_grad` (fp32, the weight's shape) the weight carries it as Megatron's DDP sets it up, and the weight
+    gradient is read from there."""
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    if main_grad is not None:
+        w.main_grad, w.grad_added_to_main_grad = main_grad, False
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     loss = head(h, w, labels)
     loss.backward(torch.ones_like(loss))
     torch.cuda.synchronize()
-    return loss.detach().double(), h.grad.double(), w.grad.double(), torch.cuda.max_memory_allocated() - start
+    grad_weight = w.grad if main_grad is None else main_grad
+    assert main_grad is None or w.grad_added_to_main_grad
+    return loss.detach().double(), h.grad.double(), grad_weight.double(), torch.cuda.max_memory_allocated() - start
 
 
 def test_chunked_head_on_cuda(gpu_state):
@@ -74,17 +80,7 @@ def test_chunked_head_adds_into_ddp_main_grad_on_cuda(gpu_state):
         return vocab_parallel_linear_cross_entropy(hd, w, lab, chunk_tokens=1024)
 
     plain = _run(head, hidden, weight, labels)
-    main_grad = torch.zeros(weight.shape, device="cuda")
-    h_, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    w.main_grad, w.grad_added_to_main_grad = main_grad, False
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    loss = head(h_, w, labels)
-    loss.backward(torch.ones_like(loss))
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
-    assert w.grad_added_to_main_grad
+    into = _run(head, hidden, weight, labels, main_grad=torch.zeros(weight.shape, device="cuda"))
     # the plain path's sum is cast to bf16 at the end; main_grad keeps fp32: within one bf16 rounding of it
-    torch.testing.assert_close(main_grad.bfloat16().double(), plain[2], rtol=1e-2, atol=1e-6)
-    assert peak <= plain[3] - 3 * vocab * h, (peak, plain[3])
+    torch.testing.assert_close(into[2].bfloat16().double(), plain[2], rtol=1e-2, atol=1e-6)
+    assert into[3] <= plain[3] - 3 * vocab * h, (into[3], plain[3])
