@@ -330,9 +330,9 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     iteration, path = resolve_iteration_dir(root, iteration)
     # Rank 0 alone opens the files the index names (a resume at 512 ranks: ~1,000 files, not 512 x 1,000); each
     # rank reads the index once, allow-listed (vetted before torch unpickles it), and every check below uses it.
-    if (problem := _rank0_problem(lambda: check_complete(path))) is not None:
+    index = read_dcp_index(path)  # vetted (pure-Python unpickling: ~10 s for a 512-rank index), read once
+    if (problem := _rank0_problem(lambda: check_complete(path, index))) is not None:
         raise CheckpointError(problem)
-    index = read_dcp_index(path)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
         saved_md = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)

@@ -218,11 +218,12 @@ def read_dcp_index(path: str | Path, stubs: bool = False):
     return index
 
 
-def check_complete(path: str | Path) -> None:
+def check_complete(path: str | Path, index=None) -> None:
     """Raise one CheckpointError when a file that the torch_dist index of `path` refers to is missing or
-    shorter than the index says: a save that did not finish on some node, or a partial copy."""
+    shorter than the index says: a save that did not finish on some node, or a partial copy. `index`: the index
+    already read (`read_dcp_index`), else it is read here (stubs: no torch import)."""
     path = Path(path)
-    index = read_dcp_index(path, stubs=True)
+    index = read_dcp_index(path, stubs=True) if index is None else index
     needed: dict[str, int] = {"common.pt": 1, "metadata.json": 1}  # Megatron's own files beside the index
     for info in (getattr(index, "storage_data", None) or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
