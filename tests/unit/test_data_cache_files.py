@@ -94,9 +94,13 @@ def test_every_npy_in_the_folder_is_vetted(tmp_path, token_data):
     assert not marker.exists()
 
 
-def test_blend_outside_torch_distributed_vets_each_prefix_cache(tmp_path, toy_tokenizer):
-    """Without torch.distributed a blend's GPTDatasets cache under PREFIX/cache/GPTDataset_indices (Megatron-Core's
-    default; its BlendedDataset cache needs a process group): those folders are vetted."""
+def _blend_outside_torch_distributed(tmp: str, toy_tokenizer: str) -> None:
+    """The blend case, in a process without a process group (the tests' session-wide one sends the caches to one
+    folder beside the data instead)."""
+    import torch
+
+    assert not torch.distributed.is_initialized()
+    tmp_path = Path(tmp)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     a = _cpt_data(tmp_path / "a", toy_tokenizer, 20, seed=1)
     b = _cpt_data(tmp_path / "b", toy_tokenizer, 20, seed=2)
@@ -110,3 +114,18 @@ def test_blend_outside_torch_distributed_vets_each_prefix_cache(tmp_path, toy_to
     assert isinstance(error, DataError) and str(planted) in str(error), repr(error)
     planted.unlink()
     assert _samples(build_cpt_datasets([a, b], S, **kwargs)[0]) == expected
+
+
+def test_blend_outside_torch_distributed_vets_each_prefix_cache(tmp_path, toy_tokenizer):
+    """Without torch.distributed a blend's GPTDatasets cache under PREFIX/cache/GPTDataset_indices (Megatron-Core's
+    default; its BlendedDataset cache needs a process group): those folders are vetted. In a subprocess: the
+    session's cpu_parallel_state group, once any earlier test made it, stays for the rest of the run."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("from tests.unit.test_data_cache_files import _blend_outside_torch_distributed as f; "
+            f"f({str(tmp_path)!r}, {str(toy_tokenizer)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
