@@ -29,6 +29,7 @@ from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_
 from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
                                             resolve_iteration_dir)
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
+from megatron_ext.runtime.distributed import rank_zero_outcome
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
 FORMAT = "megatron_ext/1"
@@ -250,23 +251,6 @@ def start_write_results_queue() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _rank0_problem(check) -> str | None:
-    """Run `check` on rank 0 alone and return, on every rank, the message of the CheckpointError it raised (None:
-    none), so that all raise alike. Collective. Another error is sent too (none waits for a message that never
-    comes), and rank 0 raises it itself."""
-    problem, error = [None], None
-    if _rank() == 0:
-        try:
-            check()
-        except Exception as e:
-            problem, error = [str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"], e
-    if torch.distributed.is_initialized():
-        torch.distributed.broadcast_object_list(problem, src=0)
-    if error is not None and not isinstance(error, CheckpointError):
-        raise error
-    return problem[0]
-
-
 def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_last: int | None) -> None:
     """Collective, once every rank's shards are in `tmp`: metadata, completeness check, rename, `latest`."""
     final = root / iter_dir_name(iteration)
@@ -283,7 +267,7 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
         (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=_json_default) + "\n")
     # Every rank has written its shards; rank 0 checks that they are all there before anything is
     # renamed, and all ranks raise together if not (the previous checkpoint and pointer stay).
-    if (problem := _rank0_problem(lambda: complete_soon(tmp))) is not None:
+    if (problem := rank_zero_outcome(lambda: complete_soon(tmp), CheckpointError)[1]) is not None:
         raise CheckpointError(f"save of iteration {iteration} failed: {problem}")
 
     if _rank() == 0:
@@ -331,7 +315,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     # Rank 0 alone opens the files the index names (a resume at 512 ranks: ~1,000 files, not 512 x 1,000); each
     # rank reads the index once, allow-listed (vetted before torch unpickles it), and every check below uses it.
     index = read_dcp_index(path)  # vetted (pure-Python unpickling: ~10 s for a 512-rank index), read once
-    if (problem := _rank0_problem(lambda: check_complete(path, index))) is not None:
+    if (problem := rank_zero_outcome(lambda: check_complete(path, index), CheckpointError)[1]) is not None:
         raise CheckpointError(problem)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))

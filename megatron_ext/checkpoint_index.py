@@ -247,18 +247,16 @@ def check_complete(path: str | Path, index=None) -> None:
                               "at an earlier iter_* folder")
 
 
-def check_fits(path: Path, model_state: dict, model_chunks: list, index=None) -> dict:
+def check_fits(path: Path, model_state: dict, model_chunks: list, index) -> dict:
     """Raise one CheckpointError when the model's tensors are missing from, or shaped unlike, the checkpoint; else
     return what it stores (Megatron-Core's tensors metadata: key -> ShardedTensor without data). `index`: the
-    checkpoint's `read_dcp_index`, when the caller has read it (else the index is read here)."""
-    from megatron.core import dist_checkpointing
+    checkpoint's `read_dcp_index`."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     try:
-        stored = (dist_checkpointing.load_tensors_metadata(str(path)) if index is None
-                  else TorchDistLoadShardedStrategy().load_tensors_metadata(Path(path), index))
+        stored = TorchDistLoadShardedStrategy().load_tensors_metadata(Path(path), index)
     except Exception as e:  # CheckpointingException, OSError, torch errors on corrupt files
         raise CheckpointError(f"{path}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from None
     problems = []

@@ -260,18 +260,11 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
 def agreed_latest_iteration(root) -> int | None:
     """The latest iteration of `root` as rank 0 reads it, on every rank (all call it): a node whose view of a shared
     file system lags a save must not start over, or resume another iteration, while the others resume."""
-    import torch
-
     from megatron_ext.checkpoint_index import CheckpointError
     from megatron_ext.checkpoint_layout import latest_iteration
+    from megatron_ext.runtime.distributed import rank_zero_outcome
 
-    found: list = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            found[0] = latest_iteration(root)
-        except CheckpointError as e:  # said on every rank, not a hang of the others in the broadcast
-            found[0] = str(e)
-    torch.distributed.broadcast_object_list(found, src=0)
-    if isinstance(found[0], str):
-        raise CheckpointError(found[0])
-    return found[0]
+    found, problem = rank_zero_outcome(lambda: latest_iteration(root), CheckpointError)
+    if problem is not None:  # said on every rank, not a hang of the others in the broadcast
+        raise CheckpointError(problem)
+    return found

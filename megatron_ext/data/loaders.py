@@ -33,6 +33,7 @@ from megatron_ext.data.common import DataError, split_fractions, split_range
 from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_fingerprint,
                                              read_manifest)
 from megatron_ext.data.sft import pack_samples
+from megatron_ext.runtime.distributed import rank_zero_outcome
 
 
 class _ManifestTokenizer:
@@ -115,24 +116,17 @@ def _rank_zero_checks(prefixes: list[str], cache_folders: list[str]) -> str:
     ranks: up to 128 GB off the shared file system at each start, once per node of 8); the cache folder is
     Megatron-Core's shared one, whose files rank 0 builds first. Collective, as the dataset builder is."""
     def checks() -> str:
-        fingerprint = index_fingerprint(prefixes)
+        try:
+            fingerprint = index_fingerprint(prefixes)
+        except OSError as e:
+            raise DataError(f"data prefixes {prefixes}: cannot read {e.filename} ({e.strerror})") from None
         check_index_caches(cache_folders)  # before Megatron-Core's builder numpy.load()s any of them
         return fingerprint
 
-    if not torch.distributed.is_initialized():
-        return checks()
-    value = [None, None]  # fingerprint, or why rank 0 refused (all ranks raise it)
-    if torch.distributed.get_rank() == 0:
-        try:
-            value = [checks(), None]
-        except DataError as e:
-            value = [None, str(e)]
-        except OSError as e:
-            value = [None, f"data prefixes {prefixes}: cannot read {e.filename} ({e.strerror})"]
-    torch.distributed.broadcast_object_list(value, src=0)
-    if value[1] is not None:
-        raise DataError(value[1])
-    return value[0]
+    fingerprint, problem = rank_zero_outcome(checks, DataError)
+    if problem is not None:
+        raise DataError(problem)
+    return fingerprint
 
 
 def _check_split_sizes(prefix: str, lengths: np.ndarray, seq_length: int, split: str) -> None:

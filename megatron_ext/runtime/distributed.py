@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -113,3 +113,25 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def rank_zero_outcome(fn: Callable[[], Any], expected: type[Exception]) -> tuple[Any, str | None]:
+    """`fn()` run by rank 0 alone, its outcome on every rank: (value, None), or (None, message) where it raised.
+
+    For checks every rank would make alike on a shared file system (512 ranks opening the same files): one does, and
+    all raise the same error. The message of an `expected` error is its text; of any other, `rank 0: Type: text`,
+    sent too so that no rank waits in the broadcast for a value that never comes, and rank 0 raises that one as it
+    is. Collective; without a process group the caller is rank 0.
+    """
+    outcome, error = [None, None], None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        try:
+            outcome[0] = fn()
+        except Exception as e:
+            outcome[1] = str(e) if isinstance(e, expected) else f"rank 0: {type(e).__name__}: {e}"
+            error = None if isinstance(e, expected) else e
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    return outcome[0], outcome[1]

@@ -15,6 +15,18 @@ def gpu_state():
     destroy_distributed()
 
 
+TOKENS, HIDDEN, VOCAB = 8192, 1024, 32768
+
+
+def _draw(seed: int):
+    """bf16 hidden states [T, 1, h], output weight [V, h] and labels [1, T] on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(TOKENS, 1, HIDDEN, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(VOCAB, HIDDEN, device="cuda", generator=gen) / HIDDEN ** 0.5).bfloat16()
+    labels = torch.randint(0, VOCAB, (1, TOKENS), device="cuda", generator=gen)
+    return hidden, weight, labels
+
+
 def _run(head, hidden, weight, labels, main_grad=None):
     """Loss, input and weight gradients, and the peak memory of one forward + backward above its start. With
     `main_grad` (fp32, the weight's shape) the weight carries it as Megatron's DDP sets it up, and the weight
@@ -38,11 +50,8 @@ def test_chunked_head_on_cuda(gpu_state):
 
     from megatron_ext.loss_head import vocab_parallel_linear_cross_entropy
 
-    tokens, h, vocab = 8192, 1024, 32768
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(tokens, 1, h, device="cuda", generator=gen).bfloat16()
-    weight = (torch.randn(vocab, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()
-    labels = torch.randint(0, vocab, (1, tokens), device="cuda", generator=gen)
+    tokens, vocab = TOKENS, VOCAB
+    hidden, weight, labels = _draw(seed=0)
 
     def megatron(hd, w, lab):
         return vocab_parallel_cross_entropy(hd @ w.t(), lab.t().contiguous()).t()
@@ -70,11 +79,8 @@ def test_chunked_head_adds_into_ddp_main_grad_on_cuda(gpu_state):
     accumulator's 4 B x V x h less memory."""
     from megatron_ext.loss_head import vocab_parallel_linear_cross_entropy
 
-    tokens, h, vocab = 8192, 1024, 32768
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    hidden = torch.randn(tokens, 1, h, device="cuda", generator=gen).bfloat16()
-    weight = (torch.randn(vocab, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()
-    labels = torch.randint(0, vocab, (1, tokens), device="cuda", generator=gen)
+    h, vocab = HIDDEN, VOCAB
+    hidden, weight, labels = _draw(seed=1)
 
     def head(hd, w, lab):
         return vocab_parallel_linear_cross_entropy(hd, w, lab, chunk_tokens=1024)
