@@ -29,7 +29,7 @@ from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_
 from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
                                             resolve_iteration_dir)
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
-from megatron_ext.runtime.distributed import rank_zero_outcome
+from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
 FORMAT = "megatron_ext/1"
@@ -268,7 +268,7 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
     # Every rank has written its shards; rank 0 checks that they are all there before anything is
     # renamed, and all ranks raise together if not (the previous checkpoint and pointer stay).
     if (problem := rank_zero_outcome(lambda: complete_soon(tmp), CheckpointError)[1]) is not None:
-        raise CheckpointError(f"save of iteration {iteration} failed: {problem}")
+        raise alike_on_every_rank(CheckpointError(f"save of iteration {iteration} failed: {problem}"))
 
     if _rank() == 0:
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
@@ -316,7 +316,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     # rank reads the index once, allow-listed (vetted before torch unpickles it), and every check below uses it.
     index = read_dcp_index(path)  # vetted (pure-Python unpickling: ~10 s for a 512-rank index), read once
     if (problem := rank_zero_outcome(lambda: check_complete(path, index), CheckpointError)[1]) is not None:
-        raise CheckpointError(problem)
+        raise alike_on_every_rank(CheckpointError(problem))
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
         saved_md = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)

@@ -262,9 +262,9 @@ def agreed_latest_iteration(root) -> int | None:
     file system lags a save must not start over, or resume another iteration, while the others resume."""
     from megatron_ext.checkpoint_index import CheckpointError
     from megatron_ext.checkpoint_layout import latest_iteration
-    from megatron_ext.runtime.distributed import rank_zero_outcome
+    from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 
     found, problem = rank_zero_outcome(lambda: latest_iteration(root), CheckpointError)
     if problem is not None:  # said on every rank, not a hang of the others in the broadcast
-        raise CheckpointError(problem)
+        raise alike_on_every_rank(CheckpointError(problem))
     return found

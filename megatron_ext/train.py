@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save
 
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
+    from megatron_ext.runtime.distributed import is_alike_on_every_rank
 
     env = process_env()
     if env.local_rank != 0:
@@ -371,7 +372,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return train(recipe, stop)
     except (RecipeError, CheckpointError, DataError) as e:  # user mistakes found at setup
-        print(f"error: {e}", file=sys.stderr)
+        if not is_alike_on_every_rank(e):  # perhaps this rank's alone: each says its own
+            print(f"error: rank {env.rank}: {e}" if env.world_size > 1 else f"error: {e}", file=sys.stderr)
+        elif env.rank == 0:  # rank 0 found it for all (rank_zero_outcome): said once, not once per rank
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # torch.OutOfMemoryError is one
         what = out_of_memory(e)

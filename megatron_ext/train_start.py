@@ -12,7 +12,8 @@ from pathlib import Path
 from megatron_ext.checkpoint import CheckpointError, load_checkpoint
 from megatron_ext.checkpoint_layout import carry_forward, read_metadata, resolve_iteration_dir
 from megatron_ext.recipe import Recipe
-from megatron_ext.resume import agreed_latest_iteration, plan_resume, rope_changes
+from megatron_ext.resume import Resume, agreed_latest_iteration, plan_resume, rope_changes
+from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 from megatron_ext.train_metrics import log
 
 
@@ -31,8 +32,8 @@ def start_point(recipe: Recipe, model, optimizer, scheduler, metadata: dict, dat
                 dp_size: int) -> StartPoint:
     """Load what the run starts from into `model` / `optimizer` / `scheduler` (every rank calls it) and return
     where it starts. `metadata` (the run's, for its saves) takes what carries forward from the checkpoint;
-    `data_now`: the recipe's `data_identities` (rank 0's; {} elsewhere). CheckpointError for a checkpoint of
-    another model."""
+    `data_now`: the recipe's `data_identities` (rank 0's; {} elsewhere: rank 0 plans a resume for all).
+    CheckpointError for a checkpoint of another model."""
     root = Path(recipe.checkpoint.dir)
     done = agreed_latest_iteration(root)
     if done is not None:
@@ -46,17 +47,26 @@ def _resume(recipe: Recipe, root: Path, done: int, model, optimizer, scheduler, 
             dp_size: int) -> StartPoint:
     """Go on from `root`'s iteration `done`: the whole state where it follows the layout, else the weights."""
     t = recipe.train
-    # its own error where the latest pointer names a folder that is gone ('has no iteration N; available: ...')
-    saved = read_metadata(resolve_iteration_dir(root, done)[1])
-    resume = plan_resume(saved, done, recipe, dp_size, data_now)
+
+    def plan() -> tuple[dict, Resume]:
+        # its own error where the latest pointer names a folder that is gone ('has no iteration N; available: ...')
+        saved = read_metadata(resolve_iteration_dir(root, done)[1])
+        return saved, plan_resume(saved, done, recipe, dp_size, data_now)
+
+    # Rank 0's plan on every rank: it alone has read the data's identities (`data_now`) and, for the warnings,
+    # the document lengths (200 MB at 100B tokens, not 512 reads of them); a refusal is said once.
+    found, problem = rank_zero_outcome(plan, CheckpointError)
+    if problem is not None:
+        raise alike_on_every_rank(CheckpointError(problem))
+    saved, resume = found
     if resume.finished:  # a finished run started again (a requeue, a rerun)
         log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
             "(raise train.steps to go on)")
         return StartPoint(finished=True)
     if resume.architecture_changed:
-        raise CheckpointError(f"checkpoint.dir = {str(root)!r} holds another model "
+        raise alike_on_every_rank(CheckpointError(f"checkpoint.dir = {str(root)!r} holds another model "
                               f"({'; '.join(resume.architecture_changed)}): use the checkpoint's model.* "
-                              "settings, or a new checkpoint.dir (with checkpoint.init_from for a new stage)")
+                              "settings, or a new checkpoint.dir (with checkpoint.init_from for a new stage)"))
     began = time.time()
     position = f"sample {resume.consumed_samples:,}, {resume.tokens:,} tokens trained"
     log(f"[train] loading {root}/iter_{done:07d} ...")  # minutes at scale: not a hang

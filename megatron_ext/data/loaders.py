@@ -33,7 +33,7 @@ from megatron_ext.data.common import DataError, split_fractions, split_range
 from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_fingerprint,
                                              read_manifest)
 from megatron_ext.data.sft import pack_samples
-from megatron_ext.runtime.distributed import rank_zero_outcome
+from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 
 
 class _ManifestTokenizer:
@@ -76,18 +76,6 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes)
-    manifests = [read_manifest(p, "cpt") for p in prefixes]
-    for p, m in zip(prefixes, manifests):
-        if m["tokenizer_hash"] != manifests[0]["tokenizer_hash"]:
-            raise DataError(f"data prefix {p}: tokenized with a different tokenizer than {prefixes[0]} "
-                            f"({m['tokenizer_hash'][:19]} vs {manifests[0]['tokenizer_hash'][:19]}); re-prepare it")
-        if m["tokens"] < seq_length + 1:
-            raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
-                            f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
-    for p in prefixes:
-        index = check_complete(p)
-        if split is not None:  # the lengths are read only then (4 bytes a document, on every rank)
-            _check_split_sizes(p, np.array(index.sequence_lengths, dtype=np.int64), seq_length, split)
     if weights is not None and len(weights) != len(prefixes):
         raise DataError(f"data weights {list(weights)}: {len(weights)} weights for {len(prefixes)} prefixes")
     if weights is not None and num_samples[0] is None:
@@ -98,35 +86,51 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
         cache = None
     # where Megatron-Core reads index caches: path_to_cache, or (None) its default beside each GPTDataset's prefix
     cache_folders = [cache] if cache else [str(Path(p, "cache", f"{GPTDataset.__name__}_indices")) for p in prefixes]
+    manifest, fingerprint = _rank_zero_checks(prefixes, seq_length, split, cache_folders)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length,
         **({"blend_per_split": [blend, None, None]} if split is None else {"blend": blend, "split": split}),
         path_to_cache=cache,
-        tokenizer=_ManifestTokenizer(manifests[0], _rank_zero_checks(prefixes, cache_folders)),
+        tokenizer=_ManifestTokenizer(manifest, fingerprint),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit
     )
     return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
 
 
-def _rank_zero_checks(prefixes: list[str], cache_folders: list[str]) -> str:
-    """`index_fingerprint(prefixes)`, once `check_index_caches(cache_folders)` passed: both by rank 0 alone under
-    torch.distributed, the result sent to the others, which raise rank 0's DataError alike. Every rank names
-    GPTDataset's index caches with the fingerprint, and an .idx of 100B tokens is 1-2 GB (hashed by each of 512
-    ranks: up to 128 GB off the shared file system at each start, once per node of 8); the cache folder is
-    Megatron-Core's shared one, whose files rank 0 builds first. Collective, as the dataset builder is."""
-    def checks() -> str:
+def _rank_zero_checks(prefixes: list[str], seq_length: int, split: str | None,
+                      cache_folders: list[str]) -> tuple[dict, str]:
+    """(the first prefix's manifest, `index_fingerprint(prefixes)`) once every prefix is whole, of one tokenizer, long
+    enough for a sequence in each split, and `check_index_caches(cache_folders)` passed: all read by rank 0 alone
+    under torch.distributed, the result sent to the others, which raise rank 0's DataError alike (said once). Every
+    rank names GPTDataset's index caches with the fingerprint, and an .idx of 100B tokens is 1-2 GB (hashed by each
+    of 512 ranks: up to 128 GB off the shared file system at each start, once per node of 8), its document lengths
+    200 MB; the cache folder is Megatron-Core's shared one, whose files rank 0 builds first. Collective, as the
+    dataset builder is."""
+    def checks() -> tuple[dict, str]:
+        manifests = [read_manifest(p, "cpt") for p in prefixes]
+        for p, m in zip(prefixes, manifests):
+            if m["tokenizer_hash"] != manifests[0]["tokenizer_hash"]:
+                raise DataError(f"data prefix {p}: tokenized with a different tokenizer than {prefixes[0]} "
+                                f"({m['tokenizer_hash'][:19]} vs {manifests[0]['tokenizer_hash'][:19]}); re-prepare it")
+            if m["tokens"] < seq_length + 1:
+                raise DataError(f"data prefix {p}: {m['tokens']} tokens, but one sequence of seq_length {seq_length} "
+                                f"needs {seq_length + 1}: {seq_length + 1 - m['tokens']} tokens missing")
+        for p in prefixes:
+            index = check_complete(p)
+            if split is not None:  # the lengths are read only then (4 bytes a document)
+                _check_split_sizes(p, np.array(index.sequence_lengths, dtype=np.int64), seq_length, split)
         try:
             fingerprint = index_fingerprint(prefixes)
         except OSError as e:
             raise DataError(f"data prefixes {prefixes}: cannot read {e.filename} ({e.strerror})") from None
         check_index_caches(cache_folders)  # before Megatron-Core's builder numpy.load()s any of them
-        return fingerprint
+        return manifests[0], fingerprint
 
-    fingerprint, problem = rank_zero_outcome(checks, DataError)
+    found, problem = rank_zero_outcome(checks, DataError)
     if problem is not None:
-        raise DataError(problem)
-    return fingerprint
+        raise alike_on_every_rank(DataError(problem))
+    return found
 
 
 def _check_split_sizes(prefix: str, lengths: np.ndarray, seq_length: int, split: str) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import re
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
 from megatron_ext.runtime.job_env import DeviceError, ProcessEnv, process_env
+
+E = TypeVar("E", bound=BaseException)
 
 
 def rank_device() -> torch.device:
@@ -115,13 +117,26 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+def alike_on_every_rank(error: E) -> E:
+    """`error` marked as raised alike by every rank (from a `rank_zero_outcome` problem): an entry point says it once,
+    from rank 0, where 512 ranks would print 512 copies of one line."""
+    error.alike_on_every_rank = True
+    return error
+
+
+def is_alike_on_every_rank(error: BaseException) -> bool:
+    """Whether `error` was marked by `alike_on_every_rank`."""
+    return getattr(error, "alike_on_every_rank", False) is True
+
+
 def rank_zero_outcome(fn: Callable[[], Any], expected: type[Exception]) -> tuple[Any, str | None]:
     """`fn()` run by rank 0 alone, its outcome on every rank: (value, None), or (None, message) where it raised.
 
     For checks every rank would make alike on a shared file system (512 ranks opening the same files): one does, and
     all raise the same error. The message of an `expected` error is its text; of any other, `rank 0: Type: text`,
     sent too so that no rank waits in the broadcast for a value that never comes, and rank 0 raises that one as it
-    is. Collective; without a process group the caller is rank 0.
+    is. Collective; without a process group the caller is rank 0. Raise the message's error through
+    `alike_on_every_rank`, so that it is said once.
     """
     outcome, error = [None, None], None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

@@ -84,3 +84,30 @@ def test_a_signal_to_one_rank_stops_both_for_requeue(tmp_path, token_data):
     assert "received a stop signal on another rank; checkpoint saved" in results[0][0], results[0][0][-2000:]
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
+
+
+def test_a_setup_mistake_rank_zero_found_for_all_is_said_once(tmp_path, token_data):
+    """Rank 0 checks the data caches and plans a resume for every rank (`rank_zero_outcome`): a refusal there is the
+    same on every rank, and rank 0 alone says it (before, every rank printed the line: 512 copies in a 512-GPU log).
+    Control: with each rank printing its own, both cases show two lines."""
+    def errors(procs) -> list[str]:
+        results = [p.communicate(timeout=300) for p in procs]
+        assert [p.returncode for p in procs] == [1, 1], results[0][1][-3000:]
+        assert all("Traceback" not in err for _, err in results), results[0][1][-3000:] + results[1][1][-3000:]
+        return [[line for line in err.splitlines() if line.startswith("error: ")] for _, err in results]
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    junk = cache / "0123456789abcdef0123456789abcdef-GPTDataset-train-shuffle_index.npy"
+    junk.write_bytes(b"not an array")
+    said = errors(two_ranks(tmp_path / "a", token_data, 1, f"data.cache_dir={cache}", PYTHONWARNINGS="ignore"))
+    assert len(said[0]) == 1 and said[1] == [] and f"data cache file {junk}: is not a .npy array" in said[0][0], said
+
+    run = tmp_path / "b"
+    procs = two_ranks(run, token_data, 1, PYTHONWARNINGS="ignore")
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-3000:]
+    said = errors(two_ranks(run, token_data, 2, "model.tie_word_embeddings=true", PYTHONWARNINGS="ignore"))
+    assert said == [[f"error: checkpoint.dir = '{run}' holds another model (tie_word_embeddings: False -> True): use "
+                     "the checkpoint's model.* settings, or a new checkpoint.dir (with checkpoint.init_from for a new "
+                     "stage)"], []], said
