@@ -37,6 +37,7 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
         check_setup(recipe)
+        check_data_caches(recipe)
     if tasks_per_node is not None:
         check_tensor_parallel_within_node(recipe, tasks_per_node)
     if recipe.runtime.device == "cuda" and gpus_per_node is not None and tasks_per_node is not None:
@@ -45,6 +46,23 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
                 f"runtime.device = 'cuda': {tasks_per_node} tasks per node but {gpus_per_node} GPUs per node "
                 f"allocated; submit with --gpus-per-node={tasks_per_node} (one task per GPU) or set runtime.device=cpu")
     return recipe
+
+
+def check_data_caches(recipe: Recipe) -> None:
+    """RecipeError naming a file of the CPT index-cache folder that is not a plain .npy array: the trainer refuses it
+    after its ranks have started (`check_index_caches`, by rank 0), a job here before it queues its workers. Not in
+    `check_setup`, which every rank of the trainer runs (512 ranks reading every cache file's header)."""
+    from megatron_ext.data import DataError
+    from megatron_ext.data.dataset_files import check_index_caches, index_cache_folder
+
+    d = recipe.data
+    if recipe.train.stage != "cpt" or not d.prefixes:
+        return
+    try:
+        check_index_caches([index_cache_folder(d.prefixes, d.cache_dir)])
+    except DataError as e:
+        where = "data.cache_dir" if d.cache_dir else "data.cache_dir (null: cache/ beside data.prefix)"
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def check_tensor_parallel_within_node(recipe: Recipe, tasks_per_node: int, where: str = "") -> None:

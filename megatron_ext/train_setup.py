@@ -48,7 +48,9 @@ def check_setup(recipe: Recipe) -> None:
                           "model's tokenizer; give the one the model was trained with")
     check_data(recipe)
     if recipe.train.stage == "cpt" and recipe.data.prefixes:  # GPTDataset writes its index caches at the first start
-        cache = recipe.data.cache_dir or str(Path(recipe.data.prefixes[0]).parent / "cache")
+        from megatron_ext.data.dataset_files import index_cache_folder
+
+        cache = index_cache_folder(recipe.data.prefixes, recipe.data.cache_dir)
         if not Path(cache).is_dir():
             _check_folder_can_be_made("data.cache_dir" + ("" if recipe.data.cache_dir else " (null: cache/ beside "
                                       "data.prefix)"), cache)

@@ -203,6 +203,12 @@ def index_fingerprint(prefixes: Sequence[str]) -> str:
     return "sha256:" + (digests[0] if len(digests) == 1 else hashlib.sha256(" ".join(digests).encode()).hexdigest())
 
 
+def index_cache_folder(prefixes: Sequence[str], cache_dir: str | None) -> str:
+    """Where a training run's GPTDataset index caches go (`data.cache_dir`, else `cache/` beside the first prefix):
+    the trainer's dataset builder, its setup check and `launch --check` name the same folder."""
+    return cache_dir or str(Path(prefixes[0]).parent / "cache")
+
+
 def check_index_caches(folders: Sequence[str]) -> None:
     """Raise DataError naming the first `*.npy` file in `folders` that is not a plain .npy array: Megatron-Core
     loads GPTDataset's and BlendedDataset's index caches (FOLDER/<md5>-<class>-<split>-<name>.npy) with

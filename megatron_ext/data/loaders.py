@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from megatron_ext.data.common import DataError, split_fractions, split_range
-from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_fingerprint,
-                                             read_manifest)
+from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_cache_folder,
+                                             index_fingerprint, read_manifest)
 from megatron_ext.data.sft import pack_samples
 from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 
@@ -81,7 +81,7 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     if weights is not None and num_samples[0] is None:
         raise DataError("data weights need a number of training samples (num_samples[0]), as Megatron-Core requires")
     blend = (prefixes, list(weights) if weights is not None else None)
-    cache = cache_dir or str(Path(prefixes[0]).parent / "cache")
+    cache = index_cache_folder(prefixes, cache_dir)
     if len(prefixes) > 1 and not torch.distributed.is_initialized():
         cache = None
     # where Megatron-Core reads index caches: path_to_cache, or (None) its default beside each GPTDataset's prefix

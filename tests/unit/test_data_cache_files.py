@@ -129,3 +129,24 @@ def test_blend_outside_torch_distributed_vets_each_prefix_cache(tmp_path, toy_to
             f"f({str(tmp_path)!r}, {str(toy_tokenizer)!r})")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_pre_launch_check_names_the_file(tmp_path, token_data, monkeypatch, capsys):
+    """`launch --check` (every sbatch script's preflight, on the login node) vets the cache folder too: the job stops
+    before its workers queue, not after they all started. Control: the same check passes once the file is gone."""
+    from megatron_ext import launch
+    from tests.conftest import ROOT
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    junk = cache / "0123456789abcdef0123456789abcdef-GPTDataset-train-shuffle_index.npy"
+    junk.write_bytes(b"not an array")
+    args = ["--check", "--recipe", "recipes/tiny/cpt.yaml", "--world-size", "2", f"data.prefix={token_data}",
+            f"data.cache_dir={cache}", f"checkpoint.dir={tmp_path / 'run'}"]
+    monkeypatch.chdir(ROOT)
+    assert launch.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.cache_dir: data cache file {junk}: is not a .npy array") and "delete it" in err
+    assert err.count("\n") == 1, err
+    junk.unlink()
+    assert launch.main(args) == 0, capsys.readouterr().err
