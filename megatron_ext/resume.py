@@ -265,6 +265,6 @@ def agreed_latest_iteration(root) -> int | None:
     from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 
     found, problem = rank_zero_outcome(lambda: latest_iteration(root), CheckpointError)
-    if problem is not None:  # said on every rank, not a hang of the others in the broadcast
+    if problem is not None:  # raised on every rank (said once), not a hang of the others in the broadcast
         raise alike_on_every_rank(CheckpointError(problem))
     return found
