@@ -27,6 +27,7 @@ requeues the job (`scontrol requeue`), which resumes from the checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-data", action="store_true", help="only check the recipe's data.prefix datasets (complete, "
                    "ids within model.vocab_size, tokenized with a local model.tokenizer) and exit (slurm/pipeline.sh "
                    "does before it submits)")
+    p.add_argument("--check-hf", metavar="DIR", help="only check that the Hugging Face model folder DIR is the "
+                   "recipe's model (its sizes: what the convert job makes of it must load into the CPT stage) and exit "
+                   "(slurm/pipeline.sh --hf does before it submits)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, or STAGE:dotted.key=value for one stage")
     p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="an override given the way tools/plan.py and `recipe check` take them (repeatable; applied "
@@ -343,6 +347,26 @@ def submit(args, plan: list[Stage]) -> int:
     return 0
 
 
+def check_hf_model(folder: str, recipe: Recipe) -> None:
+    """RecipeError where the HF model in `folder` is not `recipe`'s model (hidden size, layers, heads, vocabulary,
+    tied embeddings): its conversion would fail the CPT stage only when that starts, after the convert job and the
+    queue wait."""
+    from megatron_ext.resume import architecture_changes
+
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"--hf {folder}: cannot read {path} ({getattr(e, 'strerror', None) or e}); give the Hugging "
+                          "Face model folder to convert") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"--hf {folder}: {path} is not a JSON object; give the Hugging Face model folder to convert")
+    changed = architecture_changes(config, recipe)
+    if changed:
+        raise RecipeError(f"--hf {folder} is another model than recipe {recipe.name}'s ({'; '.join(changed)}, as "
+                          "'model folder -> recipe'): give the model the recipe extends, or a recipe of this model")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     args.overrides += args.set_overrides
@@ -355,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             return print_field(args)
         if args.check_data:
             check_data(load_recipe(args.recipe, args.overrides))
+            return 0
+        if args.check_hf:
+            check_hf_model(args.check_hf, load_recipe(args.recipe, args.overrides))
             return 0
         return submit(args, plan_stages(args.recipe, args.stages, args.overrides))
     except (RecipeError, EvalError) as e:

@@ -9,7 +9,8 @@
 #
 #   --cpt      CPT stage script/recipe (default cpt_1m)
 #   --hf       HF model folder to convert first into the CPT recipe's checkpoint.init_from, a folder that must
-#              not exist yet (default: no conversion job; checkpoint.init_from must then exist)
+#              not exist yet; its config.json must be the recipe's model (default: no conversion job;
+#              checkpoint.init_from must then exist)
 #   --export   a new HF folder to write from the last stage's checkpoint (default: no export job)
 #   --sft-recipe  SFT recipe (default: the one with the CPT stage's RoPE, recipes/sft.yaml after cpt_1m,
 #              recipes/sft_2m.yaml and sft_4m.yaml after cpt_2m and cpt_4m)
@@ -175,6 +176,7 @@ if ((!DRY)); then
   refuse_earlier_results niah "$NIAH" results.json
   refuse_earlier_results ruler "$RULER" ruler.json
   "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-data || exit 1
+  if [[ -n $HF ]]; then "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-hf "$HF" || exit 1; fi
   if ((SFT)); then "$PYTHON" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data || exit 1; fi
 fi
 # lengths: a list, within the last stage's model.max_position_embeddings

@@ -6,6 +6,7 @@ project when submitted from another folder."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -340,6 +341,24 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     (tmp_path / "hf/config.json").write_text("{}")
     proc = pipeline("--hf", "hf", f"data.prefix={token_data}", f"checkpoint.init_from={tmp_path}")
     assert proc.returncode == 1 and not calls.exists() and f"checkpoint.init_from {tmp_path} exists" in proc.stderr
+    # another model than the recipe's (the CPT stage would refuse its conversion after the convert job): control first
+    from megatron_ext.hf_config import hf_config_from_recipe
+    from megatron_ext.recipe import load_recipe
+
+    config = hf_config_from_recipe(load_recipe(recipes / "cpt_1m.yaml", [f"data.prefix={token_data}"]))
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+    fresh = f"checkpoint.init_from={tmp_path}/converted"
+    proc = pipeline("--hf", "hf", f"data.prefix={token_data}", fresh, "--dry-run")
+    assert proc.returncode == 0 and not calls.exists(), proc.stderr
+    assert subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--recipe", str(recipes / "cpt_1m.yaml"),
+                           "--check-hf", str(tmp_path / "hf"), f"data.prefix={token_data}"], env=env,
+                          capture_output=True, text=True).returncode == 0
+    (tmp_path / "hf/config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2}))
+    proc = pipeline("--hf", "hf", f"data.prefix={token_data}", fresh)
+    assert proc.returncode == 1 and not calls.exists(), proc.stderr
+    assert proc.stderr == (f"error: --hf {tmp_path}/hf is another model than recipe cpt_1m's (hidden_size: 64 -> 4096; "
+                           "num_hidden_layers: 2 -> 32, as 'model folder -> recipe'): give the model the recipe "
+                           "extends, or a recipe of this model\n")
     proc = pipeline("--export", ".", f"data.prefix={token_data}")
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == (f"error: --export {tmp_path}/.: exists, and the export job does not overwrite; give a new "
