@@ -78,6 +78,8 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
 
 def verdict(r: Resume, steps: int) -> list[str]:
     """What the trainer would do, in the words of its log."""
+    if r.stage_refusal:
+        return [f"  would stop: {r.stage_refusal}"]
     if r.architecture_changed:
         return ["  would stop: the recipe's model differs from the checkpoint's (" + "; ".join(r.architecture_changed)
                 + "); use the checkpoint's architecture or another checkpoint.dir"]
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             world = args.world_size if args.world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
             dp = world // (p.tensor * p.pipeline * p.context)
             lines.append(f"with {args.recipe} on {world} processes:")
-            lines += verdict(plan_resume(meta, iteration, recipe, dp), recipe.train.steps)
+            lines += verdict(plan_resume(meta, iteration, recipe, dp, root=args.dir), recipe.train.steps)
     except (CheckpointError, RecipeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -104,6 +104,8 @@ def resume_report(recipe: Recipe, world_size: int) -> list[str]:
         r = plan_resume(read_metadata(root), done, recipe, world_size // (p.tensor * p.pipeline * p.context))
     except CheckpointError as e:
         raise RecipeError(f"checkpoint.dir = {str(root)!r}: {e}") from None
+    if r.stage_refusal:
+        raise RecipeError(r.stage_refusal)
     if r.architecture_changed:
         raise RecipeError(f"checkpoint.dir = {str(root)!r} holds another model ({'; '.join(r.architecture_changed)}); "
                           "use that model's recipe, or a new checkpoint.dir with checkpoint.init_from")

@@ -41,6 +41,8 @@ class Resume:
     rope_changed: list[str] = field(default_factory=list)  # 'rope_theta: old -> new': the weights load, the
     # positions they were trained with change
     schedule_warning: str | None = None  # train.steps changed under a decaying learning rate
+    stage_refusal: str | None = None  # the checkpoint is another stage's run: resuming it would train that run on
+    # (its optimizer state, data position and schedule) as this stage, and `checkpoint.init_from` would go unread
 
 
 def _schedule_warning(saved: dict, step: int, recipe: Recipe) -> str | None:
@@ -240,11 +242,28 @@ def architecture_changes(saved_hf_config: dict | None, recipe: Recipe) -> list[s
     return _config_changes(saved_hf_config, recipe, _ARCHITECTURE)
 
 
+def stage_refusal(saved: dict, step: int, recipe: Recipe, root: str | None = None) -> str | None:
+    """The refusal when the checkpoint in `root` (default: `recipe`'s checkpoint.dir) is a run of another stage
+    (an SFT recipe given the CPT's folder as checkpoint.dir): as a resume it would go on with the CPT's optimizer
+    state and step count, or do nothing at all when they are finished, and never read checkpoint.init_from. None
+    for the same stage, or a checkpoint that recorded none (older ones)."""
+    old = saved.get("recipe") or {}
+    before = (old.get("train") or {}).get("stage")
+    now = recipe.train.stage
+    if not before or before == now:
+        return None
+    root = recipe.checkpoint.dir if root is None else str(root)
+    name = f"recipe {old['name']!r}, " if old.get("name") else ""
+    return (f"checkpoint.dir = {root!r} holds a {before} run ({name}step {step}); this recipe is stage {now}: give "
+            f"a new checkpoint.dir (checkpoint.init_from={root} loads its weights)")
+
+
 def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
-                data_now: dict[str, dict] | None = None) -> Resume:
+                data_now: dict[str, dict] | None = None, root: str | None = None) -> Resume:
     """The resume of `recipe` at `data_parallel` DP ranks from a checkpoint at `step` with metadata `saved`.
 
-    `data_now`: the recipe's `data_identities`, if the caller has read them (see `resume_position`)."""
+    `data_now`: the recipe's `data_identities`, if the caller has read them (see `resume_position`). `root`: the
+    checkpoint's folder, for the words of a refusal (default: the recipe's checkpoint.dir)."""
     p, t = recipe.parallel, recipe.train
     layout = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context, "data": data_parallel}
     why_not = optimizer_state_mismatch(saved, layout, t.distributed_optimizer, t.precision,
@@ -254,7 +273,7 @@ def plan_resume(saved: dict, step: int, recipe: Recipe, data_parallel: int,
     return Resume(step, saved.get("parallel"), layout, step >= t.steps, why_not is None, why_not, consumed, tokens,
                   data_changed, arch, data_request(saved) if t.stage == "cpt" else None,
                   _order_warning(saved, step, consumed, recipe), rope_changes(saved.get("hf_config"), recipe),
-                  _schedule_warning(saved, step, recipe))
+                  _schedule_warning(saved, step, recipe), stage_refusal(saved, step, recipe, root))
 
 
 def agreed_latest_iteration(root) -> int | None:

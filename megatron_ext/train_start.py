@@ -33,7 +33,7 @@ def start_point(recipe: Recipe, model, optimizer, scheduler, metadata: dict, dat
     """Load what the run starts from into `model` / `optimizer` / `scheduler` (every rank calls it) and return
     where it starts. `metadata` (the run's, for its saves) takes what carries forward from the checkpoint;
     `data_now`: the recipe's `data_identities` (rank 0's; {} elsewhere: rank 0 plans a resume for all).
-    CheckpointError for a checkpoint of another model."""
+    CheckpointError for a checkpoint of another model, or of another stage's run."""
     root = Path(recipe.checkpoint.dir)
     done = agreed_latest_iteration(root)
     if done is not None:
@@ -59,6 +59,8 @@ def _resume(recipe: Recipe, root: Path, done: int, model, optimizer, scheduler, 
     if problem is not None:
         raise alike_on_every_rank(CheckpointError(problem))
     saved, resume = found
+    if resume.stage_refusal:  # before `finished`: a finished CPT folder given to an SFT ended at once, exit 0
+        raise alike_on_every_rank(CheckpointError(resume.stage_refusal))  # rank 0's plan: alike everywhere
     if resume.finished:  # a finished run started again (a requeue, a rerun)
         log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
             "(raise train.steps to go on)")

@@ -201,6 +201,26 @@ def test_finished_run_started_again_trains_nothing(tmp_path, token_data, straigh
     assert latest(run) == 6
 
 
+def test_checkpoint_dir_of_another_stage_is_refused(tmp_path, token_data, sft_data, straight):
+    """An SFT recipe given the CPT run's folder as checkpoint.dir stops with one line naming the fix, whether the
+    CPT is finished at the SFT's train.steps (it exited 0 having trained nothing) or not (it went on with the CPT's
+    optimizer state and step count as SFT, init_from unread). Control: without the refusal, exit 0 both times."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    before = (run / "metrics.jsonl").read_text()
+    for steps in (6, 8):
+        out = subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(ROOT / "recipes/tiny/sft.yaml"),
+                              f"checkpoint.dir={run}", f"checkpoint.init_from={run}", f"data.prefix={sft_data}",
+                              f"train.steps={steps}"], env=env(), capture_output=True, text=True)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert errors == [f"error: checkpoint.dir = '{run}' holds a cpt run (recipe 'cpt', step 6); this recipe is "
+                          f"stage sft: give a new checkpoint.dir (checkpoint.init_from={run} loads its weights)"], errors
+    assert (run / "metrics.jsonl").read_text() == before and latest(run) == 6
+
+
 def test_kill9_while_saving_in_background_then_resume_is_exact(tmp_path, token_data, straight):
     """A save every step, so that one is most likely being written when the run is killed (its temporary folder
     then stays behind, and the pointer on the save before)."""

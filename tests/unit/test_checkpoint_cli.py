@@ -170,6 +170,31 @@ def test_prelaunch_check_reports_the_resume(ckpt, capsys, token_data):
     assert "incomplete checkpoint" in capsys.readouterr().err
 
 
+def test_checkpoint_of_another_stage(ckpt, capsys, sft_data):
+    """An SFT recipe whose checkpoint.dir holds the CPT run: launch --check refuses it and info says the trainer
+    would stop, in the trainer's words (they said 'nothing to train' or 'resumes', exit 0). A checkpoint that
+    recorded no stage (older ones) is resumed as before. Control: without the refusal, exit 0 and no 'would stop'."""
+    import json
+
+    from megatron_ext.launch import main as launch
+
+    sft = str(ROOT / "recipes/tiny/sft.yaml")
+    said = (f"checkpoint.dir = '{ckpt}' holds a cpt run (recipe 'cpt', step 2); this recipe is stage sft: give a new "
+            f"checkpoint.dir (checkpoint.init_from={ckpt} loads its weights)")
+    for steps in (2, 10):  # finished at the SFT's train.steps, and not
+        run = [f"data.prefix={sft_data}", f"checkpoint.dir={ckpt}", f"checkpoint.init_from={ckpt}", f"train.steps={steps}"]
+        assert launch(["--check", "--recipe", sft, "--world-size", "1", *run]) == 1
+        assert capsys.readouterr().err == f"error: {said}\n"
+        code, out, err = _info(capsys, ckpt, "--recipe", sft, *(a for o in run for a in ("--set", o)), "--world-size", 1)
+        assert code == 0 and out.endswith(f"on 1 processes:\n  would stop: {said}\n"), out + err
+    meta_file = ckpt / "iter_0000002/megatron_ext.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["recipe"]["train"]["stage"]
+    meta_file.write_text(json.dumps(meta))
+    assert launch(["--check", "--recipe", sft, "--world-size", "1", *run]) == 0, capsys.readouterr().err
+    assert "checkpoint: resumes at step 2 -> 10" in capsys.readouterr().out
+
+
 def test_says_when_the_data_was_prepared_again(ckpt, capsys, tmp_path, toy_tokenizer):
     """A checkpoint that recorded its data's contents (the trainer does): other documents under the same
     data.prefix are named in the verdict like any other data change."""
