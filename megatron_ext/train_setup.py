@@ -21,6 +21,7 @@ def check_setup(recipe: Recipe) -> None:
 
     if recipe.checkpoint.dir is None:
         raise RecipeError("checkpoint.dir: missing; set the output folder, e.g. checkpoint.dir=runs/cpt")
+    _check_not_an_iteration_folder(recipe.checkpoint.dir)
     _check_folder_can_be_made("checkpoint.dir", recipe.checkpoint.dir)
     out = Path(recipe.checkpoint.dir)
     hf_weights = (out / "config.json").is_file() and (any(out.glob("*.safetensors"))
@@ -89,6 +90,25 @@ def check_setup(recipe: Recipe) -> None:
             raise RecipeError(f"checkpoint.init_from = {init!r} holds another model ({'; '.join(changed)}): set the "
                               "recipe's model.* to the checkpoint's (or model.hf_config to its HF folder), or start "
                               "from another checkpoint")
+
+
+def _check_not_an_iteration_folder(checkpoint_dir: str) -> None:
+    """RecipeError when checkpoint.dir is one `iter_*` folder of a checkpoint (its metadata inside, or its parent
+    the root with the latest pointer): the run found no pointer there, trained from random weights and saved its
+    own iterations inside the other run's folder, exit 0."""
+    import re
+
+    from megatron_ext.checkpoint_index import METADATA_FILE
+    from megatron_ext.checkpoint_layout import LATEST_FILE
+
+    folder = Path(checkpoint_dir)
+    if not re.fullmatch(r"iter_\d+", folder.name) or (folder / LATEST_FILE).is_file():
+        return  # a root that happens to be named so is one
+    parent = folder.parent
+    if (folder / METADATA_FILE).is_file() or (parent / LATEST_FILE).is_file():
+        raise RecipeError(f"checkpoint.dir = {checkpoint_dir!r} is an iteration folder of the checkpoint {parent}: "
+                          f"to resume, give checkpoint.dir={parent}; to start a new run from this iteration, "
+                          f"checkpoint.init_from={checkpoint_dir} and a new checkpoint.dir")
 
 
 def _resumes(checkpoint_dir: str) -> bool:

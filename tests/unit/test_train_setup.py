@@ -190,6 +190,32 @@ def test_iteration_folders_without_the_latest_pointer_are_refused(tmp_path, toke
     check_setup(recipe(run, token_data))
 
 
+def test_an_iteration_folder_as_checkpoint_dir_is_refused(tmp_path, token_data, capsys):
+    """checkpoint.dir naming one iter_* folder: the trainer found no latest pointer in it, trained from random weights
+    and saved iter_*/iter_* inside the other run (exit 0; launch --check said ok). Refused when its root has the
+    pointer, or when the folder holds a save's metadata (a copy without the pointer); a new folder of that name is
+    not one. Control: without the check, no error."""
+    from megatron_ext.launch import main as launch
+
+    root = checkpoint_root(tmp_path / "ckpt", [2, 4])
+    message = (f"checkpoint.dir = '{root}/iter_0000004' is an iteration folder of the checkpoint {root}: to resume, "
+               f"give checkpoint.dir={root}; to start a new run from this iteration, "
+               f"checkpoint.init_from={root}/iter_0000004 and a new checkpoint.dir")
+    with pytest.raises(RecipeError) as e:
+        check_setup(recipe(root / "iter_0000004", token_data))
+    assert str(e.value) == message
+    assert launch(["--check", "--recipe", str(RECIPE), "--world-size", "1", *TINY, f"data.prefix={token_data}",
+                   f"checkpoint.dir={root}/iter_0000004"]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
+    copy = tmp_path / "copy" / "iter_0000004"  # no pointer above it: its metadata tells
+    copy.mkdir(parents=True)
+    check_setup(recipe(copy, token_data))
+    (copy / "megatron_ext.json").write_text("{}")
+    with pytest.raises(RecipeError, match=r"is an iteration folder of the checkpoint .*/copy: to resume, give"):
+        check_setup(recipe(copy, token_data))
+    check_setup(recipe(tmp_path / "new" / "iter_0000009", token_data))
+
+
 def test_a_resume_does_not_need_init_from_any_more(tmp_path, token_data):
     """A requeued stage resumes from its own checkpoint.dir and never reads init_from: a converted model deleted
     meanwhile stopped it in the job's preflight ("recipe check failed"), not requeued."""
