@@ -12,6 +12,19 @@ from megatron_ext.presets import PRESETS
 from megatron_ext.recipe import Recipe, RecipeError
 
 
+class WorldSizeError(RecipeError):
+    """`parallel.*` does not divide the world size; `fewest`: the fewest processes it fits (data parallel 1)."""
+
+    def __init__(self, message: str, fewest: int):
+        super().__init__(message)
+        self.fewest = fewest
+
+    def started_alone(self) -> str:
+        """The message for a trainer started without a launcher (no torchrun or Slurm variables): its world size is
+        1 by default, not by choice, so the fix is the launcher, not parallel.*."""
+        return f"{self} (started as 1 process: use torchrun --nproc_per_node={self.fewest} or srun)"
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise RecipeError(message)
@@ -103,9 +116,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     model_parallel = p.tensor * p.pipeline * p.context
     world = world_size if world_size is not None else recipe.cluster.nodes * recipe.cluster.gpus_per_node
     source = "the world size" if world_size is not None else "cluster.nodes x cluster.gpus_per_node"
-    _require(world % model_parallel == 0,
-             f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {model_parallel} "
-             f"does not divide {source} = {world}; change parallel.* or the number of processes")
+    if world % model_parallel:
+        raise WorldSizeError(f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = "
+                             f"{model_parallel} does not divide {source} = {world}; change parallel.* or the number of "
+                             "processes", model_parallel)
     dp = world // model_parallel
     _require(heads % p.tensor == 0,
              f"parallel.tensor = {p.tensor}: must divide model.num_attention_heads = {heads}")

@@ -354,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         # from the recipe and the files it names, alike on every rank of a node: said by each node's first rank, not
         # once per GPU (a node that alone cannot see a file still says so)
         if env.local_rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+            from megatron_ext.recipe_rules import WorldSizeError
+
+            alone = isinstance(e, WorldSizeError) and env.launcher == "single"
+            print(f"error: {e.started_alone() if alone else e}", file=sys.stderr)
         return 1
     p = recipe.parallel
     try:

@@ -50,6 +50,25 @@ def test_static_mistakes(tmp_path, token_data, overrides, fragments):
     assert_one_line_error(proc, *fragments)
 
 
+@pytest.mark.parametrize("launcher, said", [
+    ({}, " (started as 1 process: use torchrun --nproc_per_node=4 or srun)"),  # python -m megatron_ext.train alone
+    ({"RANK": "0", "WORLD_SIZE": "1"}, ""),  # torchrun --nproc_per_node=1: one process chosen
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, ""),  # srun -n 1
+])
+def test_world_size_of_a_process_started_without_a_launcher(tmp_path, token_data, launcher, said):
+    """Started without torchrun or srun, the world size is 1 by default: the line names the launcher and the fewest
+    processes the layout fits. Control: without the hint, the first case lacks it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **launcher)
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.train", "--recipe", str(RECIPE), f"checkpoint.dir={tmp_path}",
+                           f"data.prefix={token_data}", "parallel.tensor=2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert_one_line_error(proc)
+    assert proc.stderr.splitlines()[-1] == (
+        "error: parallel: tensor x pipeline x context = 2 x 1 x 2 = 4 does not divide the world size = 1; change "
+        f"parallel.* or the number of processes{said}"), proc.stderr[-2000:]
+
+
 def test_missing_checkpoint_dir(token_data):
     proc = train(f"data.prefix={token_data}", "parallel.context=1", "checkpoint.dir=null")
     assert_one_line_error(proc, "checkpoint.dir: missing")
