@@ -30,8 +30,10 @@ def _parser() -> argparse.ArgumentParser:
                         ("sft", "render, mask and tokenize chat data for SFT")):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--input", nargs="+", required=True, metavar="SRC",
-                       help=".jsonl/.json (JSON Lines: one object per line)/.parquet/.txt files, or Hugging Face dataset "
-                            "names/folders (NAME[:split])")
+                       help=".jsonl/.json (JSON Lines: one object per line)/.parquet/.txt(.gz) files; folders of "
+                            "them (every such file in the folder and its subfolders, hidden ones aside, all of one "
+                            "type, in sorted order; other files are named in a warning and not read); or Hugging "
+                            "Face hub dataset names (NAME[:split])")
         s.add_argument("--tokenizer", required=True, help="HF fast tokenizer folder or hub name")
         s.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json")
         s.add_argument("--seed", type=int, default=1234)

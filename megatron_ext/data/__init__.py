@@ -14,8 +14,8 @@ CPT corpus (the paper: per-source length upsampling, documents separated by the 
   less, GPTDataset repeats some, which launch --check and the trainer warn about) writes data/cpt.bin/.idx
   (Megatron-Core `IndexedDatasetBuilder`) and data/cpt.json (documents,
   tokens, per-source counts, length histogram, skipped lines, settings, tokenizer hash). Inputs:
-  .jsonl/.json (JSON Lines)/.parquet/.txt (one document per line) files, or a `datasets` name/folder
-  (`NAME[:split]`, streamed). `--separator` is literal text (default `<s>`), `bos-eos`
+  .jsonl/.json (JSON Lines)/.parquet/.txt (one document per line) files, folders of them (every data file,
+  recursively, all of one type: `sources.py`), or a `datasets` hub name (`NAME[:split]`, streamed). `--separator` is literal text (default `<s>`), `bos-eos`
   (`<|begin_of_text|>` doc `<|end_of_text|>`) or `none`. `--upsample` rules: see `cpt.py`.
 
 SFT chat data (records with a `messages` list of {role, content})::

@@ -310,7 +310,8 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
     cpu = time.process_time() - cpu_stream
     stats.report()
     if progress:
-        print(f"wrote {output}.bin/.idx/.json: {len(lengths)} documents, {n_tokens} tokens in {dt:.1f}s "
+        print(f"wrote {output}.bin/.idx/.json: {len(lengths)} documents from {stats.inputs_read()}, {n_tokens} tokens "
+              f"in {dt:.1f}s "
               f"({n_tokens / max(dt, 1e-9):,.0f} tokens/s, {os.environ.get('RAYON_NUM_THREADS', 'all')} threads; "
               f"setup {t_stream - t0:.1f}s, cpu {cpu:.1f}s)",
               file=sys.stderr)

@@ -187,8 +187,9 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         print(f"warning: {ends_with_prompt} kept samples end with a user turn: their last prompt has no reply to "
               f"learn{_reply_hint(reply_fields, answer_field)}", file=sys.stderr)
     if progress:
-        print(f"wrote {output}(.bin/.idx, _lossmask.bin/.idx, .json): {len(lengths)} samples, {n_tokens} tokens, "
-              f"{len(packs)} packs of {seq_length} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(f"wrote {output}(.bin/.idx, _lossmask.bin/.idx, .json): {len(lengths)} samples from "
+              f"{stats.inputs_read()}, {n_tokens} tokens, {len(packs)} packs of {seq_length} in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return manifest
 
 

@@ -4,9 +4,16 @@ An input SRC is
 - an existing file: `.jsonl`/`.json` (one JSON object per line), `.parquet`, `.txt` (one document
   per line); `.gz` variants of jsonl/txt are read through gzip (a name and first bytes that
   disagree about gzip, or gzip data cut short, is a DataError naming the file);
-- an existing folder, or anything else shaped like a hub name (`[owner/]name`, optionally
-  `[owner/]name:split`): opened with `datasets.load_dataset(..., streaming=True)`, so nothing is
-  downloaded up front and memory stays bounded.
+- an existing folder: every data file in it and its subfolders, linked ones too (the types above; hidden files
+  and folders, and folders named `__*`, left out as `datasets` does), read in sorted path order exactly as if
+  each were given itself. All must be of one type (`.gz` aside): a folder of .jsonl shards that also holds a
+  README.txt or a tokenizer's .json files is refused with each type's files named, not read as documents.
+  Files of other types (.npy, .md, .bin/.idx) are left out with one warning, and so are the files this stack and
+  Megatron-Core write beside data (a prepared PREFIX.json manifest beside its PREFIX.idx, the index cache's
+  `<md5>-<class>-<split>-description.txt`, JSON in a .txt). (`datasets` read a folder as a dataset with splits: a folder holding
+  one file with "train" in its name had only that file read, the rest silently dropped.);
+- anything else shaped like a hub name (`[owner/]name`, optionally `[owner/]name:split`): opened with
+  `datasets.load_dataset(..., streaming=True)`, so nothing is downloaded up front and memory stays bounded.
 
 Rows are yielded one at a time with a location string ("file.jsonl:17") for error messages.
 Non-UTF-8 lines, malformed JSON lines and JSON lines that hold no object are counted and skipped (never a crash
@@ -19,6 +26,8 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
+import re
 import sys
 import zlib
 from collections.abc import Iterator
@@ -29,7 +38,9 @@ from typing import Any
 from megatron_ext.data.common import DataError
 
 _LOCAL = (".jsonl", ".json", ".parquet", ".txt", ".jsonl.gz", ".json.gz", ".txt.gz")
-_JSON = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+# Megatron-Core's index cache beside the data (FOLDER/cache/<md5>-<class>-<split>-<name>): its description is
+# JSON in a .txt, which a folder read would take for documents, one line each.
+_INDEX_CACHE_DESCRIPTION = re.compile(r"[0-9a-f]{32}-\w+-\w+-description\.txt")
 
 
 # How a skipped kind is named in warnings (default: the field name with '-' for '_').
@@ -38,8 +49,10 @@ _LABELS = {"not_object": "not-an-object"}
 
 @dataclass
 class ReadStats:
-    """Counts of skipped input lines (reported in the manifest and as warnings)."""
+    """Counts of skipped input lines (reported in the manifest and as warnings), and of the inputs opened."""
 
+    files: int = 0  # local files opened, a folder's counted one by one
+    datasets: int = 0  # `datasets` names opened (the hub)
     non_utf8: int = 0
     bad_json: int = 0
     not_object: int = 0  # valid JSON, but a list/string/number where a row (an object) belongs
@@ -57,6 +70,12 @@ class ReadStats:
     def summary(self) -> str:
         """The skipped-line counts in one phrase, for 'nothing usable' errors."""
         return f"{self.non_utf8} non-UTF-8, {self.bad_json} bad JSON, {self.not_object} not-an-object lines"
+
+    def inputs_read(self) -> str:
+        """'3 files' / '1 file and 1 Hugging Face dataset': what was read, for the summary line."""
+        parts = [f"{n} {what}{'s' if n != 1 else ''}" for n, what in ((self.files, "file"),
+                                                                     (self.datasets, "Hugging Face dataset")) if n]
+        return " and ".join(parts) or "no input"
 
     def report(self) -> None:
         """The end-of-run report the first warnings promise: each kind's count and first place."""
@@ -80,7 +99,7 @@ def input_name(src: str) -> str:
     """A short name for an input, used as its source label when no source field is given."""
     p = Path(src)
     if p.exists():
-        name = p.name
+        name = p.name or p.resolve().name  # `--input .`
         for ext in _LOCAL:
             if name.endswith(ext):
                 return name[: -len(ext)]
@@ -88,29 +107,106 @@ def input_name(src: str) -> str:
     return src.split(":")[0]
 
 
+def _data_type(name: str) -> str | None:
+    """The data file type of a file name ('jsonl' for a.jsonl.gz), or None for a file that is not data."""
+    if not name.endswith(_LOCAL) or _INDEX_CACHE_DESCRIPTION.fullmatch(name):
+        return None
+    return name[: -len(".gz")].rsplit(".", 1)[-1] if name.endswith(".gz") else name.rsplit(".", 1)[-1]
+
+
+def folder_files(folder: str | Path) -> tuple[list[Path], list[Path]]:
+    """(data files, other files) of a folder input, each in sorted path order, searched recursively: see the
+    module docstring for what counts as data. DataError when there is no data file, or data files of more than
+    one type (the odd ones are likely not data: a README.txt among .jsonl shards, a tokenizer's .json files)."""
+    root = Path(folder)
+    data: list[Path] = []
+    other: list[Path] = []
+    walked = {os.path.realpath(root)}  # linked folders are followed (shards linked in), each once: no cycles
+    for top, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in sorted(dirs) if not d.startswith((".", "__"))  # .git, __pycache__: as `datasets`
+                   and os.path.realpath(os.path.join(top, d)) not in walked]
+        walked.update(os.path.realpath(os.path.join(top, d)) for d in dirs)
+        for name in names:
+            if name.startswith("."):
+                continue
+            path = Path(top, name)
+            kind = _data_type(name)
+            if kind == "json" and path.with_suffix(".idx").is_file():  # a prepared dataset's manifest
+                kind = None
+            (data if kind else other).append(path)
+    data.sort(key=str)
+    other.sort(key=str)
+    if not data:
+        held = f"; it holds {_some(other)}" if other else "; it is empty"
+        raise DataError(f"--input {folder}: no data files in this folder or its subfolders (types read: "
+                        f"{', '.join(_LOCAL)}){held}; give a folder of data files, or the files themselves")
+    by_type: dict[str, list[Path]] = {}
+    for path in data:
+        by_type.setdefault(_data_type(path.name) or "", []).append(path)
+    if len(by_type) > 1:
+        mix = "; ".join(f"{len(by_type[t])} .{t}: {_some(by_type[t], 2)}"
+                        for t in sorted(by_type, key=lambda t: (-len(by_type[t]), t)))
+        raise DataError(f"--input {folder}: holds data files of more than one type ({mix}); a folder is read as "
+                        "files of one type, as a mix is most often data beside files that are not (a README.txt, a "
+                        "tokenizer's .json): give the data files themselves (--input FILE...), or move the others "
+                        "out")
+    return data, other
+
+
+def _some(paths: list[Path], show: int = 3) -> str:
+    more = f" and {len(paths) - show} more" if len(paths) > show else ""
+    return ", ".join(map(str, paths[:show])) + more
+
+
 def check_inputs(inputs: list[str]) -> None:
-    """Fail early (before any output is opened) on inputs that cannot be read, or that are given twice."""
+    """Fail early (before any output is opened) on inputs that cannot be read, or whose data would be read twice
+    (a file given twice, or given and also in a folder given); warn about a folder's files that are not read."""
     if not inputs:
         raise DataError("--input: no input given")
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {}  # resolved file or name -> the --input that reads it
     for src in inputs:
         p = Path(src)
+        if p.is_dir():
+            _once(str(p.resolve()), src, seen)
+            files, other = folder_files(p)
+            if other:
+                print(f"warning: --input {src}: {len(other)} file{'s' if len(other) != 1 else ''} in it not read, "
+                      f"as not data: {_some(other)}", file=sys.stderr)
+            for path in files:
+                _once(str(path.resolve()), src, seen, also=path)
+                _check_file(str(path))
+            continue
         # the same file under two spellings (a/b.jsonl, ./a/b.jsonl) would be read twice: its documents doubled
-        key = str(p.resolve()) if p.exists() else src
-        if key in seen:
-            also = f" (also as {seen[key]})" if seen[key] != src else ""
-            raise DataError(f"--input {src}: given twice{also}, so its data would be read twice; drop the repeat "
-                            "(cpt weights a source with --upsample SOURCE:all=RATE)")
-        seen[key] = src
+        _once(str(p.resolve()) if p.exists() else src, src, seen)
         if p.is_file():
-            if not src.endswith(_LOCAL):
-                raise DataError(f"--input {src}: unsupported file type; use one of {', '.join(_LOCAL)}")
-            if not src.endswith(".parquet"):
-                _check_compression(src)
+            _check_file(src)
         elif not p.exists():
             looks_local = src.endswith(_LOCAL) or src.startswith((".", "/", "~")) or src.count("/") > 1
             if looks_local:
                 raise DataError(f"--input {src}: file not found")
+
+
+def _once(key: str, src: str, seen: dict[str, str], also: Path | None = None) -> None:
+    """DataError when `key` (a resolved path) is already read by an earlier --input."""
+    if key not in seen:
+        seen[key] = src
+        return
+    first = seen[key]
+    if also is not None:  # a file of folder `src`
+        what = f"holds {also}, which --input {first} reads too" if first != src else f"reaches {also} twice"
+    elif Path(first).is_dir() and first != src and Path(src).is_file():
+        what = f"is in the folder given as --input {first}, which reads it too"
+    else:
+        what = "given twice" + (f" (also as {first})" if first != src else "")
+    raise DataError(f"--input {src}: {what}, so its data would be read twice; drop the repeat "
+                    "(cpt weights a source with --upsample SOURCE:all=RATE)")
+
+
+def _check_file(src: str) -> None:
+    if not src.endswith(_LOCAL):
+        raise DataError(f"--input {src}: unsupported file type; use one of {', '.join(_LOCAL)}")
+    if not src.endswith(".parquet"):
+        _check_compression(src)
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -164,6 +260,7 @@ _BAD = object()  # a line that is not JSON at all
 
 
 def _rows_local(path: Path, stats: ReadStats) -> Iterator[tuple[str, dict]]:
+    stats.files += 1
     name = path.name
     if name.endswith((".txt", ".txt.gz")):
         for n, line in _lines(path, stats):
@@ -221,7 +318,7 @@ def _check_json_lines(path: Path, line: str, row: Any) -> None:
 
 
 def _rows_hf(src: str) -> Iterator[tuple[str, dict]]:
-    name, _, split = src.partition(":") if not Path(src).exists() else (src, "", "")
+    name, _, split = src.partition(":")
     try:
         import datasets
 
@@ -244,61 +341,33 @@ def _rows_hf(src: str) -> Iterator[tuple[str, dict]]:
             except StopIteration:
                 return
             except Exception as e:  # noqa: BLE001 - pyarrow/pandas/hub errors all become one line
-                raise DataError(_stream_error(src, n, e)) from None
+                msg = str(e).splitlines()[0] if str(e) else ""
+                raise DataError(f"--input {src}: reading it with `datasets` failed after {n} rows "
+                                f"({type(e).__name__}: {msg})") from None
             n += 1
             yield f"{src}:row {n}", row
     finally:
         json_log.setLevel(level)
 
 
-def _stream_error(src: str, n_read: int, e: Exception) -> str:
-    """The message for a `datasets` stream that failed after `n_read` rows; for a local folder, the first line
-    that is not JSON (found by reading its .json/.jsonl files the way file inputs are read) and the fix."""
-    msg = str(e).splitlines()[0] if str(e) else ""
-    head = f"--input {src}: reading it with `datasets` failed after {n_read} rows ({type(e).__name__}: {msg})"
-    if not Path(src).is_dir():
-        return head
-    bad = _first_bad_json_line(Path(src))
-    files = f"{src.rstrip('/')}/*.jsonl"
-    if bad:
-        return (f"{head}; {bad} is not valid JSON: fix that line, or pass the files themselves (--input {files}), "
-                "which skips and counts bad lines")
-    return f"{head}; fix the folder's files, or pass the files themselves (--input {files})"
-
-
-def _first_bad_json_line(folder: Path) -> str | None:
-    """'FILE:LINE' of the first line of the folder's .json/.jsonl files that is not JSON; None when all parse.
-    A file that is one JSON document (an array, a pretty-printed object) is fine: `datasets` reads those whole."""
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(_JSON)):
-        opener = gzip.open if path.name.endswith(".gz") else open
-        try:
-            with opener(path, "rb") as f:
-                bad = next((n for n, raw in enumerate(f, 1) if raw.strip() and not _parses(raw)), None)
-            if bad is not None:
-                with opener(path, "rb") as f:
-                    if not _parses(f.read()):
-                        return f"{path}:{bad}"
-        except (EOFError, OSError, zlib.error):  # a .gz that is not gzip data, or cut short: not a JSON matter
-            continue
-    return None
-
-
-def _parses(raw: bytes) -> bool:
-    try:
-        json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return True
-
-
 def iter_rows(inputs: list[str], stats: ReadStats) -> Iterator[tuple[str, str, dict]]:
-    """Yield (input name, location, row dict) over all inputs in order."""
+    """Yield (input name, location, row dict) over all inputs in order; a folder's rows are its data files' rows
+    (`folder_files`), all under the folder's name."""
     for src in inputs:
         p = Path(src)
-        rows = _rows_local(p, stats) if p.is_file() else _rows_hf(src)
         name = input_name(src)
-        for where, row in rows:
-            yield name, where, row
+        if p.is_dir():
+            files = folder_files(p)[0]
+        elif p.is_file():
+            files = [p]
+        else:
+            stats.datasets += 1
+            for where, row in _rows_hf(src):
+                yield name, where, row
+            continue
+        for path in files:
+            for where, row in _rows_local(path, stats):
+                yield name, where, row
 
 
 def iter_texts(inputs: list[str], text_field: str, source_field: str | None,

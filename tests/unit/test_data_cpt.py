@@ -164,13 +164,17 @@ def test_inputs_jsonl_parquet_txt_and_datasets_stream(tmp_path, tok_dir, corpus)
     (tmp_path / "c.txt").write_text("".join(d["text"] + "\n" for d in docs), encoding="utf-8")
     folder = tmp_path / "hfds"
     folder.mkdir()
-    toy.write_jsonl(folder / "train.jsonl", docs)  # a local `datasets` folder: same streaming code as the hub
+    toy.write_jsonl(folder / "train.jsonl", docs)
     bins = []
     for name, src in (("j", path), ("p", tmp_path / "c.parquet"), ("t", tmp_path / "c.txt"), ("h", folder)):
         man = prepare_cpt([str(src)], str(tok_dir), str(tmp_path / name), progress=False)
         assert man["documents"] == len(docs)
         bins.append((tmp_path / f"{name}.bin").read_bytes())
     assert bins[0] == bins[1] == bins[2] == bins[3]
+    # a hub name is streamed by `datasets`; a local folder under the same code path stands in for the hub here
+    from megatron_ext.data.sources import _rows_hf
+
+    assert [row["text"] for _, row in _rows_hf(str(folder))] == [d["text"] for d in docs]
 
 
 def test_max_tokens_and_manifest(tmp_path, tok_dir, corpus, capsys):

@@ -271,27 +271,78 @@ CHAT = '{"messages":[{"role":"user","content":"hi there"},{"role":"assistant","c
 
 
 @pytest.mark.parametrize("kind", ["cpt", "sft"])
-def test_folder_input_with_a_malformed_line(tmp_path, tok_dir, kind):
-    """A folder --input is read by `datasets`, which died mid-stream with a bare `pyarrow.lib.ArrowInvalid: JSON
-    parse error` traceback on a malformed line (the same line in a file --input is skipped and counted)."""
+def test_folder_input_reads_every_data_file(tmp_path, tok_dir, kind, capsys):
+    """A folder --input was read by `datasets`, which takes a file with 'train' in its name for the train split and
+    reads that one alone: a folder of corpus.jsonl + train_notes.jsonl gave train_notes' rows only, exit 0 (and a
+    folder holding a run's cache/<md5>-GPTDataset-train-description.txt gave that JSON's lines as documents). Now
+    every data file is read, in sorted order, as if given itself (a malformed line is skipped and counted, where
+    `datasets` died mid-stream); the files that are not data are named in a warning, and the summary counts files."""
+    import gzip
+
     folder = tmp_path / "in"
-    folder.mkdir()
+    (folder / "sub").mkdir(parents=True)
+    (folder / "cache").mkdir()
+    (folder / ".git").mkdir()
     good = '{"text": "hello world"}' if kind == "cpt" else CHAT
-    (folder / "a.jsonl").write_text(f"{good}\n{good}\n")
-    (folder / "b.jsonl").write_text(f"{good}\n{{\"messages\": [\n{good}\n")
-    argv = [kind, "--input", str(folder), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    (folder / "corpus.jsonl").write_text(f"{good}\n{good}\n")
+    (folder / "train_notes.jsonl").write_text(f"{good}\n{{\"messages\": [\n")  # the second line: not JSON
+    with gzip.open(folder / "sub" / "more.jsonl.gz", "wt") as f:
+        f.write(f"{good}\n")
+    (tmp_path / "elsewhere").mkdir()  # shards linked in are read; a link back up is not walked again
+    (tmp_path / "elsewhere" / "linked.jsonl").write_text(f"{good}\n")
+    (tmp_path / "elsewhere" / "up").symlink_to(tmp_path)
+    (folder / "link").symlink_to(tmp_path / "elsewhere")
+    not_data = [folder / "README.md", folder / "cache" / f"{'0' * 32}-GPTDataset-train-description.txt",
+                folder / "cache" / f"{'0' * 32}-GPTDataset-train-sample_index.npy", folder / "prep.json",
+                folder / "prep.idx"]
+    for path in not_data:
+        path.write_text("{\n")
+    (folder / ".hidden.jsonl").write_text("{\n")  # hidden files and folders are left out, as `datasets` did
+    (folder / ".git" / "x.jsonl").write_text("{\n")
+    argv = [kind, "--input", str(folder), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out")]
     argv += ["--seq-length", "256"] if kind == "sft" else []
-    msg = _fail(argv)
-    assert msg.startswith(f"error: --input {folder}: reading it with `datasets` failed after "), msg
-    assert msg.endswith(f"; {folder / 'b.jsonl'}:2 is not valid JSON: fix that line, or pass the files themselves "
-                        f"(--input {folder}/*.jsonl), which skips and counts bad lines"), msg
-    assert _left(tmp_path) == []
-    # the advice works: the files themselves are read, the bad line skipped and counted
-    files = [str(folder / "a.jsonl"), str(folder / "b.jsonl")]
-    assert prepare_data.main(argv[:2] + files + argv[3:]) == 0
+    assert prepare_data.main(argv) == 0
     from megatron_ext.data.dataset_files import read_manifest
 
-    assert read_manifest(str(tmp_path / "out"))["skipped"]["bad_json_lines"] == 1
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["documents"] == 5 and manifest["skipped"]["bad_json_lines"] == 1
+    err = capsys.readouterr().err
+    unread = sorted(map(str, not_data))
+    assert (f"warning: --input {folder}: 5 files in it not read, as not data: {unread[0]}, {unread[1]}, {unread[2]} "
+            "and 2 more\n") in err
+    assert f"warning: {folder / 'train_notes.jsonl'}:2: bad-json line skipped" in err
+    assert f": 5 {'documents' if kind == 'cpt' else 'samples'} from 4 files, " in err
+
+
+def test_folder_input_of_mixed_types_or_no_data_is_refused(tmp_path, tok_dir, corpus):
+    """A folder's data files must be of one type: a .json or .txt beside .jsonl shards is more likely a tokenizer's
+    file or a README than data, and a .txt read as data makes each of its lines a document. Refused, naming each
+    type's files; as is a folder with no data file, and a file that a folder given too reads already."""
+    base = ["cpt", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet", "--input"]
+    folder = tmp_path / "mix"
+    folder.mkdir()
+    (folder / "corpus.jsonl").write_bytes(corpus.read_bytes())
+    (folder / "train_notes.json").write_text('{"text": "x"}\n')
+    assert _fail(base + [str(folder)]) == (
+        f"error: --input {folder}: holds data files of more than one type (1 .json: {folder / 'train_notes.json'}; "
+        f"1 .jsonl: {folder / 'corpus.jsonl'}); a folder is read as files of one type, as a mix is most often data "
+        "beside files that are not (a README.txt, a tokenizer's .json): give the data files themselves (--input "
+        "FILE...), or move the others out")
+    (folder / "train_notes.json").unlink()
+    (folder / "cache").mkdir()
+    (folder / "cache" / "x.npy").write_bytes(b"")
+    assert _fail(base + [str(folder / "cache")]) == (
+        f"error: --input {folder / 'cache'}: no data files in this folder or its subfolders (types read: .jsonl, "
+        f".json, .parquet, .txt, .jsonl.gz, .json.gz, .txt.gz); it holds {folder / 'cache' / 'x.npy'}; give a "
+        "folder of data files, or the files themselves")
+    assert _fail(base + [str(folder), str(folder / "corpus.jsonl")]) == (
+        f"error: --input {folder / 'corpus.jsonl'}: is in the folder given as --input {folder}, which reads it too, "
+        "so its data would be read twice; drop the repeat (cpt weights a source with --upsample SOURCE:all=RATE)")
+    assert _fail(base + [str(folder / "corpus.jsonl"), str(folder)]) == (
+        f"error: --input {folder}: holds {folder / 'corpus.jsonl'}, which --input {folder / 'corpus.jsonl'} reads "
+        "too, so its data would be read twice; drop the repeat (cpt weights a source with --upsample "
+        "SOURCE:all=RATE)")
+    assert _left(tmp_path) == []
 
 
 def test_json_input_that_is_not_json_lines(tmp_path, tok_dir):
