@@ -292,8 +292,9 @@ def _read_yaml(path: Path) -> dict:
     except UnicodeDecodeError as e:
         raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text (byte {e.start}); give a .yaml recipe") \
             from None
-    if raw is None:
-        raw = {}
+    if raw is None:  # not `{}`: "train.seq_length: missing required field" would hide that the file is empty
+        raise RecipeError(f"recipe file {str(path)!r} is empty (no settings, or comments alone); write the recipe "
+                          "in it, or give another file (see recipes/)")
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe file {str(path)!r}: top level must be a mapping of sections, got {type(raw).__name__}")
     return raw

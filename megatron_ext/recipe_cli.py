@@ -45,11 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.files:
         parser.error("check: give at least one recipe file (or --fields)")
+    # An override given positionally, as `train` accepts it: said before any recipe is printed, not after a page
+    # of YAML that reads as success
+    overrides = [file for file in args.files if "=" in file and not Path(file).exists()]
+    if overrides:
+        for file in overrides:
+            print(f"error: {file}: not a recipe file but an override, it seems; give overrides with --set {file}",
+                  file=sys.stderr)
+        return 1
+    from megatron_ext.train_setup import partial_rotary_warning, positions_warning, selective_recompute_warning
+
     failed = 0
     for file in args.files:
         try:
-            if "=" in file and not Path(file).exists():
-                raise RecipeError(f"not a recipe file but an override, it seems; give overrides with --set {file}")
             recipe = load_recipe(file, args.overrides, world_size=args.world_size)
         except RecipeError as e:
             print(f"error: {file}: {e}", file=sys.stderr)
@@ -58,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"# {file} (resolved)")
             print(recipe.to_yaml())
+        # the recipe's own warnings that `launch --check` and the trainer give (those needing the data stay there)
+        for check in (positions_warning, partial_rotary_warning, selective_recompute_warning):
+            warning = check(recipe)
+            if warning:
+                print(f"warning: {file}: {warning}", file=sys.stderr)
         print(f"ok: {file}", file=sys.stderr if not args.quiet else sys.stdout)
     return 1 if failed else 0
 

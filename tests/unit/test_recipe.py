@@ -349,3 +349,43 @@ def test_cli_layout_not_dividing_world_fails(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "= 4 does not divide cluster.nodes x cluster.gpus_per_node = 2" in proc.stderr
     assert _check(str(bad), "--world-size", "8").returncode == 0
+
+
+def test_cli_override_given_as_a_file_fails_before_printing(capsys):
+    """`recipe check FILE train.steps=10` (an override given positionally, as `train` takes it) printed FILE's whole
+    resolved recipe and 'ok: FILE' before the error: a page of output that reads as success. Nothing now."""
+    from megatron_ext.recipe_cli import main
+
+    tiny = str(ROOT / "recipes/tiny/cpt.yaml")
+    assert main(["check", tiny, "train.steps=10"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "error: train.steps=10: not a recipe file but an override, it seems; give overrides with --set " \
+                  "train.steps=10\n"
+
+
+@pytest.mark.parametrize("text", ["", "# a comment alone\n"])
+def test_empty_recipe_file(tmp_path, text):
+    """An empty recipe file was read as `{}`: 'train.seq_length: missing required field', which sends one looking
+    for a field, not at the file (the trainer, launch --check and recipe check all load recipes here)."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(empty)
+    assert str(e.value) == (f"recipe file {str(empty)!r} is empty (no settings, or comments alone); write the "
+                            "recipe in it, or give another file (see recipes/)")
+
+
+def test_cli_warns_of_a_sequence_beyond_the_models_positions(capsys):
+    """`recipe check --set train.seq_length=4096` on a 2048-position model said nothing, where `launch --check`
+    warns that the checkpoint will claim 2048 positions. Control: the recipe's own length warns of nothing."""
+    from megatron_ext.recipe_cli import main
+
+    tiny = str(ROOT / "recipes/tiny/cpt.yaml")
+    assert main(["check", "--quiet", "--set", "train.seq_length=4096", tiny]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"warning: {tiny}: train.seq_length = 4,096 is beyond model.max_position_embeddings = 2,048: the "
+                   "checkpoint and its export will claim 2,048 positions; set model.max_position_embeddings (and the "
+                   "rope block) for the trained length, e.g. the recipe of that length\n")
+    assert main(["check", "--quiet", tiny]) == 0
+    assert capsys.readouterr().err == ""
