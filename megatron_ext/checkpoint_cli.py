@@ -37,7 +37,7 @@ def _buckets_of(meta: dict) -> str:
 def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, dict, bool]:
     """Printable lines about `root`'s checkpoint `iteration` (latest if None), that iteration, its metadata and
     whether it is complete."""
-    iteration, path = resolve_iteration_dir(root, iteration)
+    iteration, path = resolve_iteration_dir(root, iteration, iteration_option="--iteration")
     meta = checked_metadata(path)
     complete = True
     try:

@@ -75,9 +75,45 @@ def complete_soon(path: Path, waits: tuple[float, ...] = (2, 5)) -> None:
     check_complete(path)
 
 
-def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tuple[int, Path]:
+def checkpoints_inside(folder: Path) -> list[Path]:
+    """The checkpoint roots (with the latest pointer) one level below `folder`, by name: what was meant when a
+    tool was given the folder above a run's checkpoint.dir (`runs` for `runs/cpt`)."""
+    try:
+        return sorted(p for p in folder.iterdir() if p.is_dir() and (p / LATEST_FILE).is_file())
+    except OSError:  # unreadable: nothing to suggest
+        return []
+
+
+def not_a_root(folder: Path, field: str | None = None, iteration_option: str | None = None) -> str:
+    """'(found iterations: ...); what to give instead' for `folder`, which has no latest pointer: its latest
+    `iter_*` folder (which every reader takes) or, where the tool has one, `iteration_option` N; else the checkpoints
+    one level below it; else the folder that holds iter_* folders. `field`: the recipe field it was given as
+    ('give FIELD=PATH'), else a command line's argument ('pass PATH')."""
+    its = available_iterations(folder)
+    if its:
+        latest = folder / iter_dir_name(its[-1])
+        fix = f"give {field}={latest}" if field else f"pass {latest}" + (
+            f", or {iteration_option} {its[-1]}" if iteration_option else "")
+        return f"(found iterations: {its}); {fix}"
+    inner = checkpoints_inside(folder)
+    if len(inner) == 1:
+        return f"(found iterations: none); {inner[0]} is a checkpoint: " + (
+            f"give {field}={inner[0]}" if field else "pass it")
+    if inner:
+        shown = ", ".join(map(str, inner[:4])) + (f" and {len(inner) - 4} more" if len(inner) > 4 else "")
+        return f"(found iterations: none); {shown} are checkpoints: " + (
+            f"give one of them as {field}" if field else "pass one of them")
+    return "(found iterations: none); " + (
+        "give the folder that holds iter_* (its latest iteration) or one iter_* folder (tools/convert.py to-megatron "
+        "writes one)" if field else "pass the directory that holds iter_* folders")
+
+
+def resolve_iteration_dir(root: str | Path, iteration: int | None = None,
+                          iteration_option: str | None = None) -> tuple[int, Path]:
     """(iteration, directory) of a checkpoint root (`iteration=None`: its latest), or of one of its `iter_*`
-    folders given itself (an earlier iteration, e.g. to start SFT or an evaluation from)."""
+    folders given itself (an earlier iteration, e.g. to start SFT or an evaluation from). `iteration_option`: the
+    caller's option that names an iteration (`--iteration`), suggested with the iteration folder when `root` has
+    iter_* folders but no latest pointer."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} is a file; give the folder that holds iter_* (or one "
@@ -97,8 +133,7 @@ def resolve_iteration_dir(root: str | Path, iteration: int | None = None) -> tup
                                   "(no iter_* folders)")
         if iteration is None:
             raise CheckpointError(f"{root} has no {LATEST_FILE}: it is not a Megatron checkpoint root "
-                                  f"(found iterations: {available_iterations(root) or 'none'}); "
-                                  "pass the directory that holds iter_* folders, or name an iteration")
+                                  f"{not_a_root(root, iteration_option=iteration_option)}")
     path = root / iter_dir_name(iteration)
     if not path.is_dir():
         kept = root / f".{path.name}.old"  # a save of the same iteration again, stopped between its two renames

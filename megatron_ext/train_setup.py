@@ -71,9 +71,10 @@ def check_setup(recipe: Recipe) -> None:
     elif init is not None:
         folder = Path(init)  # not a root: one of its iterations, or not a checkpoint
         if not re.fullmatch(r"iter_\d+", folder.name):
+            from megatron_ext.checkpoint_layout import not_a_root
+
             raise RecipeError(f"checkpoint.init_from = {init!r}: no latest_checkpointed_iteration.txt there, so not a "
-                              "Megatron checkpoint folder; give the folder that holds iter_* (its latest iteration) "
-                              "or one iter_* folder (tools/convert.py to-megatron writes one)")
+                              f"Megatron checkpoint folder {not_a_root(folder, field='checkpoint.init_from')}")
         if not (folder / METADATA_FILE).is_file():
             raise RecipeError(f"checkpoint.init_from = {init!r}: an iteration folder without {METADATA_FILE}, so not "
                               "one a finished save wrote; give another iteration, or the checkpoint root (its latest)")

@@ -143,6 +143,20 @@ def test_incomplete_and_missing(ckpt, capsys, tmp_path):
     assert "argument --iteration: -1: an iteration is a step number >= 0" in capsys.readouterr().err
 
 
+def test_folder_above_or_without_the_latest_pointer(ckpt, capsys, tmp_path):
+    """The folder above a run's checkpoint.dir, or a copy that lost its latest pointer: the line says what to pass
+    (it said 'pass the directory that holds iter_* folders', which for the copy is what was passed). Control: without
+    the hints, neither the checkpoint below nor the iteration folder is named."""
+    code, _, err = _info(capsys, tmp_path)
+    assert code == 1 and err == (f"error: {tmp_path} has no latest_checkpointed_iteration.txt: it is not a Megatron "
+                                 f"checkpoint root (found iterations: none); {ckpt} is a checkpoint: pass it\n")
+    (ckpt / "latest_checkpointed_iteration.txt").unlink()
+    code, _, err = _info(capsys, ckpt)
+    assert code == 1 and err.endswith(f"(found iterations: [2]); pass {ckpt}/iter_0000002, or --iteration 2\n"), err
+    code, out, err = _info(capsys, ckpt / "iter_0000002")
+    assert code == 0 and "iter_0000002: complete" in out, err
+
+
 def test_prelaunch_check_reports_the_resume(ckpt, capsys, token_data):
     """`python -m megatron_ext.launch --check` (what slurm/*.sh run before srun) says what the job will do with
     the checkpoint in its checkpoint.dir, and stops a job the trainer would stop anyway, before any worker."""

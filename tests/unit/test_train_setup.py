@@ -133,9 +133,18 @@ def test_init_from_a_root_or_one_of_its_iteration_folders(tmp_path, token_data):
         check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}/iter_0000002"))
     (root / "iter_0000002/megatron_ext.json").write_text("{}")
     check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}/iter_0000002"))  # not the latest
-    with pytest.raises(RecipeError, match=r"checkpoint\.init_from = .*: no latest_checkpointed_iteration\.txt there, "
-                                          r"so not a Megatron checkpoint folder"):
+    with pytest.raises(RecipeError) as e:  # the folder above the checkpoint: named
         check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={tmp_path}"))
+    assert str(e.value) == (f"checkpoint.init_from = '{tmp_path}': no latest_checkpointed_iteration.txt there, so not "
+                            f"a Megatron checkpoint folder (found iterations: none); {root} is a checkpoint: give "
+                            f"checkpoint.init_from={root}")
+    (root / "latest_checkpointed_iteration.txt").unlink()  # a copy without its pointer: its latest iteration folder
+    with pytest.raises(RecipeError, match=rf"\(found iterations: \[2, 4\]\); give checkpoint\.init_from={root}/"
+                                          "iter_0000004$"):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={root}"))
+    (tmp_path / "empty").mkdir()  # nothing there nor below: what a checkpoint folder is
+    with pytest.raises(RecipeError, match=r"\(found iterations: none\); give the folder that holds iter_\* "):
+        check_setup(recipe(tmp_path / "run", token_data, f"checkpoint.init_from={tmp_path / 'empty'}"))
 
 
 def train_cli(*overrides, **environ):
