@@ -120,8 +120,28 @@ def check_sft_masks(prefix: str) -> None:
         raise DataError(f"data prefix {prefix}: tokens and loss masks disagree in length; re-prepare it")
 
 
+def loss_mask_owner(prefix: str) -> str | None:
+    """The SFT dataset whose loss mask PREFIX is (PREFIX = DATASET_lossmask, without a manifest of its own, beside
+    DATASET.json of kind sft), or None."""
+    suffix = "_lossmask"  # what `prepare_data.py sft` writes (its manifest's loss_mask_prefix_suffix)
+    if not prefix.endswith(suffix) or Path(prefix + ".json").exists():
+        return None
+    owner = prefix[: -len(suffix)]
+    try:
+        manifest = json.loads(Path(owner + ".json").read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("kind") != "sft":
+        return None
+    return owner
+
+
 def read_manifest(prefix: str, kind: str | None = None) -> dict:
     """The PREFIX.json manifest; DataError when the dataset is missing, incomplete or of another kind."""
+    owner = loss_mask_owner(prefix)
+    if owner is not None:  # its .bin/.idx are there, its manifest is the dataset's: 'PREFIX.json not found' misled
+        raise DataError(f"data.prefix = {prefix!r} is the loss mask of the SFT dataset {owner}; give "
+                        f"data.prefix={owner}")
     for suffix in (".bin", ".idx", ".json"):
         if not Path(prefix + suffix).is_file():
             raise DataError(f"data prefix {prefix}: {missing_file(prefix, suffix)}")

@@ -95,3 +95,25 @@ def test_launcher_check_data_is_one_error_line(case, tmp_path, token_data, monke
     assert code == 1, err
     assert err.startswith(f"error: data prefix {prefix}: {prefix}.json is ") and err.count("\n") == 1, err
     assert "prepare the data again (tools/prepare_data.py)" in err
+
+
+def test_the_loss_mask_of_an_sft_dataset_given_as_the_dataset(tmp_path, sft_data, capsys):
+    """data.prefix naming PREFIX_lossmask (its .bin/.idx are there): the line names the dataset it belongs to, for
+    both stages' recipes; it said 'PREFIX_lossmask.json not found; run tools/prepare_data.py first'. A _lossmask prefix
+    of no SFT dataset keeps that line. Control: without the check, the old line."""
+    from megatron_ext import launch
+
+    mask = sft_data + "_lossmask"
+    said = f"data.prefix = '{mask}' is the loss mask of the SFT dataset {sft_data}; give data.prefix={sft_data}"
+    with pytest.raises(DataError) as e:
+        read_manifest(mask, "sft")
+    assert str(e.value) == said
+    for stage in ("sft", "cpt"):
+        code = launch.main(["--check", "--recipe", str(ROOT / f"recipes/tiny/{stage}.yaml"), "--world-size", "2",
+                            f"data.prefix={mask}", f"checkpoint.dir={tmp_path / 'run'}", "checkpoint.init_from=null"])
+        assert code == 1 and capsys.readouterr().err == f"error: {said}\n"
+    alone = tmp_path / "other_lossmask"
+    for suffix in (".bin", ".idx"):
+        shutil.copy(mask + suffix, str(alone) + suffix)
+    with pytest.raises(DataError, match=r"other_lossmask\.json not found; run tools/prepare_data\.py first"):
+        read_manifest(str(alone), "sft")
