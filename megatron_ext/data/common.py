@@ -98,6 +98,12 @@ def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None
                         f"name the files inside it, e.g. --output {example}")
     parent = Path(prefix).parent
     if not parent.is_dir():
+        blocker = next((p for p in (parent, *parent.parents) if p.exists() or p.is_symlink()), None)
+        if blocker is not None and not blocker.is_dir():  # `afile/a` said "folder afile does not exist"
+            what = (f"a link to {os.readlink(blocker)}, which does not exist" if not blocker.exists()
+                    else "a file, not a folder")
+            raise DataError(f"--output {prefix}: {blocker} is {what}; put the prefix in a folder (mkdir DIR, then "
+                            f"--output DIR/{os.path.basename(prefix)})")
         raise DataError(f"--output {prefix}: folder {parent} does not exist; create it first")
     from megatron_ext.cli_types import folder_write_problem
 

@@ -84,6 +84,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     dtype = token_dtype(vocab_size)
     stats = ReadStats()
     dropped = {"no_assistant_turn": 0, "too_long": 0, "bad_messages": 0}
+    too_long_range = (sys.maxsize, 0)  # shortest and longest sample dropped as too long, for the fix
     ends_with_prompt = 0  # kept samples whose last turn is a prompt: its reply is missing (in another field?)
     reply_fields: Counter[str] = Counter()  # rows' top-level string fields that look like that reply
     odd_roles: Counter[str] = Counter()  # roles outside LLAMA31_ROLES, for the end report
@@ -143,6 +144,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                                 "must output the conversation's messages")
             if len(ids) > seq_length:
                 dropped["too_long"] += 1
+                too_long_range = (min(too_long_range[0], len(ids)), max(too_long_range[1], len(ids)))
                 continue
             ends_with_prompt += unanswered
             tokens_b.add_document(np.array(ids, dtype=dtype), [len(ids)])
@@ -157,6 +159,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
         if not lengths:
             raise DataError(f"--input {' '.join(inputs)}: no usable SFT samples ({n_read} read; dropped: "
                             f"{dropped}{_roles_note(odd_roles)}; lines skipped: {stats.summary()})"
+                            f"{_too_long_hint(dropped, too_long_range, seq_length)}"
                             f"{_reply_hint(reply_fields, answer_field)}")
         packs = pack_samples(np.array(lengths), seq_length, seed)
         manifest = {
@@ -288,6 +291,18 @@ def _reply_hint(reply_fields: Counter[str], answer_field: str | None) -> str:
         return ""
     return (f"; these rows have a string field '{found[0]}': if it holds the reply, pass --answer-field {found[0]} "
             "(it becomes the last assistant turn)")
+
+
+def _too_long_hint(dropped: dict[str, int], too_long_range: tuple[int, int], seq_length: int) -> str:
+    """'; 200 were too long (117 to 354 tokens, beyond --seq-length 16): raise --seq-length ...' when the drops
+    for length are the most frequent kind; else ''."""
+    n = dropped["too_long"]
+    if not n or n < max(dropped.values()):
+        return ""
+    shortest, longest = too_long_range
+    lengths = f"{shortest} to {longest}" if shortest < longest else f"{longest}"
+    return (f"; {n} {'were' if n > 1 else 'was'} too long ({lengths} tokens, beyond "
+            f"--seq-length {seq_length}): raise --seq-length, to {longest} to keep every one")
 
 
 def _sample_rows(rows: Iterator[tuple[str, str, dict]], k: int, seed: int,

@@ -235,6 +235,38 @@ def test_output_must_be_a_prefix_not_a_folder(tmp_path, tok_dir, corpus, kind):
     assert _left(tmp_path) == ["out"]
 
 
+def test_output_inside_a_file(tmp_path, tok_dir, corpus):
+    """`--output afile/a`, afile a file: 'folder afile does not exist; create it first', which cannot be done."""
+    argv = ["cpt", "--input", str(corpus), "--tokenizer", str(tok_dir), "--quiet", "--output"]
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for output in (afile / "a", afile / "x" / "a"):
+        assert _fail(argv + [str(output)]) == (f"error: --output {output}: {afile} is a file, not a folder; put the "
+                                               "prefix in a folder (mkdir DIR, then --output DIR/a)")
+    assert _fail(argv + [str(tmp_path / "none" / "a")]) == (f"error: --output {tmp_path / 'none' / 'a'}: folder "
+                                                            f"{tmp_path / 'none'} does not exist; create it first")
+
+
+def test_sft_samples_too_long_say_how_long(tmp_path, tok_dir):
+    """`sft --seq-length 16` ended 'no usable SFT samples (... 'too_long': 4 ...)' without the fix; now it says the
+    samples' lengths and to raise --seq-length, and the length it names keeps every one. Not said when another
+    drop is the cause."""
+    import re
+
+    chats = toy.write_jsonl(tmp_path / "c.jsonl", toy.synthetic_chats(4, seed=0))
+    base = ["sft", "--input", str(chats), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
+    msg = _fail(base + ["--seq-length", "16"])
+    found = re.search(r"'too_long': 4, .*\); 4 were too long \((\d+) to (\d+) tokens, beyond --seq-length 16\): raise "
+                      r"--seq-length, to (\d+) to keep every one$", msg)
+    assert found and 16 < int(found[1]) < int(found[2]) == int(found[3]), msg
+    assert prepare_data.main(base + ["--seq-length", found[3]]) == 0
+    from megatron_ext.data.dataset_files import read_manifest
+
+    assert read_manifest(str(tmp_path / "out"))["samples"] == 4
+    only_user = toy.write_jsonl(tmp_path / "u.jsonl", toy.synthetic_chats(4, seed=0, no_assistant_every=1))
+    assert "too long" not in _fail(base[:2] + [str(only_user)] + base[3:] + ["--seq-length", "16", "--force"])
+
+
 def test_cpt_bad_seq_length_and_workers(tmp_path, tok_dir, corpus):
     """cpt accepted --seq-length 0 / -1 (sft refuses them) and --workers -1 with exit 0."""
     base = ["cpt", "--input", str(corpus), "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--quiet"]
