@@ -31,7 +31,7 @@ from megatron_ext.log_lines import log_line
 def _model(args, tokenizer=None):
     """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out, removed
     on errors, Ctrl-C and SIGTERM too), with --tokenizer's tokenizer when given. `tokenizer`: the one
-    `_early_tokenizer` loaded for --model, not loaded again."""
+    `_early_tokenizer` loaded, not loaded again."""
     from megatron_ext.evaluate.loading import check_convertible, check_vocab, convert_megatron, load_hf, load_tokenizer
 
     if args.model is not None:
@@ -46,7 +46,8 @@ def _model(args, tokenizer=None):
     # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds, and an HF
     # folder or a missing path before "converting ..." is printed.
     check_convertible(args.megatron)
-    tokenizer = _megatron_tokenizer(args)
+    if tokenizer is None:
+        tokenizer = _megatron_tokenizer(args)
     made = args.out is not None and not args.out.exists()
     if args.out is not None:  # beside the results: the same file system, removed with the directory
         args.out.mkdir(parents=True, exist_ok=True)
@@ -81,16 +82,42 @@ def _early_tokenizer(args):
 def _megatron_tokenizer(args):
     """--tokenizer's or the tokenizer --megatron's checkpoint records (which tools/convert.py to-hf would copy);
     None when the checkpoint's metadata cannot be read: the converter then says what is wrong with it."""
-    from megatron_ext.checkpoint_index import CheckpointError
-    from megatron_ext.checkpoint_layout import read_metadata
     from megatron_ext.evaluate.loading import megatron_tokenizer
 
-    try:
-        meta = read_metadata(args.megatron)
-    except (CheckpointError, OSError):
+    meta = _checkpoint_metadata(args)
+    if meta is None:
         return None
     return megatron_tokenizer(args.megatron, args.tokenizer, meta.get("tokenizer"),
                               (meta.get("hf_config") or {}).get("vocab_size"))
+
+
+def _checkpoint_metadata(args) -> dict | None:
+    """The run metadata of --megatron's checkpoint; None when it cannot be read (the converter or the engine then
+    says why)."""
+    from megatron_ext.checkpoint_index import CheckpointError
+    from megatron_ext.checkpoint_layout import read_metadata
+
+    try:
+        meta = read_metadata(args.megatron)
+    except (CheckpointError, OSError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _data_tokenizer(args):
+    """(tokenizer, where it comes from) of the model, for checking ppl --indexed data against (before the model
+    loads): --tokenizer's, --model's own or the one --megatron's checkpoint records; (None, None) when there is
+    none to compare. The Megatron engine reads token ids alone and runs without one, so a tokenizer it cannot load
+    is not compared there; the transformers engine needs it, and says so here."""
+    if args.model is not None:
+        return _early_tokenizer(args), args.tokenizer or str(args.model)
+    try:
+        tokenizer = _megatron_tokenizer(args)
+    except EvalError:
+        if args.engine == "hf":
+            raise
+        return None, None
+    return tokenizer, args.tokenizer or (_checkpoint_metadata(args) or {}).get("tokenizer")
 
 
 def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> None:
@@ -297,8 +324,11 @@ def _run_ppl(args) -> None:
         for t in args.text:  # before the model is loaded
             if not read_utf8(t, "--text").strip():
                 raise EvalError(f"--text {t}: no text in the file; give text files of one document each")
-    docs = (indexed_documents(args.indexed, args.documents or 8, vocab_size=_model_vocab_size(args))
-            if args.indexed else None)
+    tokenizer = docs = None
+    if args.indexed:  # data of another tokenizer or kind, before the model loads (it ran and exited 0)
+        tokenizer, name = _data_tokenizer(args)
+        docs = indexed_documents(args.indexed, args.documents or 8, vocab_size=_model_vocab_size(args),
+                                 tokenizer=tokenizer, tokenizer_name=name)
     if _megatron_engine(args):
         from megatron_ext.evaluate.parallel import run_ppl_megatron
         from megatron_ext.runtime import process_env
@@ -310,7 +340,7 @@ def _run_ppl(args) -> None:
         if process_env().rank == 0:
             _save_ppl(args, result)
         return
-    with _model(args) as (model, tokenizer):
+    with _model(args, tokenizer) as (model, tokenizer):
         seq = args.seq_len or getattr(model.config, "max_position_embeddings", None)
         # The note is sized on the longest document as it will run (cut to `seq`), not on --seq-len: `--seq-len 1M`
         # on a 3,236-token book promised 512 MiB of KV cache. The texts are tokenized once, here.

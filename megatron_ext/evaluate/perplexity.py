@@ -92,14 +92,16 @@ class PerplexityResult:
         return cls(d["buckets"], d["documents"], d["doc_tokens"], d.get("settings", {}))
 
 
-def indexed_documents(prefix: str | Path, max_documents: int | None = None,
-                      vocab_size: int | None = None) -> list[np.ndarray]:
+def indexed_documents(prefix: str | Path, max_documents: int | None = None, vocab_size: int | None = None,
+                      tokenizer=None, tokenizer_name: str | None = None) -> list[np.ndarray]:
     """Token-id documents of a Megatron indexed dataset `PREFIX.bin/.idx`, the longest first.
 
     A document is the concatenation of its sequences (Megatron's document index); each text counts once (the copies
     `--upsample` writes are skipped). With `max_documents`, only the longest ones: those say most about long
     positions. With `vocab_size` (the model's),
-    EvalError for a token id the model has no embedding for (data of another tokenizer).
+    EvalError for a token id the model has no embedding for (data of another tokenizer). EvalError too for an SFT
+    dataset or its loss mask, and, with the model's `tokenizer` (from `tokenizer_name`), for data its manifest says
+    another tokenizer made (`token_data.token_data_problem`).
     """
     prefix = str(prefix).removesuffix(".bin").removesuffix(".idx")
     if not (Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()):
@@ -109,11 +111,15 @@ def indexed_documents(prefix: str | Path, max_documents: int | None = None,
 
     from megatron_ext.data import DataError
     from megatron_ext.data.dataset_files import check_complete
+    from megatron_ext.evaluate.token_data import token_data_problem
 
     try:
         check_complete(prefix)  # Megatron-Core's reader fails on a cut or foreign file with a bare traceback
     except DataError as e:
         raise EvalError(f"--indexed: {e}") from None
+    problem = token_data_problem(prefix, "--indexed", tokenizer, tokenizer_name)
+    if problem:
+        raise EvalError(problem)
     ds = IndexedDataset(prefix)
     bounds = ds.document_indices  # [D+1] sequence index where each document starts
     lengths = np.add.reduceat(ds.sequence_lengths, bounds[:-1]) if len(bounds) > 1 else np.zeros(0, np.int64)

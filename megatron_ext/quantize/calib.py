@@ -25,17 +25,24 @@ from megatron_ext.quantize.errors import QuantizeError
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
 
 
-def _indexed_documents(prefix: str) -> tuple[Iterator[np.ndarray], int, int]:
-    """Documents of a Megatron indexed dataset, read lazily; also its document and token counts."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
+def _indexed_documents(prefix: str, tokenizer=None,
+                       tokenizer_name: str | None = None) -> tuple[Iterator[np.ndarray], int, int]:
+    """Documents of a Megatron indexed dataset, read lazily; also its document and token counts. QuantizeError
+    for an SFT dataset or its loss mask, or data the manifest says another tokenizer than `tokenizer` made."""
     from megatron_ext.data import DataError
     from megatron_ext.data.dataset_files import check_complete
+    from megatron_ext.evaluate.token_data import token_data_problem
 
     try:
         check_complete(prefix)  # Megatron-Core's reader fails on a cut or foreign file with a bare traceback
     except DataError as e:
         raise QuantizeError(f"--calib: {e}") from None
+    # ids below vocab_size pass the range check, and then calibrate the FP8 scales on the wrong text
+    problem = token_data_problem(prefix, "--calib", tokenizer, tokenizer_name)
+    if problem:
+        raise QuantizeError(problem)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # after the checks: its import warns
+
     ds = IndexedDataset(prefix)
     # copies: ds[i] is a view into ds's memory map, which closes when ds is collected
     return (np.array(ds[i], dtype=np.int64) for i in range(len(ds))), len(ds), int(np.sum(ds.sequence_lengths))
@@ -128,9 +135,10 @@ def _windows(docs: Iterable[np.ndarray], seq_length: int, count: int) -> tuple[l
 
 
 def load_windows(source: str, *, samples: int, seq_length: int, held_out: int = 0, tokenizer=None,
-                 vocab_size: int | None = None, split: str = "train",
-                 text_key: str = "text") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                 vocab_size: int | None = None, split: str = "train", text_key: str = "text",
+                 tokenizer_name: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`samples` calibration windows and then `held_out` further windows, each [seq_length] int64 tokens.
+    `tokenizer_name`: where `tokenizer` came from, named in the error for indexed data of another tokenizer.
 
     The held-out windows come after the calibration ones in the data, so they share no tokens.
     Raises QuantizeError naming the source and how much data it has when it is too short.
@@ -145,7 +153,7 @@ def load_windows(source: str, *, samples: int, seq_length: int, held_out: int = 
             if not Path(source + ext).is_file():
                 raise QuantizeError(f"indexed dataset {source}{ext} is missing (its pair exists): "
                                     "point --calib at a complete PREFIX.bin/.idx")
-        docs, n_total_docs, total_tokens = _indexed_documents(source)
+        docs, n_total_docs, total_tokens = _indexed_documents(source, tokenizer, tokenizer_name)
         what = f"indexed dataset {source}.bin/.idx"
     elif p.exists():
         if p.is_file() and p.suffix not in TEXT_SUFFIXES:

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     # data errors (too short, wrong vocabulary) before the model load, which takes minutes at 8B
     windows, held = calib.load_windows(args.calib, samples=args.calib_samples, seq_length=seq,
                                        held_out=args.check_samples if args.check else 0, tokenizer=tokenizer,
-                                       vocab_size=int(hf_cfg["vocab_size"]), split=args.calib_split)
+                                       vocab_size=int(hf_cfg["vocab_size"]), split=args.calib_split,
+                                       tokenizer_name=args.tokenizer or args.hf)
     model = fp8.load_model(args.hf, args.dtype, args.device)
     print(f"[quantize] ModelOpt {version}: {args.calib_samples} calibration windows of {seq:,} tokens from {args.calib}")
     fp8.quantize(model, windows, args.weights, args.kv_cache)

@@ -262,3 +262,27 @@ def test_megatron_given_an_hf_folder_is_said_before_converting(tiny_dir, tmp_pat
                    f"checkpoint: pass --model {tiny_dir}")
     assert "converting" not in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_indexed_data_of_another_tokenizer_or_kind(tiny_dir, token_data, sft_data, toy_tokenizer, tmp_path, capsys):
+    """ppl --indexed read any indexed dataset as token ids and exit 0: data of another tokenizer whose ids stay
+    below the model's vocab_size, an SFT dataset (packed chats), even its loss mask (0/1 read as tokens). The
+    manifest's kind and vocabulary sha256 say so, before the model loads (the trainer compares the same hash)."""
+    run = ["ppl", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--seq-len", "64", "--documents", "2",
+           "--no-progress"]
+    msg = _error(run + ["--indexed", token_data])  # tiny_dir's tokenizer is a WordLevel one, the data's a BPE
+    assert msg.startswith(f"error: --indexed {token_data} was tokenized with another tokenizer ({toy_tokenizer}, "
+                          "vocabulary sha256:"), msg
+    assert msg.endswith(f"than the model's ({tiny_dir}, vocabulary sha256:{msg.split('sha256:')[2][:12]}); "
+                        f"prepare it again with --tokenizer {tiny_dir} (tools/prepare_data.py cpt)"), msg
+    assert _error(run + ["--indexed", sft_data]) == (f"error: --indexed {sft_data} is an SFT dataset (manifest kind "
+                                                     "'sft'); give a CPT prefix (tools/prepare_data.py cpt)")
+    assert _error(run + ["--indexed", sft_data + "_lossmask"]) == (
+        f"error: --indexed {sft_data}_lossmask is the loss mask of the SFT dataset {sft_data}, not tokens; give a "
+        "CPT prefix (tools/prepare_data.py cpt)")
+    assert "memory note" not in capsys.readouterr().out  # all before the model loaded
+    assert not (tmp_path / "o").exists()
+    # the control: the model with the data's tokenizer (the tiny model has rows for its 512 ids) runs
+    assert main(run + ["--indexed", token_data, "--tokenizer", toy_tokenizer]) == 0
+    assert json.loads((tmp_path / "o" / "ppl.json").read_text())["documents"] == 2
+

@@ -166,3 +166,32 @@ def test_terminated_is_143_in_process(tiny_dir, tmp_path, monkeypatch):
     code, err = _main(["--hf", str(tiny_dir), "--out", str(tmp_path / "o"), "--calib", str(tmp_path / "c.txt"),
                        "--calib-samples", "2", "--calib-seq-length", "32"])
     assert code == 143 and "error: interrupted (SIGTERM)" in err, err
+
+
+def test_indexed_calibration_data_of_another_tokenizer_or_kind(tiny_dir, token_data, sft_data, toy_tokenizer,
+                                                               tmp_path, monkeypatch):
+    """--calib PREFIX read any indexed dataset as token ids: data of another tokenizer whose ids stay below the
+    model's vocab_size, an SFT dataset, even its loss mask (0/1), calibrated the FP8 scales and were exported (exit
+    0). The manifest's kind and vocabulary sha256 say so before the model loads."""
+    import megatron_ext.quantize.fp8 as fp8
+
+    load_model = fp8.load_model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the calibration data was checked")
+
+    monkeypatch.setattr(fp8, "load_model", no_load)
+    run = ["--hf", tiny_dir, "--out", tmp_path / "o", "--calib-samples", 1, "--calib-seq-length", 64]
+    line = _fails(*run, "--calib", token_data)  # tiny_dir's tokenizer is a WordLevel one, the data's a BPE
+    assert line.startswith(f"error: --calib {token_data} was tokenized with another tokenizer ({toy_tokenizer}, "
+                           "vocabulary sha256:"), line
+    assert line.endswith(f"prepare it again with --tokenizer {tiny_dir} (tools/prepare_data.py cpt)"), line
+    assert _fails(*run, "--calib", sft_data) == (f"error: --calib {sft_data} is an SFT dataset (manifest kind 'sft'); "
+                                                 "give a CPT prefix (tools/prepare_data.py cpt)")
+    assert _fails(*run, "--calib", sft_data + "_lossmask") == (
+        f"error: --calib {sft_data}_lossmask is the loss mask of the SFT dataset {sft_data}, not tokens; give a CPT "
+        "prefix (tools/prepare_data.py cpt)")
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setattr(fp8, "load_model", load_model)  # the control: with the data's tokenizer it exports
+    code, err = _main([str(a) for a in run] + ["--calib", token_data, "--tokenizer", toy_tokenizer])
+    assert code == 0 and (tmp_path / "o" / "config.json").is_file(), err
