@@ -67,15 +67,14 @@ def _early_tokenizer(args):
     """The tokenizer the run will use, loaded before the model (seconds, where the model takes minutes) for checks
     that need it: --tokenizer's, --model's own, or the one --megatron's checkpoint records. None when the folder
     is not there or not a checkpoint: loading the model then says so, with the message it always gave."""
-    from megatron_ext.evaluate.loading import load_tokenizer
+    from megatron_ext.evaluate.loading import load_tokenizer, model_tokenizer
 
     if args.model is None:
         return _megatron_tokenizer(args)
     if args.tokenizer is not None:
         return load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}", _TOKENIZER_FIX)
     if (args.model / "config.json").is_file():  # as load_hf loads it
-        return load_tokenizer(args.model, f"model directory {args.model}", "save the tokenizer next to the model "
-                              "(tokenizer.save_pretrained(DIR)) or give --tokenizer DIR_OR_NAME")
+        return model_tokenizer(args.model)
     return None
 
 

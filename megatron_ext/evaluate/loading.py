@@ -127,6 +127,24 @@ def load_tokenizer(location: str | Path, what: str, fix: str):
         raise EvalError(f"{what}: cannot load its tokenizer ({reason}); {fix}") from None
 
 
+# A tokenizer's files as transformers saves or reads them, in a model folder: the fast tokenizer, its settings,
+# and the vocabularies of the slow ones (SentencePiece, tiktoken, BPE/WordPiece files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tokenizer.tiktoken", "vocab.json",
+                   "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def model_tokenizer(path: str | Path):
+    """The tokenizer saved in the HF model folder `path`. EvalError naming the folder: when it holds no tokenizer
+    files (an export without --tokenizer), where transformers falls back to converting a slow tokenizer and
+    blames a missing sentencepiece or tiktoken; and when the files there do not load."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise EvalError(f"model directory {path} has no tokenizer files (tokenizer.json, tokenizer_config.json); "
+                        "give --tokenizer DIR, or export again with tools/convert.py to-hf --tokenizer DIR")
+    return load_tokenizer(path, f"model directory {path}", "save the tokenizer next to the model "
+                          "(tokenizer.save_pretrained(DIR)) or give --tokenizer DIR_OR_NAME")
+
+
 def megatron_tokenizer(checkpoint, given, recorded, vocab_size: int | None):
     """The tokenizer of a Megatron checkpoint: --tokenizer's (`given`) or the one the checkpoint records. EvalError
     naming the checkpoint and --tokenizer when none loads, or when --tokenizer's has ids the model lacks."""
@@ -180,8 +198,7 @@ def load_hf(path: str | Path, device: str | torch.device | None = None, dtype: s
     dev = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
     if tokenizer is None:
-        tokenizer = load_tokenizer(path, f"model directory {path}", "save the tokenizer next to the model "
-                                   "(tokenizer.save_pretrained(DIR)) or give --tokenizer DIR_OR_NAME")
+        tokenizer = model_tokenizer(path)
     import transformers
     from packaging.version import Version
 

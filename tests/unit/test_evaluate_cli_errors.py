@@ -165,8 +165,14 @@ def test_megatron_checkpoint_without_a_tokenizer(no_tokenizer, tmp_path):
 
 
 def test_hf_directory_without_a_tokenizer(no_tokenizer, tmp_path):
-    msg = _error(["--model", str(no_tokenizer / "hf"), "--out", str(tmp_path / "o"), "--lengths", "64"])
-    assert "cannot load its tokenizer" in msg and "--tokenizer DIR_OR_NAME" in msg
+    """A folder with no tokenizer files at all (tools/convert.py to-hf without --tokenizer) is said as such, by
+    every command: transformers' error blamed a missing sentencepiece or tiktoken."""
+    hf = no_tokenizer / "hf"
+    want = (f"error: model directory {hf} has no tokenizer files (tokenizer.json, tokenizer_config.json); give "
+            "--tokenizer DIR, or export again with tools/convert.py to-hf --tokenizer DIR")
+    assert _error(["--model", str(hf), "--out", str(tmp_path / "o"), "--lengths", "64"]) == want
+    assert _error(["ppl", "--model", str(hf), "--out", str(tmp_path / "o"), "--text", str(hf / "config.json")]) == want
+    assert _error(["ruler", "--model", str(hf), "--out", str(tmp_path / "o"), "--lengths", "64"]) == want
     assert main(["--model", str(no_tokenizer / "hf"), "--tokenizer", str(no_tokenizer / "tok"), "--lengths", "64",
                  "--depths", "50", "--max-new-tokens", "2", "--out", str(tmp_path / "o"), "--no-progress"]) == 0
 
