@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -239,9 +241,22 @@ def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise EvalError(f"converting {megatron_dir} to HF failed: {tail[0].removeprefix('error: ')}; "
-                        f"{_convert_hint(megatron_dir)}")
+        line = tail[0].removeprefix("error: ")
+        # Converting by hand helps only where the copy into --out failed; a bad checkpoint fails there the same way.
+        hint = ("; the conversion copies the weights into a hidden folder of --out first: free space there, or "
+                f"convert it onto a file system with room (`python tools/convert.py to-hf --megatron {megatron_dir} "
+                "--out HF_DIR`) and pass --model HF_DIR" if _about_the_output(line, out_dir) else "")
+        raise EvalError(f"converting {megatron_dir} to HF failed: {line}{hint}")
     return out_dir
+
+
+# What writing the copy can meet and reading the checkpoint cannot: a full disk, a quota, a file size limit.
+_OUTPUT_ERRORS = tuple(os.strerror(n) for n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
+
+
+def _about_the_output(line: str, out_dir: Path) -> bool:
+    """Whether the converter's error `line` concerns its output (the temporary folder `out_dir` is in --out)."""
+    return str(out_dir.parent) in line or any(text in line for text in _OUTPUT_ERRORS)
 
 
 def _convert_hint(megatron_dir: Path) -> str:
@@ -250,9 +265,10 @@ def _convert_hint(megatron_dir: Path) -> str:
 
 
 def check_convertible(megatron_dir: str | Path) -> Path:
-    """EvalError unless `megatron_dir` is a folder that may be a Megatron checkpoint (not a file, not an HF model
-    folder) and the converter is installed; the path of tools/convert.py. Checked before the conversion starts
-    (and before tools/niah.py says it does)."""
+    """EvalError unless `megatron_dir` is a Megatron checkpoint (a root with a latest iteration, or an iter_*
+    folder; not a file, not an HF model folder) whose metadata reads and whose files are all there at the sizes
+    its index gives, and the converter is installed; the path of tools/convert.py. Checked before the conversion
+    starts (and before tools/niah.py says it does)."""
     megatron_dir = Path(megatron_dir)
     if megatron_dir.exists() and not megatron_dir.is_dir():
         raise EvalError(f"--megatron {megatron_dir} is a file, not a Megatron checkpoint folder")
@@ -261,6 +277,19 @@ def check_convertible(megatron_dir: str | Path) -> Path:
     if (megatron_dir / "config.json").is_file() and not any(megatron_dir.glob("iter_*")):
         raise EvalError(f"--megatron {megatron_dir} is a Hugging Face model folder (config.json), not a Megatron "
                         f"checkpoint: pass --model {megatron_dir}")
+    from megatron_ext.checkpoint_index import CheckpointError, check_complete
+    from megatron_ext.checkpoint_layout import checked_metadata, resolve_iteration_dir
+
+    try:  # the converter's own checks, without its imports (~10 s): no "converting ..." for a broken checkpoint
+        _, path = resolve_iteration_dir(megatron_dir)
+        checked_metadata(path)
+        check_complete(path)
+    except CheckpointError as e:
+        raise EvalError(f"--megatron {megatron_dir}: {e}") from None
+    except OSError as e:  # a permission, a file system gone: the converter's reads would meet it too
+        where = f": {e.filename}" if e.filename else ""
+        raise EvalError(f"--megatron {megatron_dir}: cannot read the checkpoint ({e.strerror or e}{where}); check "
+                        "its files' permissions, or copy it again") from None
     script = ROOT / "tools" / "convert.py"
     if importlib.util.find_spec("megatron_ext.convert") is None or not script.is_file():
         raise EvalError("--megatron needs the converter (megatron_ext.convert), which this installation lacks: "

@@ -63,7 +63,8 @@ def test_cli_errors_are_one_clear_line(tiny_dir, tmp_path, capsys):
     msg = _error(["--model", str(tiny_dir), "--haystack", str(short), "--lengths", "256"] + out, capsys)
     assert "short by" in msg and "omit --haystack" in msg
     msg = _error(["--megatron", str(tmp_path)] + out, capsys)
-    assert "tools/convert.py to-hf" in msg  # converter missing, or the conversion of a non-checkpoint failed
+    # said before converting, without "convert it first with tools/convert.py to-hf", which fails the same way
+    assert "it is not a Megatron checkpoint root" in msg and "convert it first" not in msg, msg
     assert "does not exist" in _error(["ppl", "--model", str(tiny_dir), "--text", str(tmp_path / "no.txt")] + out,
                                       capsys)
     assert "prepare_data" in _error(["ppl", "--model", str(tiny_dir), "--indexed", str(tmp_path / "d")] + out, capsys)

@@ -292,3 +292,46 @@ def test_indexed_data_of_another_tokenizer_or_kind(tiny_dir, token_data, sft_dat
     assert main(run + ["--indexed", token_data, "--tokenizer", toy_tokenizer]) == 0
     assert json.loads((tmp_path / "o" / "ppl.json").read_text())["documents"] == 2
 
+
+def test_broken_megatron_checkpoint_gets_no_conversion_hint(no_tokenizer, tmp_path, capsys):
+    """A checkpoint cut short, or a folder that is none, failed in the conversion with '...; convert it first with
+    tools/convert.py to-hf ... and pass --model HF_DIR', which fails the same way. Now said before converting,
+    without it; the hint stays where converting elsewhere helps: the copy into --out failed (RLIMIT_FSIZE: EFBIG)."""
+    import resource
+    import shutil
+
+    ckpt = tmp_path / "runs" / "mc"
+    shutil.copytree(no_tokenizer / "mc", ckpt)
+    run = ["--tokenizer", str(no_tokenizer / "tok"), "--lengths", "64", "--depths", "50", "--max-new-tokens", "2",
+           "--out", str(tmp_path / "o"), "--no-progress"]
+    shard = next(ckpt.glob("iter_*/*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:1000])
+    msg = _error(["--megatron", str(ckpt)] + run)
+    assert msg.startswith(f"error: --megatron {ckpt}: {shard.parent}: incomplete checkpoint: {shard.name} has 1000 "
+                          "bytes, the index needs "), msg
+    msg = _error(["--megatron", str(ckpt.parent)] + run)
+    assert msg.startswith(f"error: --megatron {ckpt.parent}: {ckpt.parent} has no latest_checkpointed_iteration.txt"
+                          ": it is not a Megatron checkpoint root"), msg
+    meta = next(ckpt.glob("iter_*/megatron_ext.json"))
+    kept = meta.read_bytes()
+    meta.unlink()
+    meta.symlink_to("/proc/self/mem")  # a file whose reads fail (EIO), for root too: a traceback otherwise
+    msg = _error(["--megatron", str(ckpt)] + run)
+    assert msg == (f"error: --megatron {ckpt}: cannot read the checkpoint (Input/output error); check its files' "
+                   "permissions, or copy it again"), msg
+    assert "converting" not in capsys.readouterr().err and not (tmp_path / "o").exists()
+    meta.unlink()
+    meta.write_bytes(kept)
+    shard.write_bytes(data)
+
+    def small_files() -> None:  # the weights' copy (tens of kB) cannot be written, the results.json could
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/niah.py"), "--megatron", str(ckpt)] + run,
+                          capture_output=True, text=True, env=env, cwd=tmp_path, preexec_fn=small_files, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith(f"error: converting {ckpt} to HF failed: "), last
+    assert last.endswith(f"free space there, or convert it onto a file system with room (`python tools/convert.py "
+                         f"to-hf --megatron {ckpt} --out HF_DIR`) and pass --model HF_DIR"), last

@@ -196,8 +196,9 @@ def test_niah_of_a_bad_megatron_checkpoint_leaves_no_folder(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main(["--megatron", str(ckpt), "--out", str(tmp_path / "out"), "--device", "cpu", "--lengths", "128"])
     said = str(exit_.value.code)
-    assert said.startswith(f"error: converting {ckpt} to HF failed: {ckpt}/latest_checkpointed_iteration.txt: "
-                           "expected an iteration number"), said
+    assert said.startswith(f"error: --megatron {ckpt}: {ckpt}/latest_checkpointed_iteration.txt: "
+                           "expected an iteration number"), said  # before converting, which would fail alike
+    assert "convert it first" not in said, said
     assert not (tmp_path / "out").exists()
 
 
