@@ -209,6 +209,10 @@ def validate_args(command: str, args: argparse.Namespace) -> None:
         if args.seq_len is not None:
             args.seq_len = _token_count(args.seq_len, "--seq-len", "use e.g. 65536, 64K, 1M (K=1024), at least 2")
             _at_least("--seq-len", args.seq_len, 2, "a loss needs a token and the one before it")
+    if command == "generate" and args.question is not None and not args.question.strip():
+        # an empty question asked the model to go on after the document, as if --question were not given
+        raise EvalError(f"--question {args.question!r} is blank: give the question's text, or omit --question to "
+                        "have the model continue the --document")
     if command == "generate" and args.megatron is not None and args.engine == "hf" and args.out is None:
         # the conversion is a full copy of the weights (16 GB at 8B): not into the system's temporary folder
         raise EvalError(f"generate --megatron {args.megatron}: the transformers engine converts the checkpoint "

@@ -78,6 +78,9 @@ def _error(argv) -> str:
     (["ppl", "--text", "{binary}"], "--text {binary}: not UTF-8 text"),
     (["ppl", "--text", "{doc}", "{empty}"], "--text {empty}: no text in the file"),  # "got no document", no file named
     (["generate", "--document", "{binary}"], "--document {binary}: not UTF-8 text"),
+    # an empty question ran (exit 0): the model went on after the document, or after nothing at all
+    (["generate", "--document", "{doc}", "--question", ""], "--question '' is blank: give the question's text"),
+    (["generate", "--question", " \n"], "--question ' \\n' is blank"),
 ])
 def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
