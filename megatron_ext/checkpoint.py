@@ -21,14 +21,16 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits, read_dcp_index
 from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
                                             resolve_iteration_dir)
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
+from megatron_ext.checkpoint_space import CheckpointSpaceError, local_bytes, space_verdict
 from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
@@ -178,19 +180,41 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     start_write_results_queue()
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
     strategy = _save_strategy(md.get("dp_cp_group"))
-    finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last)
+    need = local_bytes(state)
+    finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last, need)
+    checked = functools.partial(_space_checked, root=root, iteration=iteration, tmp=tmp, need=need)
     if async_queue is None:
         # The writers it forks get Ctrl-C and scancel too and leave them to us: stop them if one ends the save.
         with children_killed_on_interrupt():
-            dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content)
+            checked(dist_checkpointing.save)(state, str(tmp), sharded_strategy=strategy, content_metadata=content)
         _barrier()
         finish()
     else:
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content,
                                           async_sharded_save=True)
+        # Megatron-Core's finalisation raises the background writers' failures, on every rank
+        request.finalize_fns[:] = [checked(fn) for fn in request.finalize_fns]
         request.add_finalize_fn(finish)
         async_queue.schedule_async_request(request)
     return final
+
+
+def _space_checked(fn: Callable, *, root: Path, iteration: int, tmp: Path, need: int) -> Callable:
+    """`fn`, a step of a save that every rank runs and that raises a failed write on every rank (Megatron-Core's
+    save and its finalisation: torch's CheckpointException), raising a failure for want of space as one
+    CheckpointSpaceError alike on every rank (rank 0 judges it: `space_verdict`); other failures as they were."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointException as e:
+            verdict = rank_zero_outcome(functools.partial(space_verdict, e, root, tmp), CheckpointError)[0]
+            if verdict is None:
+                raise
+            raise alike_on_every_rank(CheckpointSpaceError(root, iteration, verdict, need)) from None
+
+    return run
 
 
 def _save_strategy(replica_group):
@@ -251,10 +275,14 @@ def start_write_results_queue() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_last: int | None) -> None:
-    """Collective, once every rank's shards are in `tmp`: metadata, completeness check, rename, `latest`."""
+def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_last: int | None, need: int) -> None:
+    """Collective, once every rank's shards are in `tmp`: metadata, completeness check, rename, `latest`.
+
+    Rank 0 alone writes and renames; the others wait for its outcome (a broadcast), so a failure there is raised on
+    every rank (a barrier left them waiting for the job's timeout when rank 0 raised, e.g. on a full disk)."""
     final = root / iter_dir_name(iteration)
-    if _rank() == 0:
+
+    def write_metadata_and_check() -> dict | None:
         info = {
             "format": FORMAT,
             "iteration": iteration,
@@ -264,13 +292,25 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
             "git_sha": _git_sha(),
             **metadata,
         }
-        (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=_json_default) + "\n")
+        text = json.dumps(info, indent=2, default=_json_default) + "\n"
+        try:
+            (tmp / METADATA_FILE).write_text(text)
+        except OSError as e:
+            if (verdict := space_verdict(e, root, tmp)) is None:
+                raise
+            return verdict
+        complete_soon(tmp)
+        return None
+
     # Every rank has written its shards; rank 0 checks that they are all there before anything is
     # renamed, and all ranks raise together if not (the previous checkpoint and pointer stay).
-    if (problem := rank_zero_outcome(lambda: complete_soon(tmp), CheckpointError)[1]) is not None:
+    verdict, problem = rank_zero_outcome(write_metadata_and_check, CheckpointError)
+    if verdict is not None:
+        raise alike_on_every_rank(CheckpointSpaceError(root, iteration, verdict, need))
+    if problem is not None:
         raise alike_on_every_rank(CheckpointError(f"save of iteration {iteration} failed: {problem}"))
 
-    if _rank() == 0:
+    def publish() -> dict | None:
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -280,20 +320,39 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
         else:
             os.replace(tmp, final)
         pointer = root / f".{LATEST_FILE}.tmp"
-        pointer.write_text(f"{iteration}\n")
+        try:
+            pointer.write_text(f"{iteration}\n")
+        except OSError as e:
+            pointer.unlink(missing_ok=True)
+            if (verdict := space_verdict(e, root, None, doing=f"pointing {LATEST_FILE} at iteration {iteration}",
+                                         published=True)) is None:
+                raise
+            return verdict
         os.replace(pointer, root / LATEST_FILE)
         if keep_last:
-            for doomed in root.glob(".iter_*.deleting"):  # what a killed save left
-                shutil.rmtree(doomed, ignore_errors=True)
-            for old_it in available_iterations(root)[:-keep_last]:
-                if old_it != iteration:  # renamed first: a kill mid-delete leaves no half iter_* folder to pick
-                    doomed = root / f".{iter_dir_name(old_it)}.deleting"
-                    try:
-                        os.replace(root / iter_dir_name(old_it), doomed)
-                    except OSError:  # pruning must not fail the save (the other ranks wait at the barrier)
-                        doomed = root / iter_dir_name(old_it)
-                    shutil.rmtree(doomed, ignore_errors=True)
-    _barrier()
+            _prune(root, iteration, keep_last)
+        return None
+
+    verdict, problem = rank_zero_outcome(publish, CheckpointError)  # (rank 0 raises its own unexpected error)
+    if verdict is not None:
+        raise alike_on_every_rank(CheckpointSpaceError(root, iteration, verdict, None))
+    if problem is not None:
+        raise alike_on_every_rank(CheckpointError(f"save of iteration {iteration} failed: {problem}"))
+
+
+def _prune(root: Path, iteration: int, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` iteration folders of `root` (never `iteration`), and what a killed
+    prune left; errors are ignored (pruning must not fail the save)."""
+    for doomed in root.glob(".iter_*.deleting"):  # what a killed save left
+        shutil.rmtree(doomed, ignore_errors=True)
+    for old_it in available_iterations(root)[:-keep_last]:
+        if old_it != iteration:  # renamed first: a kill mid-delete leaves no half iter_* folder to pick
+            doomed = root / f".{iter_dir_name(old_it)}.deleting"
+            try:
+                os.replace(root / iter_dir_name(old_it), doomed)
+            except OSError:
+                doomed = root / iter_dir_name(old_it)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 @interrupts_unwrapped()  # Ctrl-C / SIGTERM mid-load: the interrupt, not torch's CheckpointException wrapping it

@@ -9,13 +9,15 @@ previous checkpoint stays the latest, so a crash during the write loses nothing 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from megatron_ext.checkpoint import save_checkpoint
 from megatron_ext.checkpoint_layout import iter_dir_name
+from megatron_ext.checkpoint_space import CheckpointSpaceError
 
 
 class CheckpointSaver:
@@ -36,9 +38,10 @@ class CheckpointSaver:
     def save(self, step: int, model_chunks: list, *, optimizer, scheduler, metadata: dict, wait: bool) -> None:
         """Save iteration `step`; `wait=True` returns only once it (and any earlier one) is in place."""
         began = time.time()
-        save_checkpoint(self.root, step, model_chunks, optimizer=optimizer, scheduler=scheduler,
-                        metadata=metadata, keep_last=self.keep_last, async_queue=self.queue,
-                        optimizer_sharding=self.optimizer_sharding)
+        with self._in_recipe_words():
+            save_checkpoint(self.root, step, model_chunks, optimizer=optimizer, scheduler=scheduler,
+                            metadata=metadata, keep_last=self.keep_last, async_queue=self.queue,
+                            optimizer_sharding=self.optimizer_sharding)
         if self.queue is None:
             self.log(f"[train] saved {self.root / iter_dir_name(step)} ({time.time() - began:.1f} s)")
             return
@@ -50,7 +53,17 @@ class CheckpointSaver:
         """Put the background saves that every rank has finished in place (`blocking`: wait for all)."""
         if self.queue is None:
             return
-        for _ in self.queue.maybe_finalize_async_calls(blocking=blocking):
+        with self._in_recipe_words():
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        for _ in done:
             step, began, staged = self.writing.popleft()
             self.log(f"[train] saved {self.root / iter_dir_name(step)} (in the background: in place "
                      f"{time.time() - began:.1f} s after it began; the loop waited {staged:.1f} s)")
+
+    @contextlib.contextmanager
+    def _in_recipe_words(self) -> Iterator[None]:
+        """A save that ran out of space, said as the trainer's user knows the folder: checkpoint.dir."""
+        try:
+            yield
+        except CheckpointSpaceError as e:
+            raise e.reworded(f"checkpoint.dir {self.root}", "free space or move checkpoint.dir") from None

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -117,19 +118,27 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_library_warnings()  # before the imports below: Megatron-Core warns as it is imported
     from megatron_ext.checkpoint import CheckpointError
+    from megatron_ext.checkpoint_space import CheckpointSpaceError
     from megatron_ext.convert import ConvertError, to_hf, to_megatron
+    from megatron_ext.disk_space import no_space_message
     from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
+
+    removed = f"the unfinished output was removed (--out {args.out} is replaced only by a complete conversion)"
 
     # scancel / kill send SIGTERM: run the Ctrl-C cleanup (staged_output removes its model-sized temp folder).
     try:
         with sigterm_as_interrupt():
             report = _convert(args, to_megatron, to_hf)
+    except CheckpointSpaceError as e:  # to-megatron's save ran out of space
+        sys.exit("error: " + e.say(f"--out {args.out}", "free space or choose another --out", outcome=removed))
     except (ConvertError, CheckpointError) as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, a quota, a file system gone: the unfinished output is removed
+        traceback.clear_frames(e.__traceback__)  # closes the output files its frames hold: their space is free again
+        if said := no_space_message(e, f"--out {args.out}", args.out, removed, "free space or choose another --out"):
+            sys.exit(f"error: {said}")
         where = f" ({e.filename})" if e.filename else ""
-        sys.exit(f"error: {e.strerror or e}{where}; the unfinished output was removed (--out {args.out} is replaced "
-                 "only by a complete conversion)")
+        sys.exit(f"error: {e.strerror or e}{where}; {removed}")
     except KeyboardInterrupt as e:
         # staged_output has removed its temporary folder; --out is the old one, or the new one if the
         # signal came after it was complete. No traceback.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron-Core warns at import about optional GPU libraries; irrelevant to data preparation.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     from megatron_ext.data import DataError, prepare_cpt, prepare_sft
+    from megatron_ext.disk_space import no_space_message
     from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
     common = dict(seed=args.seed, force=args.force, progress=not args.quiet)
@@ -98,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                             max_samples=args.max_samples, chat_template=args.chat_template, **common)
     except DataError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, a quota: atomic_outputs has removed the PREFIX.* temporaries
+        traceback.clear_frames(e.__traceback__)  # closes the files its frames hold: their space is free again
+        said = no_space_message(e, f"--output {args.output}", args.output, "the unfinished output was removed "
+                                f"(--output {args.output} is written only by a complete run)",
+                                "free space or choose another --output")
+        if said is None:
+            raise
+        sys.exit(f"error: {said}")
     except KeyboardInterrupt as e:
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         print(f"error: interrupted ({how}); the unfinished output was removed (--output {args.output} is written "

@@ -2,14 +2,16 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, _run_ranks
 
 RECIPE = ROOT / "recipes/tiny/cpt.yaml"
+WORKERS = ROOT / "tests/distributed/workers"
 
 
 def train(*overrides):
@@ -153,3 +155,27 @@ def test_latest_pointer_naming_a_missing_iteration(tmp_path, token_data):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("9")
     proc = train(f"checkpoint.dir={tmp_path}", f"data.prefix={token_data}", "parallel.context=1", "train.steps=12")
     assert_one_line_error(proc, f"{tmp_path} has no iteration 9 (iter_0000009); available: [4]")
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in-place", "background"])
+def test_a_save_without_room_is_one_line(tmp_path, token_data, background):
+    """A checkpoint save that runs out of room: here a file-size limit (EFBIG, no root needed), which fails the
+    shard writes as a full disk (ENOSPC) or a quota (EDQUOT) does. Every rank raised torch's CheckpointException,
+    whose zip writer hides the errno ('unexpected pos 704 vs 598'): 139 lines, both ranks' tracebacks. Now one
+    line, said by rank 0 for both, judged by a test write where the shards went; nothing published, the unfinished
+    save removed, exit 1 (a requeue would fail alike). Control (old code): exit 1, 2 tracebacks, no 'error:' line."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-u", str(WORKERS / "file_size_limit.py"), "200000", "megatron_ext.train", "--recipe",
+           str(RECIPE), f"checkpoint.dir={run}", f"data.prefix={token_data}", "train.steps=2",
+           f"checkpoint.async_save={str(background).lower()}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    codes, _, stderr = _run_ranks(cmd, 2, env, timeout=300)
+    assert 1 in codes and 0 not in codes and "Traceback" not in stderr, (codes, stderr[-4000:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(re.escape(
+        f"error: checkpoint.dir {run}: file too large (the file system's or the process's file-size limit, ulimit -f) "
+        "while saving iteration 2 (the save needs at least 1.6 MB; judged by a 1.0 MB test write there: torch's shard "
+        "writer said only 'unexpected pos ") + r"\d+ vs \d+" + re.escape(
+        "'); nothing was published (there is no earlier checkpoint there); lift the file-size limit (ulimit -f) or use "
+        "a file system that takes larger files"), errors[0]), stderr[-4000:]
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]

@@ -350,6 +350,30 @@ def test_save_with_a_lost_shard_keeps_the_previous_checkpoint(tmp_path, cpu_para
     assert latest_iteration(root) == 1 and not (root / "iter_0000002").exists()
 
 
+def test_a_full_disk_at_the_latest_pointer_is_one_error(tmp_path, cpu_parallel_state):
+    """Rank 0 writes the metadata and the latest pointer alone: an OSError there (a full disk: /dev/full under the
+    pointer's temporary name, ENOSPC for real) was raised by rank 0 alone while the other ranks waited at a barrier
+    for the job's timeout. Now rank 0's outcome is broadcast and every rank raises the same CheckpointError; the
+    folder is in place, the pointer still names the previous iteration. Control (old code): a bare OSError."""
+    from megatron_ext.checkpoint_space import CheckpointSpaceError
+
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    save_checkpoint(root, 1, [model], metadata={"hf_config": TINY})
+    (root / ".latest_checkpointed_iteration.txt.tmp").symlink_to("/dev/full")
+    with pytest.raises(CheckpointSpaceError) as e:
+        save_checkpoint(root, 2, [model], metadata={"hf_config": TINY})
+    assert str(e.value).startswith(f"checkpoint folder {root}: no space left on device while pointing "
+                                   "latest_checkpointed_iteration.txt at iteration 2 ("), e.value
+    assert str(e.value).endswith(" free there now); iter_0000002 is complete but the latest is still iteration 1; "
+                                 "free space there or save elsewhere"), e.value
+    assert getattr(e.value, "alike_on_every_rank", False)
+    assert latest_iteration(root) == 1 and sorted(p.name for p in root.iterdir()) == [
+        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
 class _NormWithExtraState(torch.nn.RMSNorm):
     """A final norm with extra state, as TE's is (its FP8 scaling history; `set_extra_state(None)` is a no-op)."""
 

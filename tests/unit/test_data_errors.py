@@ -640,3 +640,24 @@ def test_toy_inputs_need_a_new_folder(tmp_path):
     assert "not empty" in _fail(["toy", "--out", str(tmp_path / "toy")])
     (tmp_path / "f").write_text("x")
     assert "not a folder" in _fail(["toy", "--out", str(tmp_path / "f")])
+
+
+def test_output_without_room_is_one_line(tmp_path, tok_dir, corpus):
+    """A write that runs out of room (a file-size limit here, EFBIG, no root needed; a full disk, ENOSPC, or a quota
+    alike) ended in a 14-line traceback; now one line naming --output, with nothing left behind. Control (old code):
+    the traceback ending `OSError: [Errno 27] File too large`."""
+    import resource
+
+    def small_files() -> None:  # the tokens (~10 kB) cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_data.py"), "cpt", "--input", str(corpus),
+                           "--tokenizer", str(tok_dir), "--output", str(out), "--quiet"], capture_output=True,
+                          text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: --output {out}: file too large (the file system's or the process's file-size limit, ulimit -f); the "
+        f"unfinished output was removed (--output {out} is written only by a complete run); lift the file-size limit "
+        "(ulimit -f) or use a file system that takes larger files"], proc.stderr
+    assert _left(tmp_path) == []
