@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_ext.checkpoint_damage import damaged_shard_error, failed_reads
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits, read_dcp_index
 from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
                                             resolve_iteration_dir)
@@ -395,7 +396,12 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     # had none (the sdpa backend's final norm, resumed with TE's) is skipped, not a missing-key failure
     skipped = _drop_extra_state(state, _model_keys(model_chunks), None if weights_only else _stored_keys(index))
     strategy = _load_strategy(path, md.get("dp_cp_group")) if fully_parallel else None
-    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
+    try:
+        loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
+    except CheckpointException as e:  # torch's read failures, gathered from every rank; one names no file
+        if (error := _read_failure(e, path, index, state)) is None:
+            raise
+        raise error from None
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict({**loaded[key], **dict.fromkeys(skipped.get(key, ()))})
     if optimizer is not None and weights_only:
@@ -413,6 +419,24 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
             raise CheckpointError(f"{path} holds no scheduler state; resume with weights_only=True instead")
         scheduler.load_state_dict(loaded["scheduler"])
     return iteration, loaded.get("extra")
+
+
+def _read_failure(failure: CheckpointException, path: Path, index, state: dict) -> CheckpointError | None:
+    """The CheckpointError to raise for a load that torch failed to read, which every rank raises with every rank's
+    failures: on a rank that finds a damaged shard among the items it asked for, that file (`damaged_shard_error`; a
+    rank's own finding, not marked alike); on a rank whose read went well, which ranks failed. None for an interrupt
+    or a failure that no damage explains: raised as it was."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    if (failures := failed_reads(failure)) is None:
+        return None
+    keys = {v.key for v in nested_values(state) if isinstance(getattr(v, "key", None), str)}
+    if (error := damaged_shard_error(path, index, keys)) is not None:
+        return error
+    if _rank() not in failures:
+        return CheckpointError(f"{path}: the load failed on rank(s) {', '.join(map(str, sorted(failures)))}, not on "
+                               "this one (their error lines say why)")
+    return None
 
 
 def _drop_extra_state(state: dict, model_keys: list[str], stored: set[str] | None = None) -> dict[str, list[str]]:

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_ext.checkpoint_damage import damaged_shard_error, failed_reads
 from megatron_ext.checkpoint_index import check_complete, read_dcp_index
 from megatron_ext.runtime.signals import interrupts_unwrapped
 
@@ -66,6 +68,7 @@ class TorchDistReader:
             meta = self._reader.read_metadata()
         except CheckpointError as e:
             raise ConvertError(str(e)) from None
+        self._index = meta
         self.tensors: dict[str, TensorStorageMetadata] = {
             k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -87,5 +90,13 @@ class TorchDistReader:
                 offsets, local = (layer,) + (0,) * (len(size) - 1), (1,) + size[1:]
             state[key] = torch.empty(local, dtype=self.dtype(key))
             chunks[key] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(local))
-        dcp.load(state, storage_reader=self._reader, planner=_ChunkLoadPlanner(chunks), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=self._reader, planner=_ChunkLoadPlanner(chunks), no_dist=True)
+        except CheckpointException as e:  # a damaged shard fails inside torch, named nowhere: find it
+            error = damaged_shard_error(self.path, self._index, set(keys)) if failed_reads(e) else None
+            if error is None:
+                raise
+            from megatron_ext.convert.hf_io import ConvertError
+
+            raise ConvertError(str(error)) from None
         return {k: (v[0] if layer is not None else v) for k, v in state.items()}

@@ -77,6 +77,9 @@ def _check_tokenizer(tokenizer: str | Path | None) -> None:
     tokenizer = Path(tokenizer)
     if tokenizer.is_file():
         raise ConvertError(f"--tokenizer {tokenizer} is a file; give its folder: --tokenizer {tokenizer.parent}")
+    if not tokenizer.exists():
+        raise ConvertError(f"--tokenizer {tokenizer} does not exist; give the folder of the model's tokenizer, or "
+                           "leave --tokenizer out for the one recorded at import")
     if not tokenizer_files(tokenizer):
         raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); give the "
                            "folder of the model's tokenizer, or leave --tokenizer out for the one recorded at import")

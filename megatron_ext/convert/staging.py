@@ -63,6 +63,11 @@ def check_out(out: Path, force: bool, kind: str) -> None:
     deleted whatever folder --out named (notes, data sets, another model)."""
     out = Path(out)
     if not out.exists():
+        above = out.absolute().parent
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():  # mkdir said only 'File exists: ABOVE'
+            raise ConvertError(f"--out {out}: {above} is a file, not a folder; choose another path")
         return
     if not out.is_dir():
         raise ConvertError(f"--out {out} is a file, not a folder; choose another path")

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +180,28 @@ def test_a_save_without_room_is_one_line(tmp_path, token_data, background):
         "'); nothing was published (there is no earlier checkpoint there); lift the file-size limit (ulimit -f) or use "
         "a file system that takes larger files"), errors[0]), stderr[-4000:]
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_damaged_shard_is_named_by_each_rank(tmp_path, token_data):
+    """checkpoint.init_from a checkpoint whose shards have the right size but damaged bytes (a bad copy): both ranks
+    printed torch's CheckpointException (7 tracebacks). Now each rank that stops says which file it could not read,
+    through the trainer's one-line path; a rank's own finding, so each says it (not marked alike). Control (old
+    code): tracebacks, no error line."""
+    from tests.unit.test_checkpoint import zero_after
+
+    src = tmp_path / "src"
+    first = train(f"checkpoint.dir={src}", f"data.prefix={token_data}", "parallel.context=1", "train.steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    shards = sorted(src.glob("iter_*/*.distcp"))
+    for shard in shards:
+        zero_after(shard)
+    cmd = [sys.executable, "-u", "-m", "megatron_ext.train", "--recipe", str(RECIPE),
+           f"checkpoint.dir={tmp_path / 'run'}", f"data.prefix={token_data}", f"checkpoint.init_from={src}",
+           "train.steps=1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    codes, _, stderr = _run_ranks(cmd, 2, env, timeout=300)
+    assert 1 in codes and 0 not in codes and "Traceback" not in stderr, (codes, stderr[-4000:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    said = re.compile(r"error: rank [01]: (\S+): cannot read its tensors \(corrupt shard: .*File is not a zip file\); "
+                      r"copy the checkpoint again or use an earlier iteration")
+    assert errors and all((m := said.fullmatch(e)) and Path(m[1]) in shards for e in errors), stderr[-4000:]

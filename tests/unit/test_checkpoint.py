@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,33 @@ def test_incomplete_checkpoint_is_named_at_load(tmp_path, cpu_parallel_state, da
     damage(root / "iter_0000001")
     with pytest.raises(CheckpointError, match=f"iter_0000001: incomplete checkpoint: {message}"):
         load_checkpoint(root, [model], weights_only=True)
+
+
+def zero_after(file: Path, keep: int = 4096) -> None:
+    """Damage `file` as a bad copy does, keeping its size: everything after its first `keep` bytes becomes zeros."""
+    size = file.stat().st_size
+    with open(file, "r+b") as f:
+        f.truncate(keep)
+        f.truncate(size)
+
+
+@pytest.mark.parametrize("weights_only", [True, False], ids=["init_from", "resume"])
+def test_a_damaged_shard_is_named_at_load(tmp_path, cpu_parallel_state, weights_only):
+    """A shard of the right size whose bytes are damaged passes the size check; torch then failed deep inside its
+    read (UnpicklingError 'Unsupported operand 0' in a CheckpointException, naming no file). Now one CheckpointError
+    naming the file and the fix. Control (old code): torch's CheckpointException."""
+    root = tmp_path / "ckpt"
+    model, ddp, opt, sched = setup(0, True)
+    step(ddp, opt, sched, 0)
+    save_checkpoint(root, 1, [model], optimizer=opt, scheduler=sched, metadata={"hf_config": TINY})
+    shard = sorted((root / "iter_0000001").glob("*.distcp"))[-1]
+    zero_after(shard)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(root, [model], optimizer=opt, scheduler=sched, weights_only=weights_only)
+    assert re.fullmatch(re.escape(f"{shard}: cannot read its tensors (corrupt shard: ") + r"(all \d+ items stored in "
+                        r"it are|\d+ of the \d+ items in it are) damaged; the first, bytes [\d,]+-[\d,]+: File is not "
+                        r"a zip file\); copy the checkpoint again or use an earlier iteration", str(e.value)), e.value
+    assert not getattr(e.value, "alike_on_every_rank", False)  # what this rank read: each rank says its own
 
 
 def test_save_with_a_lost_shard_keeps_the_previous_checkpoint(tmp_path, cpu_parallel_state, monkeypatch):

@@ -36,6 +36,7 @@ def test_describes_a_checkpoint(ckpt, capsys):
     code, out, _ = _info(capsys, ckpt)
     assert code == 0
     assert f"checkpoint {ckpt}: iterations [2], latest 2" in out and "iter_0000002: complete" in out
+    assert "; their sizes checked, not their contents)" in out  # a damaged shard of the right size passes
     assert ("layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True (one gradient bucket), optimizer state "
             "True") in out
     assert "position: step 2, 8 samples, 2,048 tokens" in out and "model: 2 layers, hidden 64" in out
@@ -300,3 +301,25 @@ def test_reshard_builds_the_saved_architecture_when_its_hf_config_is_gone(ckpt, 
     _, saved, overrides = reshard_plan(ckpt, tmp_path / "new", None, 1)
     recipe = load_recipe(raw=saved["recipe"], overrides=overrides, world_size=1)
     assert hf_config_from_recipe(recipe) == meta["hf_config"]
+
+
+def test_reshard_of_a_damaged_shard_is_one_line(ckpt, tmp_path):
+    """A shard of the right size with damaged bytes: reshard's load failed inside torch ('PytorchStreamReader failed
+    reading zip archive', a traceback). Now one line naming the file (load_checkpoint, as the trainer says it).
+    Control (old code): the traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.unit.test_checkpoint import zero_after
+
+    shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[-1]
+    zero_after(shard)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/checkpoint.py"), "reshard", str(ckpt), "--out",
+                           str(tmp_path / "new")], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {shard}: cannot read its tensors (corrupt shard: ") \
+        and errors[0].endswith("; copy the checkpoint again or use an earlier iteration"), proc.stderr[-3000:]
+    assert not (tmp_path / "new").exists() or not any((tmp_path / "new").iterdir())

@@ -205,6 +205,29 @@ def test_tokenizer_file_instead_of_its_folder(tmp_path, mcore, src, cpu_parallel
     no_leftovers(tmp_path, "o")
 
 
+def test_tokenizer_folder_that_does_not_exist(tmp_path, mcore, cpu_parallel_state):
+    """A mistyped --tokenizer was called a folder with 'no tokenizer files there'. Control (old code): that line."""
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "nope")],
+          f"--tokenizer {tmp_path / 'nope'} does not exist; give the folder of the model's tokenizer")
+    no_leftovers(tmp_path, "o")
+
+
+def test_a_damaged_shard_is_named(tmp_path, mcore, cpu_parallel_state):
+    """A shard of the right size whose bytes are damaged (a bad copy) passes the size check; to-hf then ended in a
+    55-line traceback (UnpicklingError from inside torch). Now one line naming the file. Control (old code): the
+    traceback."""
+    from tests.unit.test_checkpoint import zero_after
+
+    damaged = tmp_path / "mc"
+    shutil.copytree(mcore, damaged)
+    shard = sorted(damaged.glob("iter_*/*.distcp"))[-1]
+    zero_after(shard)
+    fails(["to-hf", "--megatron", str(damaged), "--out", str(tmp_path / "o"), "--no-progress"],
+          f"error: {shard}: cannot read its tensors (corrupt shard: ", "File is not a zip file",
+          "; copy the checkpoint again or use an earlier iteration")
+    no_leftovers(tmp_path, "o")
+
+
 def test_the_other_direction_is_suggested(tmp_path, mcore, src, cpu_parallel_state):
     fails(["to-megatron", "--hf", str(mcore), "--out", str(tmp_path / "o")],
           f"--hf {mcore} is a Megatron checkpoint", f"tools/convert.py to-hf --megatron {mcore}")
@@ -345,10 +368,12 @@ def test_max_position_embeddings_below_original_length(mcore, tmp_path, cpu_para
     no_leftovers(tmp_path, "o")
 
 
-def test_out_under_a_file_or_unwritable(src, tmp_path, cpu_parallel_state):
+def test_out_under_a_file_or_unwritable(src, mcore, tmp_path, cpu_parallel_state):
     (tmp_path / "afile").write_text("x")
-    fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "afile/sub")], f"--out {tmp_path / 'afile/sub'}",
-          "cannot create a folder there")
+    for out in ("afile/sub", "afile/sub/deeper"):  # said 'cannot create a folder there (File exists: .../afile)'
+        fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / out)],
+              f"--out {tmp_path / out}: {tmp_path / 'afile'} is a file, not a folder; choose another path")
+        fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / out)], f"{tmp_path / 'afile'} is a file")
     fails(["to-megatron", "--hf", str(src), "--out", "/proc/x"], "--out /proc/x", "cannot create a folder there")
     fails(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "afile"), "--force"], "is a file, not a folder")
     assert (tmp_path / "afile").read_text() == "x"
