@@ -21,17 +21,17 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.checkpoint_damage import damaged_shard_error, failed_reads
+from megatron_ext.checkpoint_damage import read_failure_error
 from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_complete, check_fits, read_dcp_index
 from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
                                             resolve_iteration_dir)
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
-from megatron_ext.checkpoint_space import CheckpointSpaceError, local_bytes, space_verdict
+from megatron_ext.checkpoint_space import CheckpointSpaceError, local_bytes, space_checked, space_verdict
 from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
 
@@ -183,7 +183,7 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
     strategy = _save_strategy(md.get("dp_cp_group"))
     need = local_bytes(state)
     finish = functools.partial(_finish_save, root, iteration, tmp, metadata, keep_last, need)
-    checked = functools.partial(_space_checked, root=root, iteration=iteration, tmp=tmp, need=need)
+    checked = functools.partial(space_checked, root=root, iteration=iteration, tmp=tmp, need=need)
     if async_queue is None:
         # The writers it forks get Ctrl-C and scancel too and leave them to us: stop them if one ends the save.
         with children_killed_on_interrupt():
@@ -198,24 +198,6 @@ def save_sharded_state(root: str | Path, iteration: int, state: dict, *, metadat
         request.add_finalize_fn(finish)
         async_queue.schedule_async_request(request)
     return final
-
-
-def _space_checked(fn: Callable, *, root: Path, iteration: int, tmp: Path, need: int) -> Callable:
-    """`fn`, a step of a save that every rank runs and that raises a failed write on every rank (Megatron-Core's
-    save and its finalisation: torch's CheckpointException), raising a failure for want of space as one
-    CheckpointSpaceError alike on every rank (rank 0 judges it: `space_verdict`); other failures as they were."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CheckpointException as e:
-            verdict = rank_zero_outcome(functools.partial(space_verdict, e, root, tmp), CheckpointError)[0]
-            if verdict is None:
-                raise
-            raise alike_on_every_rank(CheckpointSpaceError(root, iteration, verdict, need)) from None
-
-    return run
 
 
 def _save_strategy(replica_group):
@@ -399,7 +381,7 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
     try:
         loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
     except CheckpointException as e:  # torch's read failures, gathered from every rank; one names no file
-        if (error := _read_failure(e, path, index, state)) is None:
+        if (error := read_failure_error(e, path, state, index)) is None:
             raise
         raise error from None
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
@@ -419,24 +401,6 @@ def load_checkpoint(root: str | Path, model_chunks: list, *, optimizer=None, sch
             raise CheckpointError(f"{path} holds no scheduler state; resume with weights_only=True instead")
         scheduler.load_state_dict(loaded["scheduler"])
     return iteration, loaded.get("extra")
-
-
-def _read_failure(failure: CheckpointException, path: Path, index, state: dict) -> CheckpointError | None:
-    """The CheckpointError to raise for a load that torch failed to read, which every rank raises with every rank's
-    failures: on a rank that finds a damaged shard among the items it asked for, that file (`damaged_shard_error`; a
-    rank's own finding, not marked alike); on a rank whose read went well, which ranks failed. None for an interrupt
-    or a failure that no damage explains: raised as it was."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    if (failures := failed_reads(failure)) is None:
-        return None
-    keys = {v.key for v in nested_values(state) if isinstance(getattr(v, "key", None), str)}
-    if (error := damaged_shard_error(path, index, keys)) is not None:
-        return error
-    if _rank() not in failures:
-        return CheckpointError(f"{path}: the load failed on rank(s) {', '.join(map(str, sorted(failures)))}, not on "
-                               "this one (their error lines say why)")
-    return None
 
 
 def _drop_extra_state(state: dict, model_keys: list[str], stored: set[str] | None = None) -> dict[str, list[str]]:

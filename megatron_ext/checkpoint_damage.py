@@ -110,3 +110,23 @@ def damaged_shard_error(path: str | Path, index, keys: set[str] | None = None) -
         return None
     name, what = found
     return CheckpointError(f"{Path(path) / name}: cannot read its tensors (corrupt shard: {what}); {FIX}")
+
+
+def read_failure_error(failure: BaseException, path: Path, state: dict, index) -> CheckpointError | None:
+    """The CheckpointError to raise for a load of `state` from `path` that torch failed to read (its
+    CheckpointException `failure`, which every rank raises with every rank's failures): on a rank that finds a damaged
+    shard among the items it asked for, that file (a rank's own finding, not marked alike); on a rank whose read went
+    well, which ranks failed. None for an interrupt or a failure that no damage explains: raise it as it was."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    if (failures := failed_reads(failure)) is None:
+        return None
+    keys = {v.key for v in nested_values(state) if isinstance(getattr(v, "key", None), str)}
+    if (error := damaged_shard_error(path, index, keys)) is not None:
+        return error
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank not in failures:
+        return CheckpointError(f"{path}: the load failed on rank(s) {', '.join(map(str, sorted(failures)))}, not on "
+                               "this one (their error lines say why)")
+    return None

@@ -10,10 +10,11 @@ folder when the failure surfaces, so a 1 MB test write there fails the same way 
 from __future__ import annotations
 
 import errno
+import functools
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_ext.checkpoint_index import CheckpointError
 from megatron_ext.checkpoint_layout import iter_dir_name, latest_iteration
@@ -56,6 +57,27 @@ class CheckpointSpaceError(CheckpointError):
         error = CheckpointError(self.say(where, fix))
         error.alike_on_every_rank = getattr(self, "alike_on_every_rank", False)
         return error
+
+
+def space_checked(fn: Callable, *, root: Path, iteration: int, tmp: Path, need: int) -> Callable:
+    """`fn`, a step of a save that every rank runs and that raises a failed write on every rank (Megatron-Core's
+    save and its finalisation: torch's CheckpointException), raising a failure for want of space as one
+    CheckpointSpaceError alike on every rank (rank 0 judges it: `space_verdict`); other failures as they were."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointException as e:
+            verdict = rank_zero_outcome(functools.partial(space_verdict, e, root, tmp), CheckpointError)[0]
+            if verdict is None:
+                raise
+            raise alike_on_every_rank(CheckpointSpaceError(root, iteration, verdict, need)) from None
+
+    return run
 
 
 def space_verdict(error: BaseException | None, root: Path, tmp: Path | None, doing: str | None = None,
