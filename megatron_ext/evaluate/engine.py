@@ -101,8 +101,10 @@ class Engine:
 
     def run_arguments(self, longest: int, on_progress, progress: bool) -> dict:
         """What `run_niah` and `run_ruler` take from the engine: rank 0 alone saves, shows progress and logs, and a
-        batch holds a row per data-parallel replica at the longest length."""
+        batch holds a row per data-parallel replica at the longest length; the engine and dtype the outputs are
+        computed with (what --resume compares)."""
         return dict(max_position_embeddings=self.hf_config.get("max_position_embeddings"),
+                    numerics={"engine": "megatron", "dtype": self.precision},
                     batch_tokens=self.layout["data"] * longest, on_progress=on_progress if self.rank0 else None,
                     progress=progress and self.rank0, log=log_line if self.rank0 else None, prefill_chunk=None)
 

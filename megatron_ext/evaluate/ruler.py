@@ -23,8 +23,9 @@ import torch
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
-from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within,
-                                        refuse_other_prompts)
+from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, engine_settings,
+                                        lengths_within, refuse_other_numerics, refuse_other_prompts,
+                                        tokenizer_settings)
 from megatron_ext.evaluate.ruler_tasks import TASKS, LengthTooShort, SampleBuilder, match_all, noise_haystack
 from megatron_ext.log_lines import log_line
 from megatron_ext.progress import progress_bar
@@ -82,7 +83,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
               allow_beyond_max_positions: bool = False, max_position_embeddings: int | None = None,
               previous: RulerResult | None = None, on_progress: Callable[[RulerResult], None] | None = None,
               save_every_s: float = 60.0, progress: bool = True,
-              log: Callable[[str], None] | None = log_line) -> RulerResult:
+              log: Callable[[str], None] | None = log_line, numerics: dict | None = None) -> RulerResult:
     """Run `tasks` (names in `ruler_tasks.TASKS`) at `lengths` (tokens) with `samples` prompts each.
 
     `haystack`: the filler of the retrieval tasks (a Haystack, a text file, or None for the built-in one).
@@ -90,7 +91,8 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     greedy decoding on `model` (which may then be None; give `max_position_embeddings`). Prompts of one task and
     length run in batches of up to `batch_tokens // length` rows. Lengths above the model's
     `max_position_embeddings` are skipped unless `allow_beyond_max_positions`. `previous`: an earlier run with the
-    same settings; its scored cells are kept. `on_progress` gets the result so far after each task and length
+    same settings and numerics (engine, dtype, tokenizer: `niah.refuse_other_numerics`; `numerics`: those of a
+    `generate` without `model`, as in `run_niah`); its scored cells are kept. `on_progress` gets the result so far after each task and length
     (and every `save_every_s` within one). `log` gets a `[ruler] ...` line per task and length (default: printed
     after the local time), None is silent.
     """
@@ -126,10 +128,9 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
                 "haystack_sha256": haystacks["filler"].digest if "filler" in haystacks else None,
                 "samples": samples, "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens,
                 "prompt_version": PROMPT_VERSION,
-                "max_position_embeddings": max_pos, "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens}
-    if model is not None:
-        p = next(model.parameters())
-        settings.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
+                "max_position_embeddings": max_pos, "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
+                **tokenizer_settings(tokenizer)}
+    settings.update(engine_settings(model, numerics))
 
     cells = [{"task": t, "length": n, "sample": s} for n in todo for t in tasks for s in range(samples)]
     kept = _keep_previous(cells, previous, settings) if previous is not None else 0
@@ -303,6 +304,7 @@ _RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens", "prompt_versio
 
 def _keep_previous(cells: list[dict], previous: RulerResult, settings: dict) -> int:
     refuse_other_prompts(previous.settings, settings, _RESUME_SETTINGS)
+    refuse_other_numerics(previous.settings, settings)
     done = {(c["task"], c["length"], c["sample"]): c for c in previous.cells if c.get("score") is not None}
     kept = 0
     for c in cells:

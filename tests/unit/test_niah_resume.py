@@ -140,3 +140,50 @@ def test_cli_refuses_to_overwrite_earlier_results_without_resume(tmp_path):
         main([*ppl, "--model", str(two)])
     assert main([*ppl, "--model", str(two), "--force"]) == 0
     assert json.loads((tmp_path / "p/ppl.json").read_text())["settings"]["model"] == str(two)
+
+
+def test_cli_resume_refuses_other_numerics(tmp_path, capsys):
+    """--resume compared the prompts' settings alone: a bf16 run resumed in fp32 kept the bf16 cells, and
+    results.json said float32 for all. Now another dtype, engine or tokenizer is one line naming it, old -> new, and
+    the fix; the device is not compared (cpu and cuda at one dtype differ by kernels alone), nor are settings that
+    older results did not record."""
+    from megatron_ext.evaluate.cli import main
+
+    model = save_tiny(tmp_path / "hf")
+    out = tmp_path / "a"
+    common = ["--model", str(model), "--depths", "0,100", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]
+    assert main([*common, "--lengths", "96", "--dtype", "bf16"]) == 0
+    saved = json.loads((out / "results.json").read_text())
+    assert (saved["settings"]["engine"], saved["settings"]["dtype"]) == ("hf", "bfloat16")
+    assert len(saved["settings"]["tokenizer_sha256"]) == 64
+    before = (out / "results.json").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--lengths", "96,200", "--dtype", "fp32", "--resume"])
+    assert e.value.code == ("error: --resume: the earlier cells ran with dtype bf16, this run with fp32 (bf16 -> fp32): "
+                            "resume with --dtype bf16, or use another --out")
+    assert (out / "results.json").read_bytes() == before
+
+    def edit(**settings):
+        d = json.loads(before)
+        d["settings"].update(settings)
+        d["settings"] = {k: v for k, v in d["settings"].items() if v is not None}
+        (out / "results.json").write_text(json.dumps(d))
+
+    edit(engine="megatron", dtype="bf16")  # the Megatron engine's names
+    with pytest.raises(SystemExit, match=r"ran with engine megatron, this run with hf \(megatron -> hf\): resume "
+                                         "with --engine megatron, or use another --out$"):
+        main([*common, "--lengths", "96,200", "--dtype", "bf16", "--resume"])
+    other = make_tokenizer()
+    other.chat_template = "{{ messages[0]['content'] }}"  # the same vocabulary, another template: other prompts
+    other.save_pretrained(tmp_path / "tok")
+    edit()
+    with pytest.raises(SystemExit, match=r"tokenized by another tokenizer, .*hf \(sha256 [0-9a-f]{12}\) -> .*tok "
+                                         r"\(sha256 [0-9a-f]{12}\): resume with --tokenizer .*hf, or use another --out$"):
+        main([*common, "--lengths", "96,200", "--dtype", "bf16", "--tokenizer", str(tmp_path / "tok"), "--resume"])
+    edit(device="cuda:0")  # another device at the same dtype: kept
+    capsys.readouterr()
+    assert main([*common, "--lengths", "96,200", "--dtype", "bf16", "--resume"]) == 0
+    assert "2 of 4 cells kept from the earlier run" in capsys.readouterr().out
+    edit(engine=None, tokenizer_sha256=None, dtype="float32")  # an older results.json: no engine nor tokenizer
+    assert main([*common, "--lengths", "96,200", "--dtype", "fp32", "--resume"]) == 0
+    assert "2 of 4 cells kept from the earlier run" in capsys.readouterr().out

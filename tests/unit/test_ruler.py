@@ -346,3 +346,31 @@ def test_the_launchers_evaluation_stage_reports_the_ruler_average(tmp_path):
     written = json.loads((tmp_path / "out/ruler.json").read_text())
     assert got == {"stage": "ruler", "out": str(tmp_path / "out"), "accuracy": written["accuracy"]}
     assert len(written["cells"]) == 2
+
+
+def test_resume_refuses_other_numerics(tok):
+    """RULER's --resume compared the prompts' settings alone: cells of another dtype, engine or tokenizer were
+    kept. Now refused in one line (older results without these settings are kept as before)."""
+    from megatron_ext.evaluate.niah import tokenizer_digest
+
+    def reader(prompts, n):
+        return oracle_generate(tok)(prompts, n)
+    reader.ragged = True
+    common = dict(samples=1, generate=reader, max_position_embeddings=4096, progress=False, log=None)
+    earlier = run_ruler(None, tok, ["vt"], [1536], numerics={"engine": "megatron", "dtype": "bf16"}, **common)
+    assert earlier.settings["tokenizer_sha256"] == tokenizer_digest(tok)
+    with pytest.raises(EvalError, match=r"^--resume: the earlier cells ran with dtype bf16, this run with fp32 "
+                                        r"\(bf16 -> fp32\): resume with --dtype bf16, or use another --out$"):
+        run_ruler(None, tok, ["vt"], [1536, 2048], numerics={"engine": "megatron", "dtype": "fp32"},
+                  previous=earlier, **common)
+    with pytest.raises(EvalError, match=r"ran with engine megatron, this run with hf"):
+        run_ruler(None, tok, ["vt"], [1536, 2048], numerics={"engine": "hf", "dtype": "bfloat16"},
+                  previous=earlier, **common)
+    same = run_ruler(None, tok, ["vt"], [1536, 2048], numerics={"engine": "megatron", "dtype": "bf16"},
+                     previous=earlier, **common)  # a layout or device change is no other numerics
+    assert same.cells[0] == earlier.cells[0]
+    older = json.loads(json.dumps(earlier.to_dict()))
+    for key in ("engine", "tokenizer", "tokenizer_sha256"):
+        del older["settings"][key]
+    run_ruler(None, tok, ["vt"], [1536, 2048], numerics={"engine": "hf", "dtype": "bf16"},
+              previous=RulerResult.from_dict(older), **common)
