@@ -224,4 +224,8 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
     settings = {"seq_len": seq_len, "per_octave": per_octave, "chunk": chunk, "max_position_embeddings": max_pos,
                 "model": getattr(getattr(model, "config", None), "_name_or_path", None)
                 or (type(model).__name__ if model is not None else None)}
+    if model is not None:  # the HF engine's numerics (the Megatron engine records its own: run_ppl_megatron)
+        from megatron_ext.evaluate.niah import engine_settings
+
+        settings.update(engine_settings(model, None))
     return PerplexityResult(rows, len(docs), [len(d) for d in docs], settings)

@@ -463,6 +463,9 @@ def test_perplexity_by_position_buckets_cover_all_positions(tiny, tmp_path):
     docs = [torch.randint(5, TINY["vocab_size"], (n,), generator=g) for n in (50, 130, 300)]
     res = perplexity_by_position(model, docs, per_octave=2, chunk=64, progress=False)
     assert res.doc_tokens == [50, 130, 256]  # cut to max_position_embeddings
+    # what computed the curve (ppl.json of the HF engine recorded neither dtype nor device; the Megatron one did)
+    assert {k: res.settings.get(k) for k in ("engine", "device", "dtype")} == \
+        {"engine": "hf", "device": "cpu", "dtype": "float32"}
     b = res.buckets
     assert b[0]["start"] == 1 and b[-1]["end"] == 256
     assert all(b[i]["end"] == b[i + 1]["start"] for i in range(len(b) - 1))
