@@ -129,6 +129,26 @@ class Engine:
                 f"({dist.get_world_size()} ranks, {self.precision})")
 
 
+def _check_pipeline(checkpoint, pipeline: int) -> None:
+    """EvalError naming --pp, the checkpoint's layer count and the sizes that divide it, when its layers do not split
+    evenly over `pipeline` stages: found from the metadata, before the process group and the model (Megatron-Core
+    stopped the build with a bare AssertionError). Metadata that cannot be read is left to the load to report."""
+    from megatron_ext.checkpoint_index import CheckpointError
+    from megatron_ext.checkpoint_layout import read_metadata
+
+    if pipeline <= 1:
+        return
+    try:
+        layers = int(read_metadata(checkpoint)["hf_config"]["num_hidden_layers"])
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return
+    if layers % pipeline:
+        fits = [k for k in range(1, layers + 1) if layers % k == 0]
+        raise EvalError(f"--pp {pipeline}: the model in {checkpoint} has {layers} layers, which do not split evenly "
+                        f"over {pipeline} pipeline stages; give a --pp that divides {layers} "
+                        f"({', '.join(map(str, fits))}), or use --tp/--cp to spread the model instead")
+
+
 @contextmanager
 def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: int = 1, device: str | None = None,
                     dtype: str | None = None, tokenizer=None, needs_tokenizer: bool = True) -> Iterator[Engine]:
@@ -141,6 +161,7 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
     if not Path(checkpoint).is_dir():
         raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
                         "the output of tools/convert.py to-megatron")
+    _check_pipeline(checkpoint, pipeline)  # before the process count: no count of processes makes it fit
     world = process_env().world_size
     if min(tensor, pipeline, context) < 1 or world % (tensor * pipeline * context):
         raise EvalError(f"--tp {tensor} x --pp {pipeline} x --cp {context} must divide the {world} processes "
