@@ -139,28 +139,33 @@ def tokenize_haystack(tokenizer, blocks: Iterable[str], n_tokens: int, source: s
     return Haystack(np.concatenate(ids), np.unique(np.concatenate(starts)), source)
 
 
-def builtin_haystack(tokenizer, n_tokens: int, seed: int = 0) -> Haystack:
-    """At least `n_tokens` tokens of the built-in deterministic filler."""
+def builtin_haystack(tokenizer, n_tokens: int, seed: int = 0, lead: str = "") -> Haystack:
+    """At least `n_tokens` tokens of the built-in deterministic filler. `lead`: text before its first sentence (NIAH
+    gives " ": its first sentence then follows a needle put before it as every other sentence does, after a space)."""
     def blocks() -> Iterator[str]:
         sentences = filler_sentences(seed)
         first = True
         while True:
             chunk = " ".join(next(sentences) for _ in range(400))
-            yield chunk if first else " " + chunk
+            yield lead + chunk if first else " " + chunk
             first = False
 
     return tokenize_haystack(tokenizer, blocks(), n_tokens, source=f"builtin-filler(seed={seed})")
 
 
-def file_haystack(tokenizer, path: str | Path, n_tokens: int) -> Haystack:
-    """At least `n_tokens` tokens of a UTF-8 text file; EvalError if it is missing or too short."""
+def file_haystack(tokenizer, path: str | Path, n_tokens: int, lead: str = "") -> Haystack:
+    """At least `n_tokens` tokens of a UTF-8 text file; EvalError if it is missing or too short. `lead`: text put
+    before the file's first character unless that is whitespace (as `builtin_haystack`'s)."""
     path = Path(path)
     if not path.is_file():
         raise EvalError(f"haystack file {path} does not exist: give a UTF-8 text file, or omit --haystack "
                         "to use the built-in filler")
     text = read_utf8(path, "haystack file")  # replacement characters would be a haystack of garbage
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()  # of the file: `lead` is the caller's, not the file's
+    if text and not text[0].isspace():
+        text = lead + text
     hay = dataclasses.replace(tokenize_haystack(tokenizer, _split_blocks(text), n_tokens, source=str(path)),
-                              digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
+                              digest=digest)
     if len(hay) < n_tokens:
         raise EvalError(f"haystack file {path} has {len(hay):,} tokens with this tokenizer but the largest length "
                         f"needs {n_tokens:,} haystack tokens (short by {n_tokens - len(hay):,}): give a longer file, "

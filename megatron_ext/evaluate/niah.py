@@ -5,6 +5,14 @@ A prompt of exactly L tokens (counted by the model's tokenizer) is: an instructi
 start nearest to depth d% of the haystack, then the question and the start of the answer. The
 model continues greedily; the cell scores 1 when the first number it writes equals the value
 (exact match), else 0. A grid of lengths x depths gives the heatmap.
+
+The needle reads alike at every depth: after a full stop (the instruction ends in "Text:", the haystack starts
+with a space), then a space and the next sentence (`PROMPT_VERSION`). The haystack part is the first tokens of one
+stream, so it ends where the length cuts it, mid-sentence; a needle is therefore never put at that cut, but at the
+last sentence start before it (the deepest depth is a little under 100%, `actual_depth` says where).
+
+The `samples` prompts of a cell share the haystack and the needle's place and differ only in the value; the
+haystack of a length is the first tokens of the same stream at every length. They are not independent draws.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ class NeedleTask:
     """The texts of a NIAH prompt; `{value}` in `needle` is replaced by a random `value_digits`-digit number."""
 
     instruction: str = ("There is a special magic number hidden inside the long text below. "
-                        "Find it and remember it.\n\n")
+                        "Find it and remember it.\n\nText:")
     needle: str = " The special magic number is {value}."
     question: str = "\n\nWhat is the special magic number mentioned in the text above?"
     answer_prefix: str = " The special magic number is"
@@ -80,7 +88,8 @@ def prompt_parts(tokenizer, task: NeedleTask, chat: bool) -> tuple[list[int], li
 
 def build_prompt(haystack: Haystack, head: list[int], needle: list[int], tail: list[int], length: int,
                  depth: float) -> tuple[list[int], int, int]:
-    """A prompt of exactly `length` tokens with the needle at the sentence start nearest to `depth`%.
+    """A prompt of exactly `length` tokens with the needle at the sentence start nearest to `depth`% (the end of
+    the haystack part counts only where a sentence starts there: elsewhere it cuts a sentence).
 
     Returns (ids, needle_start, haystack_tokens): `needle_start` is the needle's first token index
     in `ids`; the haystack part is `haystack_tokens` long (needle excluded), so the needle sits
@@ -93,6 +102,8 @@ def build_prompt(haystack: Haystack, head: list[int], needle: list[int], tail: l
     if n_hay > len(haystack):
         raise EvalError(f"haystack {haystack.source} has {len(haystack):,} tokens, length {length:,} needs {n_hay:,}")
     slots = haystack.needle_slots(n_hay)
+    if not (haystack.starts == n_hay).any():
+        slots = slots[:-1]  # the cut is mid-sentence: a needle there followed half a sentence without its full stop
     target = depth / 100.0 * n_hay
     at = int(slots[np.argmin(np.abs(slots - target))])  # first of two equally near slots
     ids = haystack.ids
@@ -218,10 +229,10 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
     need = max(hay_tokens)
     if isinstance(haystack, Haystack):
         hay = haystack
-    elif haystack is None:
-        hay = builtin_haystack(tokenizer, need, seed=seed)
+    elif haystack is None:  # a space before the first sentence: a needle at depth 0 is followed as anywhere else
+        hay = builtin_haystack(tokenizer, need, seed=seed, lead=" ")
     else:
-        hay = file_haystack(tokenizer, haystack, need)
+        hay = file_haystack(tokenizer, haystack, need, lead=" ")
 
     if generate is None:
         eos = eos_ids(model, tokenizer)
@@ -230,7 +241,8 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
                 "task": asdict(task), "samples": samples,
                 "seed": seed, "chat": chat, "max_new_tokens": max_new_tokens, "max_position_embeddings": max_pos,
                 "prefill_chunk": prefill_chunk, "batch_tokens": batch_tokens,
-                "prompt_overhead_tokens": len(head) + len(tail), **tokenizer_settings(tokenizer)}
+                "prompt_overhead_tokens": len(head) + len(tail), "prompt_version": PROMPT_VERSION,
+                **tokenizer_settings(tokenizer)}
     settings.update(engine_settings(model, numerics))
 
     kept = _keep_previous(cells, previous, settings) if previous is not None else 0
@@ -313,7 +325,11 @@ def run_niah(model, tokenizer, lengths, depths, *, haystack: Haystack | str | Pa
 
 
 # Settings that decide the prompts and the outputs: an earlier grid's cells count only if they agree.
-_RESUME_SETTINGS = ("haystack", "task", "seed", "chat", "max_new_tokens", "prompt_overhead_tokens")
+# The form of the prompts: bumped whenever it changes, so --resume never mixes cells of two forms in one grid (2: the
+# needle reads alike at every depth: the instruction ends in "Text:", the haystack starts with a space, and no needle
+# follows the cut at the haystack's end).
+PROMPT_VERSION = 2
+_RESUME_SETTINGS = ("haystack", "task", "seed", "chat", "max_new_tokens", "prompt_overhead_tokens", "prompt_version")
 
 
 def refuse_other_prompts(previous: dict, settings: dict, keys: tuple[str, ...]) -> None:

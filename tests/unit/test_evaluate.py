@@ -216,24 +216,50 @@ def test_prompt_has_exact_length_and_needle_at_depth(tok, length):
     head, tail = prompt_parts(tok, task, chat=False)
     assert head[0] == tok.bos_token_id
     needle = tok(task.needle.format(value="4817263"), add_special_tokens=False)["input_ids"]
-    hay = builtin_haystack(tok, length)
+    hay = builtin_haystack(tok, length, lead=" ")
     longest_sentence = int(np.diff(hay.starts).max())
+    starts = set(hay.starts.tolist())
     for depth in range(0, 101, 10):
         ids, pos, n_hay = build_prompt(hay, head, needle, tail, length, depth)
         assert len(ids) == length  # token-exact
         assert ids[:len(head)] == head and ids[-len(tail):] == tail
         assert find_sub(ids, needle) == [pos]  # the needle once, where reported
         at = pos - len(head)
-        assert abs(at - depth / 100 * n_hay) <= longest_sentence / 2 + 1  # nearest sentence start
-        assert at in set(hay.starts.tolist()) | {n_hay}  # between sentences, never inside one
+        # the nearest sentence start; at 100% the last one before the cut, which is mid-sentence unless one starts
+        # there (a needle after the cut followed half a sentence)
+        assert abs(at - depth / 100 * n_hay) <= (longest_sentence if depth == 100 else longest_sentence / 2 + 1)
+        assert at in starts  # between sentences, never inside one (nor after the cut)
         # Without the needle the middle is exactly the first n_hay haystack tokens.
         assert ids[len(head):pos] + ids[pos + len(needle):-len(tail)] == hay.ids[:n_hay].tolist()
         if depth == 0:
             assert at == 0
         if depth == 100:
-            assert at == n_hay
+            assert at == max(s for s in starts if s <= n_hay)
     with pytest.raises(EvalError, match="at least"):
         build_prompt(hay, head, needle, tail, len(head) + len(tail), 50)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_needle_reads_alike_at_every_depth(tok, tmp_path, chat):
+    """At depth 0 the needle read "remember it.\\n\\n The special ... 4817263.Nobody" (a stray space, the next
+    sentence glued to it), at 100% it followed a sentence cut mid-way; elsewhere ". The special ... 4817263. Every".
+    Now every depth of run_niah's prompts reads the needle after a full stop (or "Text:") and before a space and a
+    sentence; a file haystack too."""
+    tk = make_tokenizer()
+    tk.chat_template = CHAT_TEMPLATE
+    # after a full stop or "Text:"; then a sentence, or the question where the haystack part ends with a sentence
+    pattern = re.compile(r"(?:[a-z]\.|Text:) The special magic number is \d{7}\.(?: [A-Z]|\n\nWhat)")
+    hay = tmp_path / "hay.txt"
+    hay.write_text("The old river passes the garden near the hill. A farmer greets the teacher. " * 40)
+    for haystack in (None, hay):
+        reader = Recorder(tk, _read_needle)
+        res = run_niah(None, tk, [100, 177, 256], range(0, 101, 10), haystack=haystack, chat=chat, generate=reader,
+                       progress=False, log=None)
+        assert res.accuracy == 1.0
+        for row in (r for b in reader.batches for r in b.tolist()):
+            text = tk.decode(row)
+            assert len(pattern.findall(text)) == 1, text
+    assert res.settings["prompt_version"] == 2
 
 
 def test_chat_template_prompt_parts(tok):

@@ -187,3 +187,13 @@ def test_cli_resume_refuses_other_numerics(tmp_path, capsys):
     edit(engine=None, tokenizer_sha256=None, dtype="float32")  # an older results.json: no engine nor tokenizer
     assert main([*common, "--lengths", "96,200", "--dtype", "fp32", "--resume"]) == 0
     assert "2 of 4 cells kept from the earlier run" in capsys.readouterr().out
+
+
+def test_results_of_the_older_prompt_form_are_not_extended(tok):
+    """The needle's edges changed (prompt_version 2): a grid of the older prompts is refused, not extended."""
+    earlier = run_niah(None, tok, LENGTHS[:1], DEPTHS, generate=Recorder(tok, half_right), progress=False, log=None)
+    older = earlier.to_dict()
+    del older["settings"]["prompt_version"]
+    with pytest.raises(EvalError, match="made with prompt_version = None, this run has 2: use another --out"):
+        run_niah(None, tok, LENGTHS, DEPTHS, generate=Recorder(tok, half_right), previous=NiahResult.from_dict(older),
+                 progress=False, log=None)
