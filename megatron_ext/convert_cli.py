@@ -22,7 +22,7 @@ from pathlib import Path
 # this module first.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from megatron_ext.runtime.gpu_packages import hide_gpu_packages  # noqa: E402
+from megatron_ext.runtime.gpu_packages import MEGATRON_FALLBACK_WARNINGS, hide_gpu_packages  # noqa: E402
 
 hide_gpu_packages()  # and Transformer Engine / Apex, before Megatron-Core is imported (cpu_backend.py, P0)
 
@@ -35,8 +35,7 @@ hide_gpu_packages()  # and Transformer Engine / Apex, before Megatron-Core is im
 HARMLESS_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     # Conversion runs on the CPU (CUDA hidden above), where neither GPU library could run: Megatron-Core's torch
     # fallbacks compute the same numbers (--verify compares the logits with transformers'), and no optimizer steps.
-    (UserWarning, r"Transformer Engine and Apex are not installed\. Falling back to ", r"megatron\.core\."),
-    (UserWarning, r"Apex is not installed\. Falling back to Torch Norm", r"megatron\.core\."),
+    *MEGATRON_FALLBACK_WARNINGS,
     # to-hf reads every shard of any TP x PP layout in this one process on purpose: torch's assumption is right.
     (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in "
                   r"a single process", r"torch\.distributed\.checkpoint\."),

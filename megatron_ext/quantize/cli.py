@@ -58,6 +58,9 @@ def _check_device(device: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Quantize, check, export and report; returns the exit status (1: the check failed)."""
+    from megatron_ext.runtime.gpu_packages import hide_megatron_fallback_warnings
+
+    hide_megatron_fallback_warnings()  # 6 warnings (12 lines) from the import of nvidia-modelopt, before any output
     from megatron_ext.quantize import calib, check, fp8, report
 
     for flag, limit in (("--max-ppl-increase", args.max_ppl_increase), ("--max-logits-rel-err", args.max_logits_rel_err)):

@@ -195,3 +195,16 @@ def test_indexed_calibration_data_of_another_tokenizer_or_kind(tiny_dir, token_d
     monkeypatch.setattr(fp8, "load_model", load_model)  # the control: with the data's tokenizer it exports
     code, err = _main([str(a) for a in run] + ["--calib", token_data, "--tokenizer", toy_tokenizer])
     assert code == 0 and (tmp_path / "o" / "config.json").is_file(), err
+
+
+def test_a_mistake_is_the_only_line(tiny_dir, tmp_path):
+    """nvidia-modelopt imports Megatron-Core for its plugins, whose import warned six times that Transformer Engine
+    and Apex are missing (12 lines before the error; nothing this tool runs uses them). Control: those filters off,
+    the warnings are back."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's default filters
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/quantize.py"), "--hf", str(tiny_dir), "--out",
+                           str(tmp_path / "o"), "--calib", str(tmp_path / "missing")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # the tool's code for a mistake in its arguments
+    assert proc.stderr.startswith(f"error: calibration data {tmp_path / 'missing'} not found")
+    assert proc.stderr.count("\n") == 1, proc.stderr
