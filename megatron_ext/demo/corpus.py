@@ -47,7 +47,7 @@ def needle_document(rng: random.Random, n_sentences: int, kv_facts: int = 0, ans
     value = _value(rng, TASK.value_digits)
     at = rng.randrange(len(sents) + 1)
     hay = " ".join(sents[:at]) + TASK.needle.format(value=value) + (" " + " ".join(sents[at:]) if sents[at:] else "")
-    text = TASK.instruction + hay.lstrip(" ") if at == 0 else TASK.instruction + hay
+    text = TASK.instruction + " " + hay.lstrip(" ")  # as the evaluation's haystack, which starts with a space
     text += TASK.question + TASK.answer_prefix
     return text + f" {value}." if answer else text
 
