@@ -54,9 +54,10 @@ class CheckpointSpaceError(CheckpointError):
     def reworded(self, where: str, fix: str) -> CheckpointError:
         """The same failure as a CheckpointError in a tool's words (its flag or recipe field), marked alike on every
         rank where this one is."""
+        from megatron_ext.runtime.distributed import alike_on_every_rank, is_alike_on_every_rank
+
         error = CheckpointError(self.say(where, fix))
-        error.alike_on_every_rank = getattr(self, "alike_on_every_rank", False)
-        return error
+        return alike_on_every_rank(error) if is_alike_on_every_rank(self) else error
 
 
 def space_checked(fn: Callable, *, root: Path, iteration: int, tmp: Path, need: int) -> Callable:

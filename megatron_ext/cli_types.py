@@ -12,6 +12,14 @@ from typing import Callable
 WRITE_PROBE_PREFIX = ".write-test-"  # `folder_write_problem`'s folder, there for a moment: a folder holding it is empty
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """`path` made absolute, or its nearest parent that exists: where a folder not made yet would be made."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def folder_write_problem(folder: str | Path) -> str | None:
     """Why no folder can be made and written at `folder`, as the end of a one-line error ("cannot create a folder
     there (No such file or directory in /proc); choose a writable path"), or None when one can.
@@ -21,10 +29,7 @@ def folder_write_problem(folder: str | Path) -> str | None:
     there yet are not made. os.access cannot tell: it says yes to root everywhere, /proc and read-only mounts too.
     Every process of a job may call it at once (each its own probe).
     """
-    folder = Path(folder)
-    base = folder.absolute()
-    while not base.exists() and base != base.parent:
-        base = base.parent
+    base = nearest_existing(folder)
     if not base.is_dir():
         return f"{base} is a file, not a directory; choose a writable path"
     try:

@@ -13,6 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+from megatron_ext.cli_types import nearest_existing
+
 # what each errno means, in the words of an error line
 SPACE_ERRNOS: dict[int, str] = {
     errno.ENOSPC: "no space left on device",
@@ -56,18 +58,10 @@ def space_errno(error: BaseException) -> int | None:
     return None
 
 
-def _existing(path: str | Path) -> Path:
-    """`path`, or its nearest parent that exists."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def free_bytes(path: str | Path) -> int | None:
     """Bytes free for this user on the file system of `path` (or of its nearest existing parent); None if unknown."""
     try:
-        return shutil.disk_usage(_existing(path)).free
+        return shutil.disk_usage(nearest_existing(path)).free
     except OSError:
         return None
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from megatron_ext.cli_types import nearest_existing
 from megatron_ext.convert.hf_io import ConvertError
 
 
@@ -63,9 +64,7 @@ def check_out(out: Path, force: bool, kind: str) -> None:
     deleted whatever folder --out named (notes, data sets, another model)."""
     out = Path(out)
     if not out.exists():
-        above = out.absolute().parent
-        while not above.exists() and above != above.parent:
-            above = above.parent
+        above = nearest_existing(out.absolute().parent)
         if not above.is_dir():  # mkdir said only 'File exists: ABOVE'
             raise ConvertError(f"--out {out}: {above} is a file, not a folder; choose another path")
         return

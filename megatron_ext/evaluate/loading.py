@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import importlib.util
 import os
 import re
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.disk_space import SPACE_ERRNOS
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.generate import auto_prefill_chunk
 from megatron_ext.evaluate.io import not_there
@@ -251,7 +251,7 @@ def convert_megatron(megatron_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 # What writing the copy can meet and reading the checkpoint cannot: a full disk, a quota, a file size limit.
-_OUTPUT_ERRORS = tuple(os.strerror(n) for n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
+_OUTPUT_ERRORS = tuple(os.strerror(n) for n in SPACE_ERRNOS)
 
 
 def _about_the_output(line: str, out_dir: Path) -> bool:

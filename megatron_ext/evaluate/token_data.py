@@ -12,9 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-LOSSMASK_SUFFIX = "_lossmask"  # prepare_data.py sft writes PREFIX_lossmask.bin/.idx beside the tokens
-
-
 def model_vocabulary_hash(tokenizer: Any) -> str | None:
     """The manifests' `vocabulary_hash` of a loaded tokenizer; None for one without a fast (Rust) backend or
     with no vocabulary of that form, which then is not compared."""
@@ -31,17 +28,12 @@ def token_data_problem(prefix: str, flag: str, tokenizer: Any = None, tokenizer_
     starts with `flag` and ends with the fix; None when nothing is wrong, or nothing can be told (no manifest).
     `tokenizer_name`: where the model's tokenizer comes from (the folder or hub name prepare_data.py takes)."""
     from megatron_ext.data import DataError
-    from megatron_ext.data.dataset_files import read_manifest
+    from megatron_ext.data.dataset_files import loss_mask_owner, read_manifest
 
-    if prefix.endswith(LOSSMASK_SUFFIX) and not Path(prefix + ".json").exists():
-        tokens = prefix[: -len(LOSSMASK_SUFFIX)]
-        try:
-            is_mask = read_manifest(tokens).get("kind") == "sft"
-        except DataError:  # no SFT dataset beside it: judged as any other prefix
-            is_mask = False
-        if is_mask:
-            return (f"{flag} {prefix} is the loss mask of the SFT dataset {tokens}, not tokens; give a CPT prefix "
-                    "(tools/prepare_data.py cpt)")
+    owner = loss_mask_owner(prefix)
+    if owner is not None:
+        return (f"{flag} {prefix} is the loss mask of the SFT dataset {owner}, not tokens; give a CPT prefix "
+                "(tools/prepare_data.py cpt)")
     if not Path(prefix + ".json").is_file():
         return None
     try:
