@@ -272,18 +272,35 @@ def test_ddp_main_grad_equals_megatron_head(cpu_parallel_state, tied, overrides)
         torch.testing.assert_close(grads_c[name], grads_f[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _new_weight_sized_tensors(ddp, tokens, shape):
-    """(dtype, bytes) of each tensor of `shape` the backward pass of one microbatch creates (new storage)."""
+def _new_weight_sized_tensors(ddp, tokens, shape, monkeypatch):
+    """Each tensor of `shape` with new storage that one microbatch's backward creates, as (dtype, bytes, made inside
+    the chunked head's backward). Tensors are told apart by when they are made, not by address: the embedding's own
+    [V, h] gradient, made later by Megatron's embedding, may reuse the freed product's memory or not."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    seen = {}
+    from megatron_ext import loss_head
+
+    made, in_head = [], [False]
+    head_backward = loss_head._ChunkedLinearCrossEntropy.backward
+
+    def timed_backward(ctx, grad_loss):
+        in_head[0] = True
+        try:
+            return head_backward(ctx, grad_loss)
+        finally:
+            in_head[0] = False
+
+    monkeypatch.setattr(loss_head._ChunkedLinearCrossEntropy, "backward", staticmethod(timed_backward))
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and tuple(t.shape) == shape:
-                    seen.setdefault(t.untyped_storage().data_ptr(), (t.dtype, t.untyped_storage().nbytes()))
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == shape and \
+                        t.untyped_storage().data_ptr() not in inputs | existing:
+                    made.append((t.dtype, t.untyped_storage().nbytes(), in_head[0]))
             return out
 
     seq = tokens.shape[1]
@@ -293,10 +310,10 @@ def _new_weight_sized_tensors(ddp, tokens, shape):
     existing |= {p.main_grad.untyped_storage().data_ptr() for p in ddp.parameters()}
     with Record():
         loss.float().mean().backward()
-    return [v for ptr, v in seen.items() if ptr not in existing]
+    return made
 
 
-def test_bf16_ddp_head_makes_one_weight_sized_temporary(cpu_parallel_state):
+def test_bf16_ddp_head_makes_one_weight_sized_temporary(cpu_parallel_state, monkeypatch):
     """bf16 under DDP: the chunked head's backward forms one bf16 tensor of the output weight's size (each chunk's
     product, then the placeholder gradient) and no fp32 one: at TP=1 with Llama-3's vocabulary that is 1 GB where
     an fp32 accumulator, an fp32 copy of each product and a final bf16 cast held 5 GB at once. Its main_grad is as
@@ -320,5 +337,6 @@ def test_bf16_ddp_head_makes_one_weight_sized_temporary(cpu_parallel_state):
     recipe = load_recipe(Path(__file__).parents[2] / "recipes/tiny/cpt.yaml",
                          ["parallel.context=1", "train.seq_length=128"], world_size=1)
     shape = tuple(chunked.output_layer.weight.shape)
-    made = _new_weight_sized_tensors(wrap_ddp(recipe, chunked), tokens, shape)
-    assert [dtype for dtype, _ in made] == [torch.bfloat16], made
+    made = _new_weight_sized_tensors(wrap_ddp(recipe, chunked), tokens, shape, monkeypatch)
+    assert [dtype for dtype, _, in_head in made if in_head] == [torch.bfloat16], made
+    assert torch.float32 not in {dtype for dtype, _, _ in made}, made  # nor an fp32 copy after it (DDP's hook)
