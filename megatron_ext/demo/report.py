@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,9 +15,23 @@ from megatron_ext.demo.pipeline import ABLATION
 from megatron_ext.evaluate.io import write_json_atomic, write_text_atomic
 
 
+@dataclass(frozen=True)
+class Scored:
+    """What one accuracy of a NIAH grid rests on: `needles` prompts scored, at `places` distinct needle places
+    (depths). The prompts of a place share haystack and needle position and differ only in the value, so they are
+    not independent draws: a difference between two accuracies is weighed against the places."""
+
+    needles: int
+    places: int
+
+    def __str__(self) -> str:  # '1 needle', '22 needles at 11 places'
+        text = f"{self.needles} needle{'' if self.needles == 1 else 's'}"
+        return text + (f" at {self.places} places" if self.places < self.needles else "")
+
+
 def _niah_rows(evals: Path, models: dict[str, Path]
-               ) -> tuple[list[int], list[tuple[str, list, float, Path]], dict[str, list[int]]]:
-    """Per model: accuracy per length, mean, heatmap; and per model the needles scored at each length (what a
+               ) -> tuple[list[int], list[tuple[str, list, float, Path]], dict[str, list[Scored]]]:
+    """Per model: accuracy per length, mean, heatmap; and per model what each length's accuracy rests on (what a
     difference between two accuracies has to be weighed against)."""
     rows, lengths, needles = [], [], {}
     for i, label in enumerate(models):
@@ -27,8 +42,9 @@ def _niah_rows(evals: Path, models: dict[str, Path]
             vals = [row[j] for row in res["scores"] if row[j] is not None]
             per_len.append(sum(vals) / len(vals) if vals else None)
         rows.append((label, per_len, res["accuracy"], evals / f"niah{i}" / "heatmap.png"))
-        needles[label] = [sum(c.get("length") == n and c.get("score") is not None for c in res.get("cells", []))
-                          for n in lengths]
+        scored = [c for c in res.get("cells", []) if c.get("score") is not None]
+        needles[label] = [Scored(sum(c.get("length") == n for c in scored),
+                                 len({c.get("depth") for c in scored if c.get("length") == n})) for n in lengths]
     return lengths, rows, needles
 
 
@@ -57,28 +73,31 @@ def _cell(v: float | None) -> str:
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
 
-def _needles(n: int) -> str:
-    """'1 needle', '22 needles'."""
-    return f"{n} needle{'' if n == 1 else 's'}"
-
-
-def _clearly_above(a: float | None, b: float | None, n: int) -> bool:
-    """Whether exact-match rate `a` beats `b` by more than two standard errors of their difference, both over `n`
-    needles (pooled rate). Below that a needle or two decides it: the quick demo scores 2 needles per length, the full
-    one 22, and reruns of the full one move by a few needles (README, 'The demo')."""
+def _clearly_above(a: float | None, b: float | None, scored: Scored) -> bool:
+    """Whether exact-match rate `a` beats `b` by more than two standard errors of their difference, both over
+    `scored.places` independent places (pooled rate; the needles of a place count as one draw, which overstates
+    the error where they differ). Below that a needle or two decides it: the quick demo scores 2 needles per length,
+    the full one 22 at 11 places, and reruns of the full one move by a few needles (README, 'The demo')."""
+    n = scored.places
     if a is None or b is None or n <= 0:
         return False
     p = (a + b) / 2
     return a - b > 2 * math.sqrt(max(0.0, 2 * p * (1 - p) / n))  # max: p a rounding above 1
 
 
-def _stage_sentences(at8x: dict[str, float | None], needles: dict[str, int], length: int) -> str:
+def _fewest(needles: dict[str, Scored], labels) -> Scored:
+    """The least of what the accuracies of `labels` rest on (nothing for a model not scored)."""
+    counts = [needles.get(label, Scored(0, 0)) for label in labels]
+    return Scored(min(c.needles for c in counts), min(c.places for c in counts))
+
+
+def _stage_sentences(at8x: dict[str, float | None], needles: dict[str, Scored], length: int) -> str:
     """What the CPT and the SFT did for retrieval at `length` (8x the base context), from their accuracies there
-    against the base's and each other's (`needles`: needles scored per model at `length`)."""
+    against the base's and each other's (`needles`: what each model's accuracy at `length` rests on)."""
     base, cpt, sft = at8x.get("base"), at8x.get("after YaRN CPT"), at8x.get("after CPT + SFT")
 
-    def n(*labels: str) -> int:
-        return min(needles.get(label, 0) for label in labels)
+    def n(*labels: str) -> Scored:
+        return _fewest(needles, labels)
 
     cpt_rebuilds = _clearly_above(cpt, base, n("after YaRN CPT", "base"))
     text = "The CPT is the paper's: next-token loss over every token of 2048-token rows. "
@@ -97,25 +116,25 @@ def _stage_sentences(at8x: dict[str, float | None], needles: dict[str, int], len
     # "does" only where the numbers say so: above the CPT model and the base by more than a needle or two
     if _clearly_above(sft, cpt, sft_n) and _clearly_above(sft, base, sft_n):
         return text + f"{sft_what} {'raises it to' if cpt_rebuilds else 'does:'} {_cell(sft)} at {length:,} tokens."
-    text += f"{sft_what} scores {_cell(sft)} there, not clearly above the CPT model ({_needles(sft_n)} each)"
+    text += f"{sft_what} scores {_cell(sft)} there, not clearly above the CPT model ({sft_n} each)"
     if not any(_clearly_above(v, base, sft_n) for v in (cpt, sft)):
         return text + ": the run is too small or too short to show what either stage adds."
     return text + "."
 
 
 def _ablation_sentence(final: float | None, ablation: float | None, base: float | None, length: int,
-                       n: int) -> str:
+                       n: Scored) -> str:
     """What the ablation says of the YaRN extension at `length`, from the final model's, the ablation's and the
-    base's accuracies there over `n` needles each."""
+    base's accuracies there, each resting on `n`."""
     if final is None or ablation is None:
         return "one of the two was not scored."
-    scores = f"{_cell(ablation)} against {_cell(final)}, {_needles(n)} each"
+    scores = f"{_cell(ablation)} against {_cell(final)}, {n} each"
     if _clearly_above(final, ablation, n):
         return (f"at {length:,} it scores {round(100 * (final - ablation))} points below the final model ({scores}): "
                 "what the YaRN extension adds here.")
     if not (_clearly_above(ablation, base, n) or _clearly_above(final, base, n)):
         # e.g. all 0% after the quick demo's few steps: "level with" would read as a result
-        return (f"at {length:,} it scores {_cell(ablation)} and the final model {_cell(final)} ({_needles(n)} each), "
+        return (f"at {length:,} it scores {_cell(ablation)} and the final model {_cell(final)} ({n} each), "
                 f"neither clearly above the base's {_cell(base)}: the run is too small or too short to compare them.")
     above = _clearly_above(ablation, final, n)
     where = (f"{round(100 * (ablation - final))} points above the final model ({scores})" if above
@@ -183,7 +202,7 @@ def write_report(out: Path, models: dict[str, Path], steps, settings, total_s: f
               _stage_sentences(at8x, n8x, lengths[-1]) + " "
               "The ablation runs the same SFT from the base with the base's own RoPE (no YaRN, no CPT): "
               + _ablation_sentence(at8x.get("after CPT + SFT"), at8x.get(ABLATION), base8x, lengths[-1],
-                                   min(n8x.get(label, 0) for label in ("after CPT + SFT", ABLATION, "base"))), "",
+                                   _fewest(n8x, ("after CPT + SFT", ABLATION, "base"))), "",
               "## Heatmaps", ""]
     for label, _, _, png in rows:
         lines += [f"**{label}**", "", f"![{label}]({rel(png)})", ""]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megatron_ext.demo.pipeline import ABLATION, DemoSettings, StepLog
-from megatron_ext.demo.report import _ablation_sentence, write_report
+from megatron_ext.demo.report import Scored, _ablation_sentence, write_report
 
 LABELS = ("base", "base + YaRN, no training", "after YaRN CPT", "after CPT + SFT", ABLATION)
 SFT_DOES = "with the CPT's YaRN RoPE, does"
@@ -47,7 +47,7 @@ def test_the_full_demos_numbers(tmp_path):
     assert "| after CPT + SFT | 91% | 91% | 91% | 73% |" in report
     assert "it does not by itself rebuild retrieval beyond the base context (0% at 2,048 tokens" in report
     assert f"{SFT_DOES}: 73% at 2,048 tokens." in report
-    assert "level with the final model (77% against 73%, 22 needles each" in report
+    assert "level with the final model (77% against 73%, 22 needles at 11 places each" in report
     assert SFT_NOT_YARN in report
     assert "too small or too short" not in report
 
@@ -64,12 +64,22 @@ def test_all_zero_numbers_claim_nothing(tmp_path):
 
 
 def test_the_ablation_sentence_weighs_the_difference_against_the_needles():
+    full = Scored(22, 11)  # the full demo's grid at one length: 2 needles at each of 11 depths
     # YaRN clearly ahead: what it adds
-    assert _ablation_sentence(0.86, 0.27, 0.0, 2048, 22).startswith("at 2,048 it scores 59 points below the final")
+    assert _ablation_sentence(0.86, 0.27, 0.0, 2048, full).startswith("at 2,048 it scores 59 points below the final")
     # one needle of two apart, the quick demo's grid: not a result either way
-    short = _ablation_sentence(0.5, 0.0, 0.0, 2048, 2)
+    short = _ablation_sentence(0.5, 0.0, 0.0, 2048, Scored(2, 2))
     assert "too small or too short" in short and "points below" not in short
     # the ablation clearly ahead of the final model and of the base
-    ahead = _ablation_sentence(0.27, 0.86, 0.0, 2048, 22)
+    ahead = _ablation_sentence(0.27, 0.86, 0.0, 2048, full)
     assert "59 points above the final model" in ahead and SFT_NOT_YARN in ahead
-    assert _ablation_sentence(None, 0.5, 0.0, 2048, 22) == "one of the two was not scored."
+    assert _ablation_sentence(None, 0.5, 0.0, 2048, full) == "one of the two was not scored."
+
+
+def test_the_needles_of_one_place_count_as_one_draw():
+    """32 points over 22 needles is clearly a difference when the needles are independent, not when they are 2
+    prompts at each of 11 places that share haystack and needle position (the full demo's grid)."""
+    independent, paired = Scored(22, 22), Scored(22, 11)
+    assert "points below" in _ablation_sentence(0.82, 0.5, 0.0, 2048, independent)
+    level = _ablation_sentence(0.82, 0.5, 0.0, 2048, paired)
+    assert "level with the final model (50% against 82%, 22 needles at 11 places each" in level
