@@ -129,17 +129,29 @@ class Engine:
                 f"({dist.get_world_size()} ranks, {self.precision})")
 
 
-def _check_pipeline(checkpoint, pipeline: int) -> None:
-    """EvalError naming --pp, the checkpoint's layer count and the sizes that divide it, when its layers do not split
-    evenly over `pipeline` stages: found from the metadata, before the process group and the model (Megatron-Core
-    stopped the build with a bare AssertionError). Metadata that cannot be read is left to the load to report."""
+def _tensor_fits(tensor: int, cfg: dict) -> bool:
+    """Whether Megatron-Core splits this model over `tensor` TP ranks: equal slices of the attention heads and the
+    MLP, and whole KV heads per rank, or (more ranks than KV heads) each KV head on tensor / kv_heads ranks."""
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return (heads % tensor == 0 and cfg["intermediate_size"] % tensor == 0
+            and (kv_heads % tensor == 0 if kv_heads >= tensor else tensor % kv_heads == 0))
+
+
+def _check_layout(checkpoint, tensor: int, pipeline: int) -> None:
+    """EvalError naming --tp or --pp, the checkpoint's sizes and the values that fit, when the model does not split
+    evenly over `tensor` TP ranks or its layers over `pipeline` stages: found from the metadata, before the process
+    group and the model (Megatron-Core stopped the build on every rank with a ValueError or a bare AssertionError).
+    Metadata that cannot be read is left to the load to report."""
     from megatron_ext.checkpoint_index import CheckpointError
     from megatron_ext.checkpoint_layout import read_metadata
 
-    if pipeline <= 1:
+    if tensor <= 1 and pipeline <= 1:
         return
     try:
-        layers = int(read_metadata(checkpoint)["hf_config"]["num_hidden_layers"])
+        cfg = read_metadata(checkpoint)["hf_config"]
+        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        cfg = {**cfg, "num_attention_heads": heads, "intermediate_size": int(cfg["intermediate_size"]),
+               "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads)}
     except (CheckpointError, OSError, ValueError, KeyError, TypeError):
         return
     if layers % pipeline:
@@ -147,6 +159,12 @@ def _check_pipeline(checkpoint, pipeline: int) -> None:
         raise EvalError(f"--pp {pipeline}: the model in {checkpoint} has {layers} layers, which do not split evenly "
                         f"over {pipeline} pipeline stages; give a --pp that divides {layers} "
                         f"({', '.join(map(str, fits))}), or use --tp/--cp to spread the model instead")
+    if not _tensor_fits(tensor, cfg):
+        fits = [str(k) for k in range(1, heads + 1) if _tensor_fits(k, cfg)]
+        raise EvalError(f"--tp {tensor}: the model in {checkpoint} ({heads} attention heads, "
+                        f"{cfg['num_key_value_heads']} KV heads, MLP width {cfg['intermediate_size']}) does not split "
+                        f"evenly over {tensor} tensor-parallel ranks; give --tp {', '.join(fits[:-1])} or {fits[-1]}, "
+                        "or use --cp to spread long prompts instead")
 
 
 @contextmanager
@@ -161,7 +179,7 @@ def megatron_engine(checkpoint, *, tensor: int = 1, pipeline: int = 1, context: 
     if not Path(checkpoint).is_dir():
         raise EvalError(f"Megatron checkpoint {checkpoint} does not exist: give a training run's checkpoint.dir or "
                         "the output of tools/convert.py to-megatron")
-    _check_pipeline(checkpoint, pipeline)  # before the process count: no count of processes makes it fit
+    _check_layout(checkpoint, tensor, pipeline)  # before the process count: no count of processes makes it fit
     world = process_env().world_size
     if min(tensor, pipeline, context) < 1 or world % (tensor * pipeline * context):
         raise EvalError(f"--tp {tensor} x --pp {pipeline} x --cp {context} must divide the {world} processes "

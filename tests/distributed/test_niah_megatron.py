@@ -227,6 +227,9 @@ def test_cli_ruler_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_p
     # Megatron-Core's bare AssertionError (num_layers divisible by pipeline size) after the group started, before:
     (["--megatron", "CKPT", "--engine", "megatron", "--pp", "3"], "--pp 3: the model in {mc} has 2 layers, which do "
      "not split evenly over 3 pipeline stages; give a --pp that divides 2 (1, 2), or use --tp/--cp"),
+    # Megatron-Core's ValueError on every rank; 4 fits though above the 2 KV heads (each on 2 ranks)
+    (["--megatron", "CKPT", "--engine", "megatron", "--tp", "3"], "--tp 3: the model in {mc} (4 attention heads, 2 "
+     "KV heads, MLP width 176) does not split evenly over 3 tensor-parallel ranks; give --tp 1, 2 or 4, or use --cp"),
 ])
 def test_cli_user_errors(checkpoints, tmp_path, capsys, argv, message):
     from megatron_ext.evaluate.cli import main
