@@ -181,15 +181,16 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
 def _haystacks(tokenizer, kinds: set[str], haystack: Haystack | str | Path | None, n_tokens: int,
                seed: int) -> dict[str, Haystack]:
     """The filler and noise haystacks the tasks' `kinds` use, of at least `n_tokens` tokens (a given Haystack as
-    it is). A longer one starts with the same tokens, so a prompt does not depend on how long its haystack is."""
+    it is). A longer one starts with the same tokens, so a prompt does not depend on how long its haystack is. Both
+    start with a space: a needle at the first place follows the instruction's "Text:" as others follow a sentence."""
     haystacks = {}
     if "filler" in kinds:
         if isinstance(haystack, Haystack):
             haystacks["filler"] = haystack
         elif haystack is None:
-            haystacks["filler"] = builtin_haystack(tokenizer, n_tokens, seed=seed)
+            haystacks["filler"] = builtin_haystack(tokenizer, n_tokens, seed=seed, lead=" ")
         else:
-            haystacks["filler"] = file_haystack(tokenizer, haystack, n_tokens)
+            haystacks["filler"] = file_haystack(tokenizer, haystack, n_tokens, lead=" ")
     if "noise" in kinds:
         haystacks["noise"] = noise_haystack(tokenizer, n_tokens)
     return haystacks
@@ -297,8 +298,10 @@ def _generate_or_none(generate: RulerGenerate, prompts: list[list[int]], new_tok
 
 # Settings that decide the prompts and the outputs: an earlier run's cells count only if they agree.
 # The form of the prompts: bumped whenever a task's text changes (2: vt and cwe open with a solved example, as
-# RULER's do), so --resume never mixes cells of two forms in one score.
-PROMPT_VERSION = 2
+# RULER's do; 3: a needle reads alike at every place, as NIAH's since its prompt_version 2: the retrieval and vt
+# instructions end in "Text:" and the filler and noise haystacks start with a space), so --resume never mixes cells
+# of two forms in one score.
+PROMPT_VERSION = 3
 _RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens", "prompt_version")
 
 

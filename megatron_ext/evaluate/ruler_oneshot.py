@@ -30,7 +30,8 @@ SEPARATOR = "\n\n"                      # between the solved example and the rea
 
 def vt_wording(value: str) -> tuple[str, str, str]:
     """(instruction, question, answer prefix) of a vt prompt whose chain starts at `value`."""
-    return ("Variable assignments are hidden in the text below. Remember them; you will be asked about them.\n\n",
+    return ("Variable assignments are hidden in the text below. Remember them; you will be asked about them.\n\n"
+            "Text:",
             f"\n\nWhich variables hold the value {value}, assigned directly or through other variables? Name all "
             "of them.",
             f" The variables that hold {value} are:")
@@ -61,7 +62,7 @@ def vt_example(rng: random.Random, new_names: Callable[[int], list[str]], real_v
     parts = vt_wording(value)
 
     def prompt(k: int) -> str:  # its size: the lines' place changes the count by a token at most
-        return parts[0] + " ".join([noise] * k + lines) + parts[1] + parts[2]
+        return parts[0] + " " + " ".join([noise] * k + lines) + parts[1] + parts[2]
 
     fixed = n_tokens(prompt(0))
     k = max(0, (VT_EXAMPLE_TOKENS - fixed) // max(1, n_tokens(" " + noise)))
@@ -70,7 +71,7 @@ def vt_example(rng: random.Random, new_names: Callable[[int], list[str]], real_v
     items: list[str] = [noise] * k
     for at, line in zip(sorted(rng.sample(range(k + len(lines)), len(lines))), lines):  # in order, anywhere
         items.insert(at, line)
-    return _solved(parts, " ".join(items), " " + " ".join(names))
+    return _solved(parts, " " + " ".join(items), " " + " ".join(names))  # "Text: " as the real task's body
 
 
 def cwe_example(rng: random.Random, new_words: Callable[[int], list[str]], length: int, common: int,

@@ -15,6 +15,13 @@ in `niah.prompt_parts`). vt and cwe prompts put before the instruction one examp
 length RULER uses does; prompts of a few hundred tokens do not): `details["solved_example"]` says which.
 Retrieval and variable-tracking prompts are exactly `length` tokens (needle sentences put at sentence starts of
 the filler); needle-haystack and word-list prompts are the longest list that fits.
+
+A needle reads alike at every place it can go, as NIAH's (`niah.PROMPT_VERSION` 2): after a full stop and a space,
+then a space and the next sentence. The instruction of a retrieval or vt prompt ends in "Text:" and the filler and
+noise haystacks start with a space, so the first place is no different (it read "about them.\n\n The secret ... is
+4817263.Nobody knows": a stray space, and the first sentence glued to the needle's full stop). The cut that ends the
+haystack part, mid-sentence, is never a place (a needle there would follow half a sentence), nor is the sentence start
+before it where the cut leaves only that sentence's space (a needle there was followed by " \n\n" and the question).
 """
 
 from __future__ import annotations
@@ -114,12 +121,12 @@ def pseudo_words(rng: random.Random, n: int, taken: set[str] | None = None) -> l
 
 
 def noise_haystack(tokenizer, n_tokens: int) -> Haystack:
-    """At least `n_tokens` tokens of one short paragraph repeated (RULER's "noise" haystack)."""
+    """At least `n_tokens` tokens of one short paragraph repeated (RULER's "noise" haystack), starting with a space
+    (as every sentence after the first: a needle put before the first is followed as anywhere else)."""
     def blocks() -> Iterator[str]:
-        chunk = " ".join([_NOISE] * 200)
-        yield chunk
+        chunk = " " + " ".join([_NOISE] * 200)
         while True:
-            yield " " + chunk
+            yield chunk
 
     return tokenize_haystack(tokenizer, blocks(), n_tokens, source="noise")
 
@@ -177,7 +184,7 @@ class SampleBuilder:
         many = task.values > 1 or task.queries > 1
         names = _and_list(asked)
         instruction = (f"Secret {what}s of several names are hidden in the text below. Find them and remember "
-                       f"them; you will be asked about them.\n\n")
+                       f"them; you will be asked about them.\n\nText:")
         question = (f"\n\nWhat {'are all the secret ' + what + 's' if many else 'is the secret ' + what} of "
                     f"{names} in the text above?")
         prefix = f" The secret {what}{'s' if many else ''} of {names} {'are' if many else 'is'}"
@@ -238,7 +245,7 @@ class SampleBuilder:
     def _in_haystack(self, hay: Haystack, length, rng, head, tail, needles: list[list[int]], answers,
                      name: str) -> RulerSample:
         """Exactly `length` tokens: the haystack's first tokens with the needles, in the given order, at distinct
-        random sentence starts."""
+        random sentence starts of which at least a word is before the cut (each needle is followed by one)."""
         n_hay = length - len(head) - len(tail) - sum(map(len, needles))
         if n_hay < 0:
             raise LengthTooShort(f"{name}: length {length} is shorter than its prompt without any haystack "
@@ -246,6 +253,8 @@ class SampleBuilder:
         if n_hay > len(hay):
             raise EvalError(f"{name}: haystack {hay.source} has {len(hay):,} tokens, length {length:,} needs {n_hay:,}")
         slots = hay.needle_slots(n_hay)[:-1].tolist()  # sentence starts, not the cut at the end
+        if slots and not self.tok.decode(hay.ids[slots[-1]:n_hay].tolist()).strip():
+            slots.pop()  # the cut leaves only the space before that sentence: a needle there was followed by " \n\n"
         if len(slots) < len(needles):
             raise LengthTooShort(f"{name}: length {length} leaves {len(slots)} places for {len(needles)} needles: "
                                  "use a longer length")

@@ -19,11 +19,9 @@ import pytest
 import torch
 
 from megatron_ext.evaluate import EvalError
-from megatron_ext.evaluate.haystack import builtin_haystack
 from megatron_ext.evaluate import ruler_tasks
-from megatron_ext.evaluate.ruler import RulerResult, run_ruler
-from megatron_ext.evaluate.ruler_tasks import (TASKS, SampleBuilder, match_all, noise_haystack, pseudo_words,
-                                               task_names, zipf_counts)
+from megatron_ext.evaluate.ruler import RulerResult, _haystacks, run_ruler
+from megatron_ext.evaluate.ruler_tasks import TASKS, SampleBuilder, match_all, pseudo_words, task_names, zipf_counts
 
 LENGTHS = [1536, 4096, 12000]
 
@@ -35,10 +33,14 @@ def tok(toy_tokenizer):
     return AutoTokenizer.from_pretrained(toy_tokenizer)
 
 
+def run_haystacks(tok, n: int, seed: int = 0) -> dict:
+    """The filler and noise haystacks as run_ruler makes them (each starts with a space)."""
+    return _haystacks(tok, {"filler", "noise"}, None, n, seed)
+
+
 @pytest.fixture(scope="module")
 def builder(tok):
-    n = max(LENGTHS)
-    return SampleBuilder(tok, {"filler": builtin_haystack(tok, n), "noise": noise_haystack(tok, n)})
+    return SampleBuilder(tok, run_haystacks(tok, max(LENGTHS)))
 
 
 def read_answer(text: str, broken: bool = False) -> str:
@@ -88,6 +90,59 @@ def test_every_prompt_holds_its_answer_and_no_other(tok, builder, name, length):
         assert len(sample.needle_tokens) == {"niah": needles, "variable_tracking": 5}.get(task.kind, 0)
 
 
+class PlacedRandom(random.Random):
+    """A sample's RNG that puts its needles at the first, the middle or the last of the places it draws from (the
+    one draw of a list: `_in_haystack`'s of sentence starts); every other draw as random.Random."""
+
+    def __init__(self, seed, where: str):
+        super().__init__(seed)
+        self.where = where
+
+    def sample(self, population, k, **kwargs):
+        if not isinstance(population, list):
+            return super().sample(population, k, **kwargs)
+        i = {"first": 0, "middle": (len(population) - k) // 2, "last": len(population) - k}[self.where]
+        return population[i:i + k]
+
+
+NEEDLE = re.compile(r"The secret (?:number|code) of [\w-]+ is [\w-]+\.|VAR \w+ = (?:VAR \w+|\d+)\.")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", [n for n, t in TASKS.items() if t.kind in ("niah", "variable_tracking")])
+def test_every_needle_reads_alike_at_the_first_a_middle_and_the_last_place(tok, name, chat):
+    """A needle reads after a full stop (or the instruction's "Text:") and a space, and is followed by a space and a
+    word (or, in a body of needles only, the question). At the first place it read "about them.\n\n The secret ...
+    is 4817263.Nobody" (a stray space, the first sentence glued to it); at the last, where the cut left only the
+    space before a sentence, it was followed by " \n\nWhat". Every length from 1500 to 1547 (a cut after every
+    token of a few sentences), the needles at the first, a middle and the last places; prompts of exactly the
+    length. Control: on the older prompts the first place fails (and, alone, the last place's cut)."""
+    from tests.unit.test_evaluate import CHAT_TEMPLATE
+
+    task = TASKS[name]
+    tok.chat_template = CHAT_TEMPLATE if chat else None
+    try:
+        build = SampleBuilder(tok, run_haystacks(tok, 1600), chat=chat).build
+        for length, where in itertools.product(range(1500, 1548), ["first", "middle", "last"]):
+            sample = build(task, length, PlacedRandom(f"{name}:{length}", where))
+            assert len(sample.ids) == length or task.haystack == "needles"
+            text = tok.decode(sample.ids, skip_special_tokens=True)
+            start = text.rindex(text.split("\n\n", 1)[0].split("\n")[-1])  # vt's real task: after its example
+            body = text[start:text.rindex("\n\n")]
+            found = list(NEEDLE.finditer(text, start, start + len(body)))
+            assert len(found) >= len(sample.needle_tokens) >= 1
+            if task.haystack != "needles":  # the needles put in, found where recorded
+                assert [len(tok.decode(sample.ids[:at], skip_special_tokens=True)) + 1 for at in sample.needle_tokens
+                        ] == [m.start() for m in found]
+            for m in found:
+                before, after = text[m.start() - 6:m.start()], text[m.end():m.end() + 6]
+                assert re.search(r"(\.|Text:) $", before), (length, where, before, m.group(0), after)
+                assert re.match(r" [A-Z]", after) or (task.haystack == "needles" and m.end() == start + len(body)), \
+                    (length, where, before, m.group(0), after)
+    finally:
+        tok.chat_template = None
+
+
 @pytest.mark.parametrize("name", ["niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue",
                                   "vt", "cwe"])
 def test_a_reader_that_breaks_the_rule_scores_less(tok, builder, name):
@@ -127,7 +182,7 @@ def test_chat_prompts_use_the_template(tok):
 
     tok.chat_template = CHAT_TEMPLATE
     try:
-        chat = SampleBuilder(tok, {"filler": builtin_haystack(tok, 2048)}, chat=True)
+        chat = SampleBuilder(tok, run_haystacks(tok, 2048), chat=True)
         text = tok.decode(chat.build(TASKS["niah_single_2"], 2048, random.Random(0)).ids)
     finally:
         tok.chat_template = None
@@ -222,9 +277,20 @@ def test_run_ruler_scores_the_reader_100_and_resumes(tok):
                   max_position_embeddings=4096, previous=again, progress=False, log=None)
     older = json.loads(json.dumps(result.to_dict()))
     del older["settings"]["prompt_version"]  # results of the prompts before vt and cwe had their solved example
-    with pytest.raises(EvalError, match="prompt_version = None, this run has 2"):
+    with pytest.raises(EvalError, match="prompt_version = None, this run has 3"):
         run_ruler(None, tok, tasks, [1536, 3000], samples=2, generate=counting, max_position_embeddings=4096,
                   previous=RulerResult.from_dict(older), progress=False, log=None)
+
+
+def test_results_of_the_older_prompt_form_are_not_extended(tok):
+    """The needles' edges changed (prompt_version 3): results of the older prompts are refused, not extended."""
+    common = dict(samples=1, generate=oracle_generate(tok), max_position_embeddings=4096, progress=False, log=None)
+    earlier = run_ruler(None, tok, ["niah_single_2", "vt"], [1536], **common)
+    assert earlier.settings["prompt_version"] == 3
+    older = json.loads(json.dumps(earlier.to_dict()))
+    older["settings"]["prompt_version"] = 2
+    with pytest.raises(EvalError, match="made with prompt_version = 2, this run has 3: use another --out"):
+        run_ruler(None, tok, ["niah_single_2", "vt"], [1536, 2048], previous=RulerResult.from_dict(older), **common)
 
 
 @pytest.mark.parametrize("chunk", ["auto", None, 64])
@@ -266,8 +332,8 @@ def test_run_ruler_on_a_tiny_llama_with_transformers(tok):
 
 
 def _prompt(tok, name: str, length: int, sample: int, seed: int = 0) -> list[int]:
-    hay = {"filler": builtin_haystack(tok, length, seed=seed), "noise": noise_haystack(tok, length)}
-    return SampleBuilder(tok, hay).build(TASKS[name], length, random.Random(f"{seed}:{name}:{length}:{sample}")).ids
+    rng = random.Random(f"{seed}:{name}:{length}:{sample}")
+    return SampleBuilder(tok, run_haystacks(tok, length, seed)).build(TASKS[name], length, rng).ids
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -316,7 +382,7 @@ def test_cli_finds_every_length_too_short_before_loading_the_model(tmp_path, toy
     assert len(named) >= (1 if own_tokenizer else 5)  # the toy BPE tokenizer's prompts: 7 tasks over 256 tokens
 
     tok = AutoTokenizer.from_pretrained(model if own_tokenizer else toy_tokenizer)
-    build = SampleBuilder(tok, {"filler": builtin_haystack(tok, 4096), "noise": noise_haystack(tok, 4096)}).build
+    build = SampleBuilder(tok, run_haystacks(tok, 4096)).build
 
     def fits(name: str, n: int) -> bool:  # the prompts the run would build: samples 0 and 1, the run's seeds
         try:
