@@ -395,6 +395,9 @@ def load_recipe(
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `recipe check ... | head` ends quietly, as a Unix filter does
     from megatron_ext.recipe_cli import main
 
     raise SystemExit(main())

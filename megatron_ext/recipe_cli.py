@@ -76,4 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `recipe check ... | head` ends quietly, as a Unix filter does
     raise SystemExit(main())

@@ -332,6 +332,15 @@ def test_cli_checks_every_shipped_recipe():
     assert proc.stdout.count("ok: ") == len(files)
 
 
+def test_cli_output_piped_into_a_reader_that_stops_early():
+    """`recipe check --fields | head`: the reader closes the pipe before the listing ends; a Unix filter then ends
+    quietly (it printed a BrokenPipeError traceback)."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ext.recipe", "check", "--fields"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it writes: the listing (12 KB) could otherwise fit in the pipe and be written whole
+    assert proc.stderr.read() == b"" and proc.wait() != 0
+
+
 def test_cli_unknown_key_fails_with_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**BASE, "train": {**BASE["train"], "seq_lenght": 5}}))
