@@ -29,7 +29,7 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     if not Path(recipe_path).is_file():
         raise RecipeError(f"recipe {recipe_path!r}: file not found; give a recipe YAML, e.g. recipes/cpt_1m.yaml")
     # Looked for, not imported (~8 s): the check itself needs neither, the trainer both.
-    missing = [m for m in ("torch", "megatron.core") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("torch", "megatron.core") if not _findable(m)]
     if missing:
         raise RecipeError(f"python {sys.executable} cannot import {' and '.join(missing)}, which the trainer needs; "
                           "use the python of the environment megatron_ext is installed in (sbatch: export "
@@ -46,6 +46,14 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
                 f"runtime.device = 'cuda': {tasks_per_node} tasks per node but {gpus_per_node} GPUs per node "
                 f"allocated; submit with --gpus-per-node={tasks_per_node} (one task per GPU) or set runtime.device=cpu")
     return recipe
+
+
+def _findable(module: str) -> bool:
+    """`module` can be imported by this python (looked for, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # find_spec("megatron.core") raises, not None, where `megatron` itself is missing
+        return False
 
 
 def check_data_caches(recipe: Recipe) -> None:

@@ -103,16 +103,27 @@ log_job() {
   [[ -z ${TASK_PREFIX:-} ]] || log "task prefix: $TASK_PREFIX"
 }
 
+# nothing_launched MESSAGE...: end the job with one line, MESSAGE and that nothing was launched (a full stop at its
+# end dropped). The preflight's errors read like the ones a started trainer prints in each task: this tells them apart.
+nothing_launched() {
+  local message="$*"
+  die "${message%.}; nothing launched"
+}
+
 # check_python: end the job with one line when PYTHON is not a python with megatron_ext's dependencies (the
 # default `python` of a compute node often is the system one): what made the check above fail with a traceback.
 check_python() {
   command -v "$PYTHON" >/dev/null ||
-    die "PYTHON=$PYTHON: no such program; export PYTHON=/path/to/venv/bin/python before sbatch"
+    nothing_launched "PYTHON=$PYTHON: no such program; export PYTHON=/path/to/venv/bin/python before sbatch"
   # found, not imported (~8 s of CPU); launch --check looks for them the same way
   "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "yaml")))' 2>/dev/null ||
-    die "PYTHON=$PYTHON cannot import torch, megatron.core and yaml; export PYTHON=/path/to/venv/bin/python" \
+    nothing_launched "PYTHON=$PYTHON cannot import torch, megatron.core and yaml; export PYTHON=/path/to/venv/bin/python" \
       "(the environment megatron_ext is installed in) before sbatch"
 }
+
+# srun's own lines on a task that ended badly ("srun: error: node1: task 0: Exited with exit code 1", and the step's
+# ending): where the check said why, they repeat it.
+SRUN_TASK_END='^srun: (error: [^ ]+: tasks? [0-9,-]+: |(launch/slurm: )?_step_signal: Terminating )'
 
 # Fail before any worker starts: the recipe, overrides, data and checkpoint paths must be good
 # for this many tasks.
@@ -126,11 +137,41 @@ preflight() {
     local help # captured first: `srun --help | grep -q` can fail under pipefail (SIGPIPE)
     help=$(srun --help 2>&1 || true)
     [[ $help == *--container-image* ]] ||
-      die "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed); unset it or install pyxis"
-    container_check "$@" || die "recipe check failed; nothing launched"
-  else
-    "${check[@]}" "$@" || { check_python; die "recipe check failed; nothing launched"; }
+      nothing_launched "CONTAINER_IMAGE is set but srun has no --container-image (pyxis is not installed); unset it" \
+        "or install pyxis"
   fi
+  # The check's stderr is held back until it ends: where it failed, one line says why (its own, or check_python's).
+  local err said last rc=0
+  err=$(mktemp) || nothing_launched "mktemp failed (TMPDIR=${TMPDIR:-/tmp})"
+  if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+    container_check "$@" 2>"$err" || rc=$?
+  else
+    # bash's own notice of a killed check ("common.sh: line N: PID Killed ...") to /dev/null: the line below says so
+    { "${check[@]}" "$@" 2>"$err"; } 2>/dev/null || rc=$?
+  fi
+  said=$(<"$err")
+  rm -f -- "$err"
+  if ((rc == 0)); then
+    [[ -z $said ]] || printf '%s\n' "$said" >&2 # warnings
+    return 0
+  fi
+  # the python itself (no such program, no torch): that line, not the traceback or 'No such file' it caused
+  [[ -n ${CONTAINER_IMAGE:-} ]] || check_python
+  local told
+  told=$(grep -Ev "$SRUN_TASK_END" <<<"$said" || true)
+  last=${told##*$'\n'}
+  if ((rc == 1)) && [[ $last == "error: "* ]]; then # the check's (or container_check's) own one line
+    [[ $told != *$'\n'* ]] || printf '%s\n' "${told%$'\n'*}" >&2
+    nothing_launched "${last#error: }"
+  fi
+  if ((rc == 2)) && [[ $last =~ ^python\ -m\ megatron_ext\.launch:\ error:\ (.*)$ ]]; then # argparse; its usage dropped
+    nothing_launched "${BASH_REMATCH[1]} (give the script recipe overrides, dotted.key=value)"
+  fi
+  # a crash (a traceback, a killed process): what it and srun printed, then one line that nothing was launched
+  [[ -z $said ]] || printf '%s\n' "$said" >&2
+  local how="failed with exit $rc" signal
+  if ((rc > 128)) && signal=$(kill -l $((rc - 128)) 2>/dev/null); then how="was killed by SIG$signal (exit $rc)"; fi
+  nothing_launched "the recipe check ($PYTHON -m megatron_ext.launch --check) $how${said:+; its output is above}"
 }
 
 # host_job_state ID: the state squeue on this (batch) host gives for job ID, as `launch --owner-state ID=STATE` takes

@@ -20,10 +20,14 @@ from tests.conftest import ROOT
 STUBS = {
     # the training step: optionally signal the batch shell (as Slurm does), then end with FAKE_RC
     # FAKE_CONTAINER_PATH: the preflight's check (megatron_ext.launch) runs for real, with this PATH (a container
-    # without Slurm's commands); each such call's arguments, one line, go to FAKE_CHECKS
+    # without Slurm's commands), and a failed one gets srun's own line; each such call's arguments, one line, go to
+    # FAKE_CHECKS
     "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n'
             'if [[ -n ${FAKE_CONTAINER_PATH:-} && " $* " == *" megatron_ext.launch "* ]]; then\n'
-            '  while [[ $1 == -* ]]; do shift; done; echo "$*" >>"$FAKE_CHECKS"; PATH=$FAKE_CONTAINER_PATH exec "$@"\nfi\n'
+            '  while [[ $1 == -* ]]; do shift; done; echo "$*" >>"$FAKE_CHECKS"; exec 4>&2; rc=0\n'
+            '  { PATH=$FAKE_CONTAINER_PATH "$@" 2>&4; } 2>/dev/null || rc=$?\n'
+            '  if ((rc > 128)); then echo "srun: error: node1: task 0: Killed" >&2\n'
+            '  elif ((rc)); then echo "srun: error: node1: task 0: Exited with exit code $rc" >&2; fi; exit $rc\nfi\n'
             '[[ -n ${FAKE_ARGV:-} ]] && printf "%s\\n" "$@" >"$FAKE_ARGV"\n[[ -n ${FAKE_ENV:-} ]] && env >"$FAKE_ENV"\n'
             'for s in ${FAKE_SIGNAL:-}; do kill -"$s" "$PPID"; sleep 0.1; done\nsleep 0.3\n'
             '[[ -n ${FAKE_SAVE:-} ]] && echo "$FAKE_SAVE" >"$FAKE_RESULTS"\nexit "${FAKE_RC:-0}"',
@@ -288,16 +292,68 @@ def test_torchrun_variables_from_the_submitting_shell_do_not_reach_the_tasks(job
     assert proc.returncode == 0 and "note: unset" not in proc.stderr
 
 
+def bare_python(folder: Path) -> Path:
+    """A python with PyYAML and the project but no torch or Megatron-Core (a login node's system python), whose
+    `megatron_ext.launch --check` says so in one line of its own."""
+    import yaml
+
+    (folder / "site").mkdir()
+    (folder / "site/yaml").symlink_to(Path(yaml.__file__).parent)
+    script = folder / "bare_python"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={ROOT}:{folder / "site"} exec {sys.executable} -S "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
 @pytest.mark.parametrize("python, message", [
     ("/no/such/python", "PYTHON=/no/such/python: no such program"),
     ("false", "PYTHON=false cannot import torch, megatron.core and yaml"),  # runs, but is not the venv's python
+    ("bare", "PYTHON={bare} cannot import torch, megatron.core and yaml"),  # the check's own error line came first
 ])
-def test_a_python_without_the_dependencies_is_named(job, python, message):
-    """Before: a traceback (ModuleNotFoundError: torch) or 'No such file', then 'recipe check failed'."""
+def test_a_python_without_the_dependencies_is_named(job, tmp_path, python, message):
+    """Before: a traceback (ModuleNotFoundError: torch), 'No such file' or the check's own line, then this one."""
+    if python == "bare":
+        python = str(bare_python(tmp_path))
+        message = message.format(bare=python)
     proc, calls = job(PYTHON=python)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith(f"error: {message}") and "export PYTHON=" in last, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {message}") and "export PYTHON=" in lines[0], proc.stderr
+    assert lines[0].endswith("before sbatch; nothing launched")
     assert "training exited" not in proc.stdout
+
+
+def test_an_option_given_to_a_stage_script_is_one_line(job):
+    """Arguments after the script are recipe overrides; an option reached the check's argparse, which printed its
+    usage and its error (then 'recipe check failed'): now one line."""
+    proc, _ = job(args=("--bogus", "train.steps=3"), PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    assert proc.returncode == 1 and "training exited" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["error: unrecognized arguments: --bogus (give the script recipe overrides, "
+                                        "dotted.key=value); nothing launched"]
+
+
+@pytest.mark.parametrize("container", [False, True])
+@pytest.mark.parametrize("crash, said, before", [
+    ('"$@" -c "raise KeyError(\'bug\')"', "failed with exit 1", ["KeyError: 'bug'"]),
+    ("kill -9 $$", "was killed by SIGKILL (exit 137)", []),  # e.g. out of memory, nothing printed
+])
+def test_a_check_that_crashes_still_says_nothing_was_launched(job, tmp_path, crash, said, before, container):
+    """A real failure of the check's process (not an error it reports) ends in one line that nothing was launched,
+    after what it (and srun) printed; the batch shell's own 'Killed' notice is not shown as well."""
+    python = tmp_path / "crashing_python"
+    python.write_text(f'#!/bin/bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\nset -- {sys.executable}\n{crash}\n')
+    python.chmod(0o755)
+    if container:
+        container_env = dict(CONTAINER_IMAGE="img.sqsh", FAKE_HELP="--container-image",
+                             FAKE_CONTAINER_PATH=os.environ["PATH"], FAKE_CHECKS=str(tmp_path / "checks"))
+        before = before + [f"srun: error: node1: task 0: {'Killed' if before == [] else 'Exited with exit code 1'}"]
+    proc, _ = job(PYTHON=str(python), **(container_env if container else {}))
+    assert proc.returncode == 1 and "training exited" not in proc.stdout, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    above = "; its output is above" if before else ""
+    ours = f"error: the recipe check ({python} -m megatron_ext.launch --check) {said}{above}; nothing launched"
+    assert lines[-1 - len(before):] == [*before, ours], proc.stderr
+    assert lines[0].startswith("Traceback") if before[:1] == ["KeyError: 'bug'"] else len(lines) == len(before) + 1
 
 
 def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
@@ -455,7 +511,7 @@ def container_job(job, tmp_path, token_data):
         checks.write_text("")
         proc, _ = job(args=("train.steps=3", f"checkpoint.dir={run_dir}", f"data.prefix={token_data}"),
                       CONTAINER_IMAGE="img.sqsh", FAKE_HELP="--container-image", FAKE_CONTAINER_PATH=str(empty),
-                      FAKE_CHECKS=str(checks), PYTHON=sys.executable, PYTHONWARNINGS="ignore", FAKE_RC="0", **fake)
+                      FAKE_CHECKS=str(checks), PYTHONWARNINGS="ignore", FAKE_RC="0", **{"PYTHON": sys.executable, **fake})
         return proc, (run_dir / ".slurm_job").read_text(), checks.read_text().splitlines()
 
     return run
@@ -478,13 +534,28 @@ def test_a_container_job_takes_over_from_a_job_that_ended(container_job, states)
 
 
 @pytest.mark.parametrize("state", ["RUNNING", "PENDING", "COMPLETING"])
-def test_a_container_job_refuses_a_folder_a_live_job_writes(container_job, state):
+def test_a_container_job_refuses_a_folder_a_live_job_writes(container_job, tmp_path, state):
     proc, owner, checks = container_job(FAKE_STATES=f"41={state} 43=COMPLETED")
     assert proc.returncode == 1 and "training exited" not in proc.stdout, proc.stdout + proc.stderr
     assert owner == "41\n" and len(checks) == 2
     assert f"is being written by Slurm job 41 ({state}); two runs in one folder" in proc.stderr
-    assert "cancel it (scancel 41), or give this run another checkpoint.dir" in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "error: recipe check failed; nothing launched"
+    # one line (before: the check's, srun's 'task 0: Exited with exit code 1', then 'recipe check failed')
+    assert proc.stderr.splitlines() == [
+        f"error: checkpoint.dir = '{tmp_path / 'run'}' is being written by Slurm job 41 ({state}); two runs in "
+        "one folder overwrite each other's checkpoints. Wait for it, cancel it (scancel 41), or give this run another "
+        "checkpoint.dir; nothing launched"]
+
+
+def test_a_container_whose_python_lacks_torch_is_named_in_one_line(container_job, tmp_path):
+    """The check in the container names a python without Megatron-Core in one line; before, find_spec('megatron.core')
+    raised where `megatron` itself is missing: a traceback, srun's line, and 'recipe check failed'."""
+    python = bare_python(tmp_path)
+    proc, owner, _ = container_job(PYTHON=str(python))
+    assert proc.returncode == 1 and "training exited" not in proc.stdout and owner == "41\n", proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: python {sys.executable} cannot import torch and megatron.core, which the trainer needs; use the python "
+        "of the environment megatron_ext is installed in (sbatch: export PYTHON=/path/to/venv/bin/python); nothing "
+        "launched"]
 
 
 def test_a_container_job_where_the_host_cannot_ask_slurm_either(container_job, tmp_path):
