@@ -275,7 +275,13 @@ requeue_job() {
   local restarts=${SLURM_RESTART_COUNT:-0}
   ((restarts < ${MAX_REQUEUES:-50})) || die "not requeueing: $restarts restarts (MAX_REQUEUES)"
   log "${1}requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))${2}"
-  scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed"
+  local why=""
+  # scontrol's own error held back: one line says what failed and what to do
+  if ! why=$(scontrol requeue "$SLURM_JOB_ID" 2>&1 >/dev/null); then
+    why=${why//$'\n'/ }
+    die "scontrol requeue $SLURM_JOB_ID failed (${why:-no message}): not requeued; submit the job again to go on" \
+      "from where this one stopped"
+  fi
   exit 0
 }
 

@@ -39,7 +39,9 @@ STUBS = {
               '  echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1 ;;\n'
               '*) echo RUNNING ;; esac',
     "sacct": 'echo "${FAKE_STATE:-RUNNING}"',
-    "scontrol": 'if [[ $1 == requeue ]]; then echo "requeue $2" >>"$FAKE_CALLS"; '
+    # FAKE_REQUEUE_ERR: `scontrol requeue` fails with that message
+    "scontrol": 'if [[ $1 == requeue ]]; then [[ -n ${FAKE_REQUEUE_ERR:-} ]] && { echo "$FAKE_REQUEUE_ERR" >&2; exit 1; }; '
+                'echo "requeue $2" >>"$FAKE_CALLS"; '
                 'elif [[ $2 == hostnames ]]; then printf "%s\\n" ${FAKE_HOSTS:-node1}; else '
                 'echo "   Command=$FAKE_COMMAND"; fi',
     # FAKE_SCANCEL_SLEEP: a slow scancel keeps the batch shell in its trap while srun ends
@@ -101,6 +103,14 @@ def test_the_submitted_checkout_runs_not_the_one_submitted_from(job, tmp_path):
     assert proc.returncode == 0 and "the other checkout ran" not in proc.stderr, proc.stderr
     proc, _ = job(FAKE_RC="0", FAKE_COMMAND="")  # no Command= path from Slurm: the submit folder's
     assert proc.returncode == 7 and "the other checkout ran" in proc.stderr
+
+
+def test_a_failed_requeue_is_one_line(job):
+    """scontrol's own error, then 'scontrol requeue 42 failed' with no way forward: one line with both."""
+    proc, calls = job(FAKE_SIGNAL="USR1", FAKE_RC="3", FAKE_REQUEUE_ERR="Requested operation is presently disabled for job 42")
+    assert proc.returncode == 1 and calls == "", proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["error: scontrol requeue 42 failed (Requested operation is presently disabled for job 42): "
+                                        "not requeued; submit the job again to go on from where this one stopped"]
 
 
 def test_scancel_is_not_undone_by_a_requeue(job):
