@@ -343,6 +343,10 @@ stage_main() {
   set -euo pipefail
   RECIPE=${RECIPE:-$PROJECT_ROOT/recipes/$1.yaml}
   shift
+  local arg
+  for arg in "$@"; do  # the script's header, not the trainer's help on every task of a job that then trains nothing
+    if [[ $arg == -h || $arg == --help ]]; then sed -n '2,/^#SBATCH/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+  done
   PYTHON=${PYTHON:-python}
   [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0"
   [[ -f $RECIPE ]] || die "recipe $RECIPE not found; set RECIPE=path/to/recipe.yaml"

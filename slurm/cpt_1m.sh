@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # UltraLong CPT to 1M tokens (recipes/cpt_1m.yaml): 256 H100, TP 8 x CP 4; the paper reports ~5 h (perf.md),
 # tools/plan.py predicts 3.9 h at 35% MFU (112 s steps).
-#   sbatch slurm/cpt_1m.sh [dotted.key=value ...]       (submit from the project root)
+#   sbatch slurm/cpt_1m.sh [dotted.key=value ...]       (relative paths: from the submit folder)
 # Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
 # recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.
 #SBATCH --job-name=cpt_1m

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # UltraLong CPT to 2M tokens (recipes/cpt_2m.yaml): 256 H100, TP 8 x CP 16; the paper reports ~6 h (perf.md),
 # tools/plan.py predicts 7.5 h at 35% MFU (216 s steps): near the 8 h limit, past it the run requeues and goes on.
-#   sbatch slurm/cpt_2m.sh [dotted.key=value ...]       (submit from the project root)
+#   sbatch slurm/cpt_2m.sh [dotted.key=value ...]       (relative paths: from the submit folder)
 # Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
 # recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.
 #SBATCH --job-name=cpt_2m

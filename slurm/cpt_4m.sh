@@ -2,7 +2,7 @@
 # UltraLong CPT to 4M tokens (recipes/cpt_4m.yaml): 256 H100, TP 8 x CP 16; the paper reports ~13 h (perf.md),
 # tools/plan.py predicts 17.7 h at 35% MFU (424 s steps): past the 16 h limit the run requeues once and goes on.
 # The time-limit warning comes 20 minutes ahead (10 in the other stages): one step, then the save, must fit.
-#   sbatch slurm/cpt_4m.sh [dotted.key=value ...]       (submit from the project root)
+#   sbatch slurm/cpt_4m.sh [dotted.key=value ...]       (relative paths: from the submit folder)
 # Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
 # recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.
 #SBATCH --job-name=cpt_4m

@@ -51,7 +51,7 @@ while (($#)); do
     --niah) NIAH=$2; shift 2 ;;
     --ruler) RULER=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;;
     *) OVERRIDES+=("$1"); shift ;;
   esac

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # UltraLong SFT (recipes/sft.yaml, from the 1M CPT checkpoint; RECIPE=recipes/sft_2m.yaml or sft_4m.yaml for the
-# 2M and 4M models): 256 H100, TP 8, ~30 min (perf.md).
-#   sbatch slurm/sft.sh [dotted.key=value ...]       (submit from the project root)
+# 2M and 4M models): 256 H100, TP 8; the paper reports ~30 min (perf.md), tools/plan.py predicts 0.17 h at 35% MFU
+# (782 steps of 0.79 s).
+#   sbatch slurm/sft.sh [dotted.key=value ...]       (relative paths: from the submit folder)
 # Every #SBATCH line below can be overridden on the sbatch command line; RECIPE=FILE picks another
 # recipe. The recipe sets the model and the parallel layout; slurm/common.sh documents the rest.
 #SBATCH --job-name=sft

@@ -6,6 +6,7 @@ project when submitted from another folder."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -239,6 +240,26 @@ def test_pipeline_paths_are_the_callers(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--export"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help)\n"
+
+
+def test_a_stage_script_given_help_prints_its_header():
+    """`sbatch slurm/cpt_1m.sh -h`: the recipe check printed its help and passed, and every task of the job then
+    printed the trainer's help and the job ended, having trained nothing."""
+    for args in (["--help"], ["train.steps=2", "-h"]):
+        proc = subprocess.run(["bash", str(ROOT / "slurm/cpt_1m.sh"), *args], capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"})
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith("UltraLong CPT to 1M tokens") and "#SBATCH --" not in proc.stdout
+
+
+def test_pipeline_help_is_its_whole_header():
+    """--help printed the first 24 header lines of 26: not where the jobs run, how paths are read, or PYTHON."""
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    lines = (ROOT / "slurm/pipeline.sh").read_text().splitlines()[1:]  # after the #! line
+    header = [line[2:] for line in itertools.takewhile(lambda line: line.startswith("#"), lines)]
+    assert proc.returncode == 0 and proc.stdout.splitlines() == header, proc.stdout
+    assert header[-1].endswith("PYTHON selects the python (default: python).")
 
 
 @pytest.mark.parametrize("sbatch_args, overrides, per_node, nodes", [
