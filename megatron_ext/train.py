@@ -209,6 +209,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
         log(f"[train] SFT data: {passes}")
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0,
                          tensorboard_dir=recipe.checkpoint.tensorboard_dir)
+    metrics.stop_if_unwritten()  # rank 0 rewrites it on a resume
     stop = stop or StopFlag()
     saver = CheckpointSaver(root, keep_last=recipe.checkpoint.keep_last, background=recipe.checkpoint.async_save,
                             log=log, optimizer_sharding=recipe.checkpoint.optimizer_sharding)
@@ -299,6 +300,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 log(f"[train] step {step}/{t.steps} validation loss {val_loss:.4f} ppl {record['val_ppl']:.4g} "
                     f"({t.eval_iters} batch(es), {val_tokens} tokens, {time.time() - eval_start:.1f} s)")
             metrics.write(record)
+            metrics.stop_if_unwritten()  # before the save: where a line found no room, a checkpoint finds none
             interval = recipe.checkpoint.interval
             if stopping or step == t.steps or (interval and step % interval == 0):
                 position = {"consumed_samples": data.samples_before(step), "tokens": tokens_seen,

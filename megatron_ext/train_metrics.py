@@ -10,22 +10,41 @@ from pathlib import Path
 import torch
 
 from megatron_ext import log_lines
+from megatron_ext.checkpoint_index import CheckpointError
+
+
+class MetricsLogError(CheckpointError):
+    """Rank 0 could not write `metrics.jsonl` (a full disk, a quota, a file-size limit, another OSError): it lives
+    in checkpoint.dir, so it is said as a checkpoint error is, once for every rank."""
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON line per step (rank 0), truncated to the resumed step on restart."""
+    """`metrics.jsonl`: one JSON line per step (rank 0), truncated to the resumed step on restart.
+
+    A write that fails is not raised where it happens (rank 0 alone writes, and the other ranks would wait for it in
+    the step's next collective until the process-group timeout): it is kept in `problem`, and `stop_if_unwritten`,
+    which every rank calls, raises it as one MetricsLogError on every rank."""
 
     def __init__(self, path: Path, start_step: int, enabled: bool, tensorboard_dir: str | None = None):
         self.path = path
         self.enabled = enabled
-        self.tensorboard = None
+        self.problem: str | None = None  # rank 0's one line about a write that failed; nothing is written after it
+        self.tensorboard, self.tensorboard_dir = None, tensorboard_dir
         if enabled and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: TensorBoard hides the events a killed run wrote after the step this one resumes at
-            self.tensorboard = SummaryWriter(tensorboard_dir, purge_step=start_step + 1)
+            _quiet_tensorboard_writer_thread()
+            try:
+                # purge_step: TensorBoard hides the events a killed run wrote after the step this one resumes at
+                self.tensorboard = SummaryWriter(tensorboard_dir, purge_step=start_step + 1)
+            except OSError as e:
+                self._tensorboard_off(e, start_step + 1)
         if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                self.problem = self._unwritten(e, "training did not start")
+                return
         if enabled and path.exists():
             kept, broken, redone = [], [], []
             for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -50,18 +69,131 @@ class MetricsLog:
                 log(f"[train] {path}: dropped the lines of steps {min(redone)}..{max(redone)}, written after the "
                     f"checkpoint of step {start_step}: those steps run again")
             tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+                os.replace(tmp, path)
+            except OSError as e:  # the log as it was stays; the unfinished copy goes (its space back)
+                tmp.unlink(missing_ok=True)
+                self.problem = self._unwritten(e, f"rewriting it to the {len(kept)} line(s) up to step {start_step} "
+                                                  "failed (it is as it was); training did not start")
 
     def write(self, record: dict) -> None:
+        """Append `record` as one line (rank 0); after a failed write (`problem`), nothing more."""
+        if self.problem is not None:
+            return
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
+            line = (json.dumps(strict_json_record(record), allow_nan=False) + "\n").encode()
+            try:
+                append_whole(self.path, line)
+            except OSError as e:
+                self.problem = self._unwritten(e, f"training stopped after step {record['step']}, whose line is not "
+                                                  "there")
+                return
         if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(tensorboard_tag(key), value, record["step"])
-            self.tensorboard.flush()  # a step takes seconds at scale; a killed run keeps every step written
+            try:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self.tensorboard.add_scalar(tensorboard_tag(key), value, record["step"])
+                self.tensorboard.flush()  # a step takes seconds at scale; a killed run keeps every step written
+            except OSError as e:
+                self._tensorboard_off(e, record["step"])
+
+    def _tensorboard_off(self, error: OSError, step: int) -> None:
+        """A TensorBoard write failed: one warning, no events from `step` on, and training goes on. Unlike a line of
+        metrics.jsonl (`stop_if_unwritten`), the events hold only numbers metrics.jsonl has too, and where they share
+        checkpoint.dir's disk, metrics.jsonl's next line stops the run anyway."""
+        from megatron_ext.disk_space import no_space_message
+
+        writer, self.tensorboard = self.tensorboard, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass  # what it still held is lost with the rest
+        where, folder = f"checkpoint.tensorboard_dir {self.tensorboard_dir}", self.tensorboard_dir
+        outcome = f"no TensorBoard events from step {step} on (metrics.jsonl has every step)"
+        said = (no_space_message(error, where, folder, outcome, "free space there")
+                or f"{where}: cannot be written ({error.strerror or error}); {outcome}")
+        log(f"[train] warning: {said}")
+
+    def stop_if_unwritten(self) -> None:
+        """Raise MetricsLogError on every rank, alike (said once), when rank 0's write failed; collective: every rank
+        calls it after each `write` (one integer all-reduced).
+
+        The run stops rather than going on without its metrics, as a checkpoint save without room stops it:
+        metrics.jsonl is in checkpoint.dir, beside the checkpoints, so a disk or quota without room for a line of
+        300 bytes has none for the next checkpoint (gigabytes) either, and every step trained until that save would
+        be lost with it. Stopping now loses only the steps since the newest checkpoint, which that save's failure
+        would lose too; and a log with steps missing is a loss curve with a hole nobody asked for."""
+        failed = self.problem is not None
+        if not torch.distributed.is_initialized():
+            if failed:
+                raise MetricsLogError(self.problem)
+            return
+        from megatron_ext.runtime.distributed import alike_on_every_rank, rank_device, rank_zero_outcome
+
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=rank_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            said = rank_zero_outcome(lambda: self.problem, MetricsLogError)[0]
+            raise alike_on_every_rank(MetricsLogError(said or f"metrics log {self.path}: a write failed on a rank "
+                                                                "other than 0"))
+
+    def _unwritten(self, error: OSError, outcome: str) -> str:
+        """The one line for a failed write of the log: the space left where it is, what became of the run and the
+        newest checkpoint, and the fix."""
+        from megatron_ext.checkpoint_layout import latest_iteration
+        from megatron_ext.disk_space import no_space_message
+
+        root = self.path.parent
+        try:
+            latest = latest_iteration(root)
+        except (CheckpointError, OSError):
+            latest = None
+        outcome += ("; there is no checkpoint yet" if latest is None else
+                    f"; the latest checkpoint is iteration {latest}, where the same command goes on from")
+        said = no_space_message(error, f"metrics log {self.path}", root, outcome,
+                                "free space there (checkpoints are saved there too) or set checkpoint.dir elsewhere")
+        return said or (f"metrics log {self.path}: cannot be written ({error.strerror or error}); {outcome}; check "
+                        "the file system of checkpoint.dir")
+
+
+def _quiet_tensorboard_writer_thread() -> None:
+    """Keep Python from printing a traceback when TensorBoard's writer thread fails to write (an OSError): the
+    thread hands the error on to the next add_scalar or flush, where `MetricsLog` says it in one warning."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path`, or nothing: a write cut short (a full disk, a file-size limit) is cut off again, so
+    that the file still ends in a whole line for the tools that read it (jq, a resume)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(fd, size)  # needs no room
+            except OSError:
+                pass  # the partial line stays; a resume drops it (MetricsLog warns)
+            raise
+    finally:
+        os.close(fd)
 
 
 def tensorboard_tag(key: str) -> str:

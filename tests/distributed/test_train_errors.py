@@ -205,3 +205,32 @@ def test_a_damaged_shard_is_named_by_each_rank(tmp_path, token_data):
     said = re.compile(r"error: rank [01]: (\S+): cannot read its tensors \(corrupt shard: .*File is not a zip file\); "
                       r"copy the checkpoint again or use an earlier iteration")
     assert errors and all((m := said.fullmatch(e)) and Path(m[1]) in shards for e in errors), stderr[-4000:]
+
+
+def _train_under_file_size_limit(limit: int, *overrides: str) -> tuple[list[int], str, str]:
+    """The trainer on 2 ranks whose writes past `limit` bytes fail with EFBIG, as on a full disk (ENOSPC) or a quota
+    (EDQUOT): (exit codes, stdout, stderr). stdout and stderr are files too, so the limit is above what they take."""
+    cmd = [sys.executable, "-u", str(WORKERS / "file_size_limit.py"), str(limit), "megatron_ext.train", "--recipe",
+           str(RECIPE), *overrides]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return _run_ranks(cmd, 2, env, timeout=300)
+
+
+def test_a_metrics_line_without_room_is_one_line(tmp_path, token_data):
+    """Rank 0's append to metrics.jsonl finds no room at step 12 (a file-size limit of 4000 bytes; a full disk or a
+    quota alike): rank 0 printed the OSError's traceback (21 lines), rank 1 waited for it in the next collective
+    (gloo: a 116-line 'Connection closed by peer' traceback; NCCL: until the timeout), the log ended in a cut line.
+    Now one line, said by rank 0 for both, exit 1 on both; metrics.jsonl ends in a whole line. Control (old code):
+    tracebacks, no 'error:' line."""
+    run = tmp_path / "run"
+    codes, _, stderr = _train_under_file_size_limit(4000, f"checkpoint.dir={run}", f"data.prefix={token_data}",
+                                                    f"data.cache_dir={tmp_path / 'cache'}", "train.steps=15",
+                                                    "train.log_interval=100")
+    assert codes == [1, 1] and "Traceback" not in stderr, (codes, stderr[-4000:])
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert lines and all(json.loads(line)["step"] == n for n, line in enumerate(lines, 1)), lines[-1:]
+    assert stderr.splitlines() == [
+        f"error: metrics log {run / 'metrics.jsonl'}: file too large (the file system's or the process's file-size "
+        f"limit, ulimit -f); training stopped after step {len(lines) + 1}, whose line is not there; there is no "
+        "checkpoint yet; lift the file-size limit (ulimit -f) or use a file system that takes larger files"], stderr
+

@@ -55,3 +55,96 @@ def test_tensorboard_events_hold_the_metrics_and_a_resume_replaces_the_killed_ru
     assert len(_tensorboard_scalars(tb, purge=False)["train/loss"]) == 8
     MetricsLog(tmp_path / "off.jsonl", 0, enabled=False, tensorboard_dir=str(tmp_path / "tb_off"))  # not rank 0
     assert not (tmp_path / "tb_off").exists()
+
+
+def _under_file_size_limit(limit: int, code: str, *args: str):
+    """Run `code` (argv[1:] = `args`) in a new Python whose writes past `limit` bytes fail with EFBIG, as a full disk
+    (ENOSPC) or a quota (EDQUOT) fails them: no root needed."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=limited)
+
+
+def test_a_metrics_line_without_room_stops_the_run_and_leaves_whole_lines(tmp_path):
+    """Rank 0's append to metrics.jsonl that finds no room (a file-size limit here) raised OSError on rank 0 alone
+    (a traceback, the other ranks waiting in the next collective) and left a cut line. Now the line is cut off
+    again, the failure kept as one line and raised by `stop_if_unwritten` (which every rank calls); later writes do
+    nothing. A resume whose rewrite of the log finds no room leaves it as it was, its copy removed. Control (old
+    code): `OSError: [Errno 27] File too large` traceback, a cut last line."""
+    import json
+
+    code = """
+import sys
+from pathlib import Path
+from megatron_ext.train_metrics import MetricsLog, MetricsLogError
+log = MetricsLog(Path(sys.argv[1]), 0, enabled=True)
+for step in range(1, 100):
+    log.write({"step": step, "loss": 1.5, "note": "x" * 80})
+    try:
+        log.stop_if_unwritten()
+    except MetricsLogError as e:
+        log.write({"step": step + 1, "loss": 1.0})  # nothing more is written
+        print(e)
+        break
+"""
+    path = tmp_path / "run" / "metrics.jsonl"
+    proc = _under_file_size_limit(1000, code, str(path))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert path.read_text().endswith("\n") and steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
+    assert proc.stdout.splitlines() == [
+        f"metrics log {path}: file too large (the file system's or the process's file-size limit, ulimit -f); "
+        f"training stopped after step {len(steps) + 1}, whose line is not there; there is no checkpoint yet; lift the "
+        "file-size limit (ulimit -f) or use a file system that takes larger files"]
+
+    (path.parent / "latest_checkpointed_iteration.txt").write_text("3")
+    before = path.read_bytes()
+    resume = """
+import sys
+from pathlib import Path
+from megatron_ext.train_metrics import MetricsLog
+print(MetricsLog(Path(sys.argv[1]), 3, enabled=True).problem)
+"""
+    proc = _under_file_size_limit(200, resume, str(path))  # a copy of steps 1..3 is more than 200 bytes
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert "file too large" in proc.stdout and "rewriting it to the 3 line(s) up to step 3 failed (it is as it was)" \
+        in proc.stdout and "the latest checkpoint is iteration 3, where the same command goes on from" in proc.stdout
+    assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [
+        "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+
+
+def test_tensorboard_without_room_is_one_warning_and_training_goes_on(tmp_path):
+    """TensorBoard's writer thread failed to write (here its events file passes a file-size limit): Python printed
+    the thread's traceback, and the next add_scalar raised it again on rank 0 alone. Now one warning; the events stop,
+    metrics.jsonl (which holds the same numbers) gets every step. Control (old code): 'Exception in thread', a
+    traceback and exit 1."""
+    import json
+
+    code = """
+import sys
+from pathlib import Path
+from megatron_ext.train_metrics import MetricsLog
+log = MetricsLog(Path(sys.argv[1]) / "metrics.jsonl", 0, enabled=True, tensorboard_dir=sys.argv[2])
+for step in range(1, 41):
+    log.write({"step": step, "loss": 1.5, **{f"m{i}": float(i) for i in range(10)}})
+    log.stop_if_unwritten()
+"""
+    tb = tmp_path / "tb"
+    proc = _under_file_size_limit(8000, code, str(tmp_path), str(tb))  # metrics.jsonl: 40 x ~120 bytes, fewer
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    said = proc.stdout.splitlines()
+    assert len(said) == 1 and said[0].split("] ", 1)[1].startswith(
+        f"[train] warning: checkpoint.tensorboard_dir {tb}: file too large"), said
+    assert "no TensorBoard events from step" in said[0] and "(metrics.jsonl has every step)" in said[0]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 41))
