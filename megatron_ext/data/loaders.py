@@ -22,6 +22,7 @@ with -1 (Megatron-LM's convention for packed batches) and adds max_seqlen int32 
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_ext.data.cache_writes import CacheWrites
 from megatron_ext.data.common import DataError, split_fractions, split_range
 from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_cache_folder,
                                              index_fingerprint, read_manifest)
@@ -65,8 +67,9 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     `prefixes`: one PREFIX or several blended with `weights` (then `num_samples[0]` is required).
     `split`: None puts all data in train (valid/test None); else Megatron's "98,2,0" style split.
     `num_samples[i]` None means one epoch. Index caches go to `cache_dir` (default: PREFIX's
-    folder/cache). Under torch.distributed, rank 0 builds the caches first (Megatron-Core's
-    builder does that). Outside torch.distributed a weighted blend builds its blend index in
+    folder/cache). Under torch.distributed, rank 0 builds the caches first, alone, each written under a temporary
+    name and renamed (`cache_writes`); a write that failed (a full disk, a quota) is raised as rank 0's DataError on
+    every rank, then the others load them. Outside torch.distributed a weighted blend builds its blend index in
     memory and GPTDataset caches go to PREFIX/cache, because Megatron-Core's BlendedDataset
     cache path calls torch.distributed.get_rank().
     Raises DataError when a corpus is too small for one sequence or tokenizers differ, or when a `.npy` in the
@@ -95,17 +98,33 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # causal attention is implied; [S, S] masks at 1M tokens would not fit
     )
-    return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config).build()
+    distributed = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    # Rank 0 builds first, the others pass Megatron-Core's barriers with it (is_built_on_rank false: its way for
+    # ranks without data). Its cache writes do not raise there: rank 0 leaving the builder early left the others
+    # waiting in a barrier. A failure is told to every rank after it.
+    with CacheWrites(keep_going=True) as writes:
+        first = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: rank == 0, config).build()
+    problem = rank_zero_outcome(writes.said, DataError)[0]
+    if problem is not None:
+        raise alike_on_every_rank(DataError(problem))
+    if not distributed:
+        return first
+    # now a cache hit on the other ranks; rank 0 keeps what it built (its part in the barriers only)
+    with CacheWrites(keep_going=False):
+        rest = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples),
+                                             lambda: rank != 0 and is_built_on_rank(), config).build()
+    return (first if is_built_on_rank() else [None] * len(first)) if rank == 0 else rest
 
 
 def _rank_zero_checks(prefixes: list[str], seq_length: int, split: str | None,
                       cache_folders: list[str]) -> tuple[dict, str]:
     """(the first prefix's manifest, `index_fingerprint(prefixes)`) once every prefix is whole, of one tokenizer, long
-    enough for a sequence in each split, and `check_index_caches(cache_folders)` passed: all read by rank 0 alone
-    under torch.distributed, the result sent to the others, which raise rank 0's DataError alike (said once). Every
-    rank names GPTDataset's index caches with the fingerprint, and an .idx of 100B tokens is 1-2 GB (hashed by each
-    of 512 ranks: up to 128 GB off the shared file system at each start, once per node of 8), its document lengths
-    200 MB; the cache folder is Megatron-Core's shared one, whose files rank 0 builds first. Collective, as the
+    enough for a sequence in each split, `check_index_caches(cache_folders)` passed and the folders made: all by
+    rank 0 alone under torch.distributed, the result sent to the others, which raise rank 0's DataError alike (said
+    once). Every rank names GPTDataset's index caches with the fingerprint, and an .idx of 100B tokens is 1-2 GB
+    (hashed by each of 512 ranks: up to 128 GB off the shared file system at each start, once per node of 8), its
+    document lengths 200 MB; the cache folder is Megatron-Core's shared one, whose files rank 0 builds first. Collective, as the
     dataset builder is."""
     def checks() -> tuple[dict, str]:
         manifests = [read_manifest(p, "cpt") for p in prefixes]
@@ -125,12 +144,28 @@ def _rank_zero_checks(prefixes: list[str], seq_length: int, split: str | None,
         except OSError as e:
             raise DataError(f"data prefixes {prefixes}: cannot read {e.filename} ({e.strerror})") from None
         check_index_caches(cache_folders)  # before Megatron-Core's builder numpy.load()s any of them
+        _make_cache_folders(cache_folders)
         return manifests[0], fingerprint
 
     found, problem = rank_zero_outcome(checks, DataError)
     if problem is not None:
         raise alike_on_every_rank(DataError(problem))
     return found
+
+
+def _make_cache_folders(folders: list[str]) -> None:
+    """Make the index-cache folders (Megatron-Core makes them on rank 0 inside its builder, where a failure left the
+    other ranks waiting in a barrier); DataError naming the folder, the space left and the fix."""
+    from megatron_ext.disk_space import no_space_message
+
+    for folder in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise DataError(no_space_message(e, f"data cache folder {folder}", folder, "it could not be made",
+                                             "free space there or set data.cache_dir to a folder with room")
+                            or f"data cache folder {folder}: cannot be made ({e.strerror or e}); set data.cache_dir "
+                               "to a folder this job can write") from None
 
 
 def _check_split_sizes(prefix: str, lengths: np.ndarray, seq_length: int, split: str) -> None:

@@ -234,3 +234,27 @@ def test_a_metrics_line_without_room_is_one_line(tmp_path, token_data):
         f"limit, ulimit -f); training stopped after step {len(lines) + 1}, whose line is not there; there is no "
         "checkpoint yet; lift the file-size limit (ulimit -f) or use a file system that takes larger files"], stderr
 
+
+def test_an_index_cache_without_room_is_one_line(tmp_path, token_data):
+    """Rank 0 writes GPTDataset's index caches (Megatron-Core, straight to their final names): the document index of
+    200 steps (4.4 kB) passes a file-size limit of 4000 bytes (a full disk or a quota alike). Rank 0 printed
+    Megatron-Core's 'Failed to write dataset materials' traceback (51 lines), rank 1 a 'Connection closed by peer'
+    one from the builder's barrier (NCCL: it waits until the timeout), and the cut .npy stayed at its final name.
+    Now one line, said by rank 0 for both, exit 1 on both; no .npy cut short and no temporary file left. Control
+    (old code): tracebacks, no 'error:' line, a 4000-byte document_index.npy."""
+    import numpy as np
+
+    cache = tmp_path / "cache"
+    codes, _, stderr = _train_under_file_size_limit(4000, f"checkpoint.dir={tmp_path / 'run'}",
+                                                    f"data.prefix={token_data}", f"data.cache_dir={cache}",
+                                                    "train.steps=200")
+    assert codes == [1, 1] and "Traceback" not in stderr, (codes, stderr[-4000:])
+    assert re.fullmatch(re.escape(f"error: data cache folder {cache}: file too large (the file system's or the "
+                                  "process's file-size limit, ulimit -f); writing the index cache ") +
+                        r"[0-9a-f]{32}-GPTDataset-train-document_index\.npy" + re.escape(
+                            " failed and left nothing there; the datasets were not built; lift the file-size limit "
+                            "(ulimit -f) or use a file system that takes larger files"), stderr.strip()), stderr
+    left = sorted(p.name for p in cache.iterdir())
+    assert all(name.endswith(("-description.txt", ".npy")) for name in left), left  # no temporary
+    for npy in cache.glob("*.npy"):  # whole, if any
+        np.load(npy)

@@ -150,3 +150,48 @@ def test_pre_launch_check_names_the_file(tmp_path, token_data, monkeypatch, caps
     assert err.count("\n") == 1, err
     junk.unlink()
     assert launch.main(args) == 0, capsys.readouterr().err
+
+
+def test_an_index_cache_write_without_room_leaves_no_cut_file(tmp_path, token_data):
+    """Megatron-Core numpy.save()d each index cache straight to its final name: a write that ran out of room (a
+    file-size limit here, EFBIG; a full disk or a quota alike) left a cut .npy there, and once a build's names are
+    all present Megatron-Core loads them ('mmap length is greater than file size' at every later start). Now each is
+    written under a temporary name and renamed: a failed one leaves nothing, its temporary removed, and is one
+    DataError naming the folder and the file. Control (old code): numpy's 'OSError: 3030 requested and 218 written'
+    traceback (its errno lost), the sample index cut at 1000 of its 12 kB at its final name."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    code = """
+import sys
+from megatron_ext.data import DataError, build_cpt_datasets
+try:
+    build_cpt_datasets(sys.argv[1], 32, num_samples=(100, None, None), cache_dir=sys.argv[2])
+except DataError as e:
+    print(e)
+"""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", code, token_data, str(cache)], capture_output=True, text=True,
+                          env=env, timeout=120, preexec_fn=limited)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"data cache folder {cache}: file too large") and \
+        "-GPTDataset-train-sample_index.npy failed and left nothing there" in proc.stdout, proc.stdout
+    assert sorted(p.name.split("-", 1)[1] for p in cache.iterdir()) == [  # the two written before it, whole
+        "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy"]
+    for npy in cache.glob("*.npy"):
+        np.load(npy)
+    # with room, the same build writes them all, whole
+    build_cpt_datasets(token_data, 32, num_samples=(100, None, None), cache_dir=str(cache))
+    assert sorted(p.name.split("-", 1)[1] for p in cache.iterdir()) == [
+        "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy",
+        "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy"]
+    for npy in cache.glob("*.npy"):
+        np.load(npy)
