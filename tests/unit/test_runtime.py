@@ -96,7 +96,11 @@ for value in (7, 30):
     print(value, [minutes(g) for g in groups])
     destroy_distributed()
 """
-    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561", "RANK": "0",
+    from megatron_ext.runtime.job_env import free_port
+
+    # a free port, not a fixed one: the suite's other pytest (tests/slurm) and its torchrun ranks and Slurm jobs pick
+    # rendezvous ports in the same range, and a fixed one any of them holds failed this test with EADDRINUSE
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
