@@ -65,7 +65,10 @@ def test_cuda_device_max_connections_before_cuda_starts(monkeypatch, tensor, con
 
     from megatron_ext.runtime import DeviceError, init_distributed
 
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    # setenv first: delenv of an absent variable records nothing to undo, and the value init_distributed writes
+    # (os.environ directly) outlived the test, inherited by every process the suite started after it
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     with pytest.raises(DeviceError, match="no CUDA device is visible"):
         init_distributed("cuda", tensor=tensor, context=context)
     assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == value
