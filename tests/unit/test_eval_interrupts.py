@@ -66,8 +66,13 @@ def _one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-# Two lengths of 20 cells: the first is saved in seconds, the second still runs when the signal comes.
-SWEEP = ("--lengths", "64,256", "--depths", "0:100:25", "--samples", "4", "--batch-tokens", "256", "--no-progress")
+# Two lengths of 100 cells: the first is saved in seconds, the second still runs when the signal comes: its 100
+# cells take 2 s here (8 s and more under load), where 20 took 0.4 s, and the signal, sent when the test's next
+# poll saw the first length saved, came after the sweep's end on a loaded machine.
+SWEEP = ("--lengths", "64,256", "--depths", "0:100:25", "--samples", "20", "--batch-tokens", "256", "--no-progress")
+# One long length for a signal before the first is saved: 200 cells take 4 s here (27 s under load). The 20 cells of
+# length 64 took 0.13 s from the first [niah] line to their results.json: a poll 0.2 s late saw the results saved.
+LONG_FIRST = ("--lengths", "256", "--depths", "0:100:25", "--samples", "40", "--batch-tokens", "256", "--no-progress")
 
 
 def test_ctrl_c_after_a_length_says_resume_goes_on(tiny_dir, tmp_path):
@@ -82,7 +87,7 @@ def test_ctrl_c_after_a_length_says_resume_goes_on(tiny_dir, tmp_path):
 
 def test_sigterm_before_the_first_length_says_nothing_was_saved(tiny_dir, tmp_path):
     out = tmp_path / "niah"
-    proc = _niah("--model", tiny_dir, "--out", out, *SWEEP)
+    proc = _niah("--model", tiny_dir, "--out", out, *LONG_FIRST)
     log = tmp_path / "output.txt"
     code, stderr = _stopped(proc, signal.SIGTERM, lambda: "[niah] " in log.read_text(), "[niah] line")
     assert code == 143, stderr
