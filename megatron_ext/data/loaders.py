@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_ext.data.cache_writes import CacheWrites
 from megatron_ext.data.common import DataError, split_fractions, split_range
 from megatron_ext.data.dataset_files import (check_complete, check_index_caches, check_sft_masks, index_cache_folder,
                                              index_fingerprint, read_manifest)
@@ -67,16 +66,17 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     `prefixes`: one PREFIX or several blended with `weights` (then `num_samples[0]` is required).
     `split`: None puts all data in train (valid/test None); else Megatron's "98,2,0" style split.
     `num_samples[i]` None means one epoch. Index caches go to `cache_dir` (default: PREFIX's
-    folder/cache). Under torch.distributed, rank 0 builds the caches first, alone, each written under a temporary
-    name and renamed (`cache_writes`); a write that failed (a full disk, a quota) is raised as rank 0's DataError on
-    every rank, then the others load them. Outside torch.distributed a weighted blend builds its blend index in
+    folder/cache). Under torch.distributed, rank 0 builds the caches first, alone, written whole or not at all
+    (`index_caches`); a write that failed (a full disk, a quota) is raised as rank 0's DataError on every rank, then
+    the others load them. Outside torch.distributed a weighted blend builds its blend index in
     memory and GPTDataset caches go to PREFIX/cache, because Megatron-Core's BlendedDataset
     cache path calls torch.distributed.get_rank().
     Raises DataError when a corpus is too small for one sequence or tokenizers differ, or when a `.npy` in the
     cache folder is not a plain array (a pickle there would run in Megatron-Core's numpy.load: `check_index_caches`).
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from megatron_ext.data.index_caches import DatasetBuilder
 
     prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes)
     if weights is not None and len(weights) != len(prefixes):
@@ -103,17 +103,18 @@ def build_cpt_datasets(prefixes: str | Sequence[str], seq_length: int, *, weight
     # Rank 0 builds first, the others pass Megatron-Core's barriers with it (is_built_on_rank false: its way for
     # ranks without data). Its cache writes do not raise there: rank 0 leaving the builder early left the others
     # waiting in a barrier. A failure is told to every rank after it.
-    with CacheWrites(keep_going=True) as writes:
-        first = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: rank == 0, config).build()
-    problem = rank_zero_outcome(writes.said, DataError)[0]
+    builder = DatasetBuilder(list(num_samples), lambda: rank == 0, config)
+    first = builder.build()
+    problem = rank_zero_outcome(builder.writes.said, DataError)[0]
     if problem is not None:
         raise alike_on_every_rank(DataError(problem))
     if not distributed:
         return first
-    # now a cache hit on the other ranks; rank 0 keeps what it built (its part in the barriers only)
-    with CacheWrites(keep_going=False):
-        rest = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples),
-                                             lambda: rank != 0 and is_built_on_rank(), config).build()
+    # now a cache hit on the other ranks (they write nothing); rank 0 keeps what it built (its part in the barriers)
+    second = DatasetBuilder(list(num_samples), lambda: rank != 0 and is_built_on_rank(), config)
+    rest = second.build()
+    if (problem := second.writes.said()) is not None:  # its datasets hold placeholders; none writes here, though
+        raise DataError(problem)
     return (first if is_built_on_rank() else [None] * len(first)) if rank == 0 else rest
 
 

@@ -5,6 +5,7 @@ its code in every rank. `build_cpt_datasets` refuses such a file before the buil
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -155,10 +156,11 @@ def test_pre_launch_check_names_the_file(tmp_path, token_data, monkeypatch, caps
 def test_an_index_cache_write_without_room_leaves_no_cut_file(tmp_path, token_data):
     """Megatron-Core numpy.save()d each index cache straight to its final name: a write that ran out of room (a
     file-size limit here, EFBIG; a full disk or a quota alike) left a cut .npy there, and once a build's names are
-    all present Megatron-Core loads them ('mmap length is greater than file size' at every later start). Now each is
-    written under a temporary name and renamed: a failed one leaves nothing, its temporary removed, and is one
-    DataError naming the folder and the file. Control (old code): numpy's 'OSError: 3030 requested and 218 written'
-    traceback (its errno lost), the sample index cut at 1000 of its 12 kB at its final name."""
+    all present Megatron-Core loads them ('mmap length is greater than file size' at every later start). Now the four
+    are written in a staging folder and moved into place: a failed write leaves nothing in the cache folder (the two
+    written before it are removed with the staging folder), and is one DataError naming the folder and the file, its
+    errno judged by a test write where numpy hid it. Control (stock Megatron-Core): numpy's 'OSError: 3030 requested
+    and 218 written' traceback (its errno lost), the sample index cut at 1000 of its 12 kB at its final name."""
     import os
     import resource
     import subprocess
@@ -184,10 +186,7 @@ except DataError as e:
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"data cache folder {cache}: file too large") and \
         "-GPTDataset-train-sample_index.npy failed and left nothing there" in proc.stdout, proc.stdout
-    assert sorted(p.name.split("-", 1)[1] for p in cache.iterdir()) == [  # the two written before it, whole
-        "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy"]
-    for npy in cache.glob("*.npy"):
-        np.load(npy)
+    assert list(cache.iterdir()) == []  # neither the staging folder nor the two written before it
     # with room, the same build writes them all, whole
     build_cpt_datasets(token_data, 32, num_samples=(100, None, None), cache_dir=str(cache))
     assert sorted(p.name.split("-", 1)[1] for p in cache.iterdir()) == [
@@ -195,3 +194,143 @@ except DataError as e:
         "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy"]
     for npy in cache.glob("*.npy"):
         np.load(npy)
+
+
+def _cache_names(folder: Path) -> list[str]:
+    """The names in `folder` but a staging folder's (dot names: no cache lookup matches them)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def test_a_build_killed_while_writing_leaves_no_cache_name(tmp_path, token_data):
+    """A build killed partway through its cache writes (here by SIGXFSZ, the default action of a write past a
+    file-size limit, as a kill -9 or a node's loss would end it: no handler runs), after the description and the
+    document index were written and inside the sample index's write: the cache folder holds no name of this build's
+    caches, only the dead process's staging folder, which nothing reads; the next build writes the four and loads
+    them. Control (f087277's temporary-and-rename writes): the description and the document index at their final
+    names and 'sample_index.npy.tmp<pid>' beside them; stock Megatron-Core: the sample index cut at its final name."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+
+    code = """
+import signal, sys
+from megatron_ext.data import build_cpt_datasets
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; its default ends the process at the write
+build_cpt_datasets(sys.argv[1], 32, num_samples=(100, None, None), cache_dir=sys.argv[2])
+"""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, "-c", code, token_data, str(cache)], capture_output=True, text=True,
+                          env=env, timeout=120, preexec_fn=limited)
+    assert proc.returncode == -signal.SIGXFSZ, (proc.returncode, proc.stderr[-3000:])
+    assert _cache_names(cache) == [], _cache_names(cache)
+    (staging,) = cache.iterdir()  # the killed build's, with what it had written
+    assert sorted(p.name.split("-", 1)[1] for p in staging.iterdir()) == [
+        "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy", "GPTDataset-train-sample_index.npy"]
+    train = build_cpt_datasets(token_data, 32, num_samples=(100, None, None), cache_dir=str(cache))[0]
+    assert [n.split("-", 1)[1] for n in _cache_names(cache)] == [
+        "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy",
+        "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy"]
+    again = build_cpt_datasets(token_data, 32, num_samples=(100, None, None), cache_dir=str(cache))[0]  # loaded
+    assert len(again) == len(train) >= 100 and again[7]["tokens"].tolist() == train[7]["tokens"].tolist()
+
+
+def test_index_caches_are_stock_megatron_cores_files(tmp_path, token_data, second_token_data):
+    """The caches are written by subclasses of Megatron-Core's GPTDataset and BlendedDataset (their way to stage the
+    writes): the file names (which existing caches, `check_index_caches` and the data identity rely on) and bytes
+    are those stock Megatron-Core's builder writes, for a split prefix (train and valid) and a weighted blend (which
+    caches only under torch.distributed: a 1-rank gloo group here, in a subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = """
+import dataclasses, sys
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset
+from megatron_ext.data import build_cpt_datasets
+prefix, second, ours, stock, store = sys.argv[1:]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+builds = [((prefix, 32), dict(num_samples=(100, 10, None), split="90,10,0")),
+          (([prefix, second], 32), dict(weights=[0.7, 0.3], num_samples=(40, None, None)))]
+for args, kwargs in builds:
+    datasets = build_cpt_datasets(*args, seed=3, cache_dir=ours, **kwargs)
+    assert type(datasets[0]).__module__ == "megatron_ext.data.index_caches", type(datasets[0])  # the subclass's
+    config = dataclasses.replace(datasets[0].config, path_to_cache=stock)
+    BlendedMegatronDatasetBuilder(GPTDataset, list(kwargs["num_samples"]), lambda: True, config).build()
+dist.destroy_process_group()
+"""
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", code, token_data, second_token_data, str(ours), str(stock),
+                           str(tmp_path / "store")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in stock.iterdir())
+    kinds = sorted({n.split("-", 1)[1].rsplit("-", 1)[0] for n in names})
+    # split: train 4 + valid 4 files; blend: 4 for each prefix and 3 for the BlendedDataset
+    assert kinds == ["BlendedDataset-train", "GPTDataset-train", "GPTDataset-valid"] and len(names) == 19, names
+    assert sorted(p.name for p in ours.iterdir()) == names
+    for name in names:
+        assert (ours / name).read_bytes() == (stock / name).read_bytes(), name
+
+
+def test_a_blend_whose_cache_write_fails_is_one_error(tmp_path, token_data, second_token_data):
+    """A blend (cached only under torch.distributed: a 1-rank gloo group, in a subprocess) under a file-size limit of
+    1000 bytes: a GPTDataset's failed write leaves placeholders of its length, so Megatron-Core's builder finishes its
+    BlendedDataset (weighted, and sized by the datasets' lengths) without writing, and the build is one DataError
+    naming the file, the cache folder left empty; with the GPTDataset caches there, the BlendedDataset's own write
+    fails alike (its description, 1.3 kB) and leaves only those. (One process: a soft limit is lifted again without
+    privileges.) Control: without the placeholders the builder's asserts fail."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = """
+import glob, json, os, resource, sys
+import torch.distributed as dist
+from megatron_ext.data import DataError, build_cpt_datasets
+prefix, second, cache, store = sys.argv[1:]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+for step in ("limited", "room", "limited"):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000 if step == "limited" else hard, hard))
+    for weights in ([0.7, 0.3], None):
+        try:
+            build_cpt_datasets([prefix, second], 32, weights=weights, num_samples=(40, None, None), cache_dir=cache)
+            print("built")
+        except DataError as e:
+            print(e)
+    print(json.dumps(sorted(os.listdir(cache))))
+    for blended in glob.glob(os.path.join(cache, "*-BlendedDataset-*")):
+        os.unlink(blended)
+dist.destroy_process_group()
+"""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", code, token_data, second_token_data, str(cache),
+                           str(tmp_path / "store")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = proc.stdout.splitlines()
+    assert len(said) == 9, said
+    assert all(line.startswith(f"data cache folder {cache}: file too large") and re.search(
+        r"writing the index cache [0-9a-f]{32}-GPTDataset-train-sample_index\.npy failed and left nothing there",
+        line) for line in said[:2]) and said[2] == "[]", said[:3]
+    assert said[3:5] == ["built", "built"]
+    gpt = sorted(n for n in json.loads(said[5]) if "-GPTDataset-" in n)
+    assert len(gpt) == 4 * 4 and len(json.loads(said[5])) == len(gpt) + 2 * 3, said[5]
+    assert all(re.search(r"writing the index cache [0-9a-f]{32}-BlendedDataset-train-description\.txt failed "
+                         "and left nothing there", line) for line in said[6:8]) and json.loads(said[8]) == gpt, said[6:]
