@@ -67,16 +67,43 @@ def test_sigterm_removes_temporary_output_and_keeps_old_out(direction, src, mcor
     assert sorted(p.name for p in out.iterdir()) == [keep]
 
 
-def _writers_blocked(partial: Path, proc: subprocess.Popen, shards: int = 2) -> None:
+# tools/convert.py, held after it made the checkpoint's temporary folder until the file named by its first argument
+# exists. Its writers opened their shard files 0.07-0.18 s after that folder appeared: a poll later than that (a
+# loaded machine) found them written and the conversion over, or made its FIFOs too late.
+HELD_CONVERT = f"""
+import runpy, sys, time
+from pathlib import Path
+
+go = Path(sys.argv.pop(1))
+sys.argv[0] = {str(ROOT / "tools/convert.py")!r}
+import megatron_ext.convert_cli  # first, as in tools/convert.py: it hides the GPUs before torch is imported
+from megatron_ext import checkpoint
+
+save_strategy = checkpoint._save_strategy  # called once a save, after the folder is made, before any write
+
+
+def held(*args, **kwargs):
+    while not go.exists():
+        time.sleep(0.01)
+    return save_strategy(*args, **kwargs)
+
+
+checkpoint._save_strategy = held
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _writers_blocked(partial: Path, proc: subprocess.Popen, go: Path, shards: int = 2) -> None:
     """Make Megatron's checkpoint writers wait in the open() of their shard files until they are killed.
 
-    The shard files become FIFOs that nobody opens for reading. Once every writer is forked (a child that runs
-    the converter's own command line) the converter waits for them: the moment a `scancel` hits a conversion
-    writing a large model.
+    The shard files become FIFOs that nobody opens for reading, made while the converter (HELD_CONVERT) waits for
+    `go`. Once every writer is forked (a child that runs the converter's own command line) the converter waits for
+    them: the moment a `scancel` hits a conversion writing a large model.
     """
     _wait_for(".iter_0000000.partial", partial, proc)
     for i in range(shards):
         os.mkfifo(partial / ".iter_0000000.partial" / f"__0_{i}.distcp")
+    go.touch()
     converter = psutil.Process(proc.pid)
     deadline = time.time() + 120
     while len([c for c in converter.children() if c.cmdline() == converter.cmdline()]) < shards:
@@ -101,7 +128,7 @@ def _group_alive(pgid: int) -> list[str]:
     return alive
 
 
-def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
+def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path, tmp_path_factory):
     """scancel and Ctrl-C signal every process, Megatron's forked checkpoint writers included. They died halfway
     through their queue protocol (a traceback each, and now and then the converter waited for them forever);
     now they ignore it and the converter kills them, removes its temporary folder and exits 143."""
@@ -109,12 +136,13 @@ def test_sigterm_to_the_whole_group_during_the_megatron_write(src, tmp_path):
     out.mkdir()
     keep = "latest_checkpointed_iteration.txt"  # an earlier output
     (out / keep).write_text("previous conversion")
-    cmd = [sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(src), "--out", str(out),
+    go = tmp_path_factory.mktemp("held") / "go"  # not in tmp_path, whose contents the test checks
+    cmd = [sys.executable, "-c", HELD_CONVERT, str(go), "to-megatron", "--hf", str(src), "--out", str(out),
            "--force", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        _writers_blocked(tmp_path / f".out.partial-{socket.gethostname()}-{proc.pid}", proc)
+        _writers_blocked(tmp_path / f".out.partial-{socket.gethostname()}-{proc.pid}", proc, go)
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:
