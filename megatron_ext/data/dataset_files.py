@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -237,7 +238,8 @@ def check_index_caches(folders: Sequence[str]) -> None:
     Every `.npy` there is vetted, other runs' too: this build's names hash its whole dataset description (sample
     counts the builder derives), known only inside Megatron-Core's builder. A file is read up to the end of its
     .npy header (~128 bytes), the data is not mapped. Passes: an empty file, or a .npy whose data is short of its
-    shape (another run's rank 0 may be saving it now); numpy raises on those without unpickling anything."""
+    shape (numpy raises on those without unpickling anything; the build replaces one of its own caches cut short,
+    `npy_is_whole`, and another run's is not read)."""
     for folder in folders:
         try:
             names = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".npy") and e.is_file())
@@ -276,6 +278,23 @@ def _npy_problem(path: str) -> str | None:
         except ValueError as e:
             return f"has a broken .npy header ({e})"
     return "holds Python objects (pickled data)" if dtype.hasobject else None
+
+
+def npy_is_whole(path: str) -> bool:
+    """Whether the .npy file at `path` holds all the data its header announces (a write cut short by a kill or a full
+    disk does not); False when it cannot be read as a plain .npy."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                return False
+            shape, _, dtype = read_header(f)
+            data_start = f.tell()
+        return os.path.getsize(path) >= data_start + math.prod(shape) * dtype.itemsize
+    except (OSError, ValueError):
+        return False
 
 
 SAMPLE_BLOCKS = 64

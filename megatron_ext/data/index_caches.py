@@ -36,6 +36,7 @@ import torch
 from megatron.core.datasets import blended_dataset, gpt_dataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
+from megatron_ext.data.dataset_files import npy_is_whole
 from megatron_ext.disk_space import SPACE_ERRNOS, no_space_message, probe_write, space_errno
 
 T = TypeVar("T")
@@ -116,11 +117,15 @@ class _Kept(Exception):
 
 
 def _writes_here(folder: str | None, names: list[str]) -> bool:
-    """Megatron-Core writes this dataset's caches here: a cache folder without all of `names`, and this rank writes
-    them (rank 0; outside torch.distributed, GPTDataset's every process, and BlendedDataset's asks for the rank)."""
-    if not folder or all(os.path.isfile(os.path.join(folder, n)) for n in names):
+    """Megatron-Core writes this dataset's caches here: this rank writes them (rank 0; outside torch.distributed,
+    GPTDataset's every process, and BlendedDataset's asks for the rank) into a cache folder without all of `names`
+    whole. A .npy cut short (written in place by an older version of this code, or by stock Megatron-Core, when it
+    was killed or the disk was full) is built again and replaced: Megatron-Core counts it present and every start
+    failed in numpy.load ('mmap length is greater than file size'). Ours are never cut: written whole or not at all."""
+    if not folder or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
         return False
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    return not all(os.path.isfile(path) and (not path.endswith(".npy") or npy_is_whole(path))
+                   for path in (os.path.join(folder, n) for n in names))
 
 
 def _length(n: int, dtype: Any, width: int | None = None) -> numpy.ndarray:

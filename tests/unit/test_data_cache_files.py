@@ -70,6 +70,20 @@ def test_valid_caches_are_read_again(tmp_path, token_data):
     assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == files  # read, not rebuilt
 
 
+@pytest.mark.parametrize("affix", ["shuffle_index", "document_index"])
+def test_a_cache_cut_short_is_built_again(tmp_path, token_data, affix):
+    """A cache .npy cut short at its final name (stock Megatron-Core and this code before it staged its writes wrote in
+    place: a kill or a full disk left one there) made every later start fail in numpy.load ('mmap length is greater
+    than file size'): all names present count as a cache. Now it is built again and replaced."""
+    cache = tmp_path / "cache"
+    expected = _samples(build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))[0])
+    (cut,) = cache.glob(f"*-GPTDataset-train-{affix}.npy")
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:len(whole) // 2])
+    assert _samples(build_cpt_datasets(token_data, S, seed=3, cache_dir=str(cache))[0]) == expected
+    assert cut.read_bytes() == whole
+
+
 def test_every_npy_in_the_folder_is_vetted(tmp_path, token_data):
     """Another run's caches share the folder; their names cannot be told apart from this build's before Megatron's
     builder hashes its settings, so any pickled or object .npy there is refused; an empty file or a .npy whose data
