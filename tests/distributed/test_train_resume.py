@@ -56,11 +56,35 @@ def straight(tmp_path_factory, token_data):
     return out
 
 
+# `python -m megatron_ext.train` (through runpy) whose save of step 6 never starts: the test kills the run once the
+# step-3 checkpoint is there, and steps 4-6 took 0.5 s, which a poll late on a loaded machine missed (the run had
+# finished: "run finished before it could be killed"). Now the kill lands in steps 4-6 or at the held save.
+HELD_TRAIN = """
+import runpy, time
+
+from megatron_ext import checkpoint
+
+save = checkpoint.save_sharded_state
+
+
+def held(root, iteration, *args, **kwargs):
+    while iteration >= 6:
+        time.sleep(1)
+    return save(root, iteration, *args, **kwargs)
+
+
+checkpoint.save_sharded_state = held
+runpy.run_module("megatron_ext.train", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_kill9_and_resume_matches_uninterrupted_run(tmp_path, token_data, straight):
 
     resumed, tensorboard = tmp_path / "resumed", f"checkpoint.tensorboard_dir={tmp_path / 'tb'}"
-    proc = subprocess.Popen(train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3", tensorboard),
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = train_cmd(resumed, token_data, "train.steps=6", "checkpoint.interval=3", tensorboard)
+    assert cmd[1:3] == ["-m", "megatron_ext.train"]
+    proc = subprocess.Popen([sys.executable, "-c", HELD_TRAIN, *cmd[3:]], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     killed = wait_for(lambda: latest(resumed) == 3, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
