@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 from tests.slurm.conftest import (NODES, SBATCH_SIZE, TASKS_PER_NODE, TINY, TINY_OVERRIDES, RequeueNow, job_env,
                                   metrics, sbatch, wait_job)
 
-STEPS = 24  # long enough that a USR1 sent after step 2 lands mid-run, short enough for seconds
+STEPS = 40  # long enough that a USR1 sent after the step-4 save lands mid-run under load (24 left ~2 s), short enough
 
 
 def overrides(run_dir, data, steps=STEPS):
