@@ -269,15 +269,24 @@ def _npy_problem(path: str) -> str | None:
             return "is not a .npy array (a pickle, or another format)"
         f.seek(0)
         try:
-            version = np.lib.format.read_magic(f)
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-            if read_header is None:
-                return f"is a .npy of format version {version[0]}.{version[1]}, which Megatron-Core does not write"
-            dtype = read_header(f)[2]
+            header = _npy_header(f)
         except ValueError as e:
             return f"has a broken .npy header ({e})"
-    return "holds Python objects (pickled data)" if dtype.hasobject else None
+        if isinstance(header, str):
+            return header
+    return "holds Python objects (pickled data)" if header[1].hasobject else None
+
+
+def _npy_header(f) -> tuple[tuple[int, ...], np.dtype] | str:
+    """(shape, dtype) from the header of the .npy file `f` (at its start), or why it is not one Megatron-Core writes;
+    ValueError where the header is broken. `f` is left at the data's start."""
+    version = np.lib.format.read_magic(f)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read_header is None:
+        return f"is a .npy of format version {version[0]}.{version[1]}, which Megatron-Core does not write"
+    shape, _, dtype = read_header(f)
+    return shape, dtype
 
 
 def npy_is_whole(path: str) -> bool:
@@ -285,13 +294,11 @@ def npy_is_whole(path: str) -> bool:
     disk does not); False when it cannot be read as a plain .npy."""
     try:
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-            if read_header is None:
-                return False
-            shape, _, dtype = read_header(f)
+            header = _npy_header(f)
             data_start = f.tell()
+        if isinstance(header, str):
+            return False
+        shape, dtype = header
         return os.path.getsize(path) >= data_start + math.prod(shape) * dtype.itemsize
     except (OSError, ValueError):
         return False

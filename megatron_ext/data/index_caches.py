@@ -133,9 +133,9 @@ def _length(n: int, dtype: Any, width: int | None = None) -> numpy.ndarray:
     return numpy.broadcast_to(numpy.zeros((1, width) if width else 1, dtype=dtype), (n, width) if width else (n,))
 
 
-class GPTDataset(gpt_dataset.GPTDataset):
-    """Megatron-Core's GPTDataset whose index caches are written whole or not at all (module docstring); `writes`
-    keeps a failed write (None: raised). Its name is Megatron-Core's: it names the cache files and their hashes."""
+class _StagedIndices:
+    """What GPTDataset and BlendedDataset below share: a build's `writes` while the dataset is made, and the indices
+    built by Megatron-Core's own method into a staging folder, moved into place whole."""
 
     def __init__(self, *args: Any, writes: CacheWrites | None = None) -> None:
         self._writes = writes
@@ -143,6 +143,33 @@ class GPTDataset(gpt_dataset.GPTDataset):
             super().__init__(*args)
         finally:
             self._writes = None  # the build's, not the dataset's (and a lock does not pickle)
+
+    def _staged_indices(self, folder: str | None, names: list[str], build_indices: Callable[[], T]) -> T:
+        """`build_indices()` (Megatron-Core's method, which reads `self.config.path_to_cache`) where this rank writes
+        `names` into `folder`: with the config pointing at a staging folder, the files then moved into `folder`;
+        placeholders where this build's writes failed."""
+        if not _writes_here(folder, names):
+            return build_indices()
+        if self._writes is not None and self._writes.failure is not None:
+            return self._placeholders()  # the disk is full: this build writes nothing more
+        config = self.config
+
+        def build(staging: str) -> T:
+            self.config = dataclasses.replace(config, path_to_cache=staging)
+            try:
+                return build_indices()
+            finally:
+                self.config = config
+
+        try:
+            return _staged(folder, names, self._writes, build)
+        except _Kept:
+            return self._placeholders()
+
+
+class GPTDataset(_StagedIndices, gpt_dataset.GPTDataset):
+    """Megatron-Core's GPTDataset whose index caches are written whole or not at all (module docstring); `writes`
+    keeps a failed write (None: raised). Its name is Megatron-Core's: it names the cache files and their hashes."""
 
     def _build_document_sample_shuffle_indices(self) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
         config = self.config
@@ -153,22 +180,7 @@ class GPTDataset(gpt_dataset.GPTDataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         names = [f"{base}-{affix}" for affix in ("description.txt", "document_index.npy", "sample_index.npy",
                                                  "shuffle_index.npy")]
-        if not _writes_here(folder, names):
-            return super()._build_document_sample_shuffle_indices()
-        if self._writes is not None and self._writes.failure is not None:
-            return self._placeholders()  # the disk is full: this build writes nothing more
-
-        def build(staging: str) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
-            self.config = dataclasses.replace(config, path_to_cache=staging)
-            try:
-                return super(GPTDataset, self)._build_document_sample_shuffle_indices()
-            finally:
-                self.config = config
-
-        try:
-            return _staged(folder, names, self._writes, build)
-        except _Kept:
-            return self._placeholders()
+        return self._staged_indices(folder, names, super()._build_document_sample_shuffle_indices)
 
     def _placeholders(self) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
         """Indices of `num_samples` samples (one when None), as the builder's checks expect; never read."""
@@ -176,16 +188,9 @@ class GPTDataset(gpt_dataset.GPTDataset):
         return _length(1, numpy.int32), _length(n + 1, numpy.int32, 2), _length(n, numpy.uint32)
 
 
-class BlendedDataset(blended_dataset.BlendedDataset):
+class BlendedDataset(_StagedIndices, blended_dataset.BlendedDataset):
     """Megatron-Core's BlendedDataset whose index caches are written whole or not at all (module docstring);
     `writes` as GPTDataset's. Its name is Megatron-Core's."""
-
-    def __init__(self, *args: Any, writes: CacheWrites | None = None) -> None:
-        self._writes = writes
-        try:
-            super().__init__(*args)
-        finally:
-            self._writes = None
 
     def _build_indices(self) -> tuple[numpy.ndarray, numpy.ndarray]:
         config = self.config
@@ -193,22 +198,7 @@ class BlendedDataset(blended_dataset.BlendedDataset):
             return super()._build_indices()
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}"
         names = [f"{base}-{affix}" for affix in ("description.txt", "dataset_index.npy", "dataset_sample_index.npy")]
-        if not _writes_here(config.path_to_cache, names):
-            return super()._build_indices()
-        if self._writes is not None and self._writes.failure is not None:
-            return self._placeholders()
-
-        def build(staging: str) -> tuple[numpy.ndarray, numpy.ndarray]:
-            self.config = dataclasses.replace(config, path_to_cache=staging)
-            try:
-                return super(BlendedDataset, self)._build_indices()
-            finally:
-                self.config = config
-
-        try:
-            return _staged(config.path_to_cache, names, self._writes, build)
-        except _Kept:
-            return self._placeholders()
+        return self._staged_indices(config.path_to_cache, names, super()._build_indices)
 
     def _placeholders(self) -> tuple[numpy.ndarray, numpy.ndarray]:
         """Indices of `size` samples (the sum of the weights when None), as the builder checks; never read."""
