@@ -1,7 +1,8 @@
 """Distributed checkpoints: Megatron-Core `dist_checkpointing` (torch_dist) in Megatron-LM's layout.
 
     ROOT/iter_0000010/                 torch_dist files (+ common.pt, metadata.json) and
-    ROOT/iter_0000010/megatron_ext.json  our run metadata (HF config incl. rope, recipe, versions, git SHA)
+    ROOT/iter_0000010/megatron_ext.json  our run metadata (HF config incl. rope, recipe, versions, git SHA;
+                                         written by checkpoint_run_metadata.py)
     ROOT/latest_checkpointed_iteration.txt
 
 Checkpoints are global (every tensor stored with its full shape), so the weights of a checkpoint saved at any
@@ -12,14 +13,9 @@ temporary name and renamed by rank 0; the latest pointer is replaced atomically 
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import functools
-import importlib.metadata
-import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +27,10 @@ from megatron_ext.checkpoint_index import METADATA_FILE, CheckpointError, check_
 from megatron_ext.checkpoint_layout import (LATEST_FILE, available_iterations, complete_soon, iter_dir_name,
                                             resolve_iteration_dir)
 from megatron_ext.checkpoint_optimizer import fit_loaded_optimizer_state, materialise_optimizer_state
+from megatron_ext.checkpoint_run_metadata import run_metadata_text
 from megatron_ext.checkpoint_space import CheckpointSpaceError, local_bytes, space_checked, space_verdict
 from megatron_ext.runtime.distributed import alike_on_every_rank, rank_zero_outcome
 from megatron_ext.runtime.signals import children_killed_on_interrupt, interrupts_unwrapped
-
-FORMAT = "megatron_ext/1"
 
 
 def _rank() -> int:
@@ -45,51 +40,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def _versions() -> dict[str, str | None]:
-    out = {}
-    for pkg in ("megatron-ext", "megatron-core", "torch", "transformers", "safetensors"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def _git_sha() -> str | None:
-    """Commit of the megatron_ext source tree (with `-dirty` for local changes), or None outside git."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _parallel_layout() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return {"tensor": 1, "pipeline": 1, "context": 1, "data": 1}
-    return {"tensor": ps.get_tensor_model_parallel_world_size(),
-            "pipeline": ps.get_pipeline_model_parallel_world_size(),
-            "context": ps.get_context_parallel_world_size(),
-            "data": ps.get_data_parallel_world_size()}
-
-
-def _json_default(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, (Path, torch.dtype)):
-        return str(obj)
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON-serialisable")
 
 
 def _uses_distributed_optimizer(optimizer) -> bool:
@@ -266,16 +216,7 @@ def _finish_save(root: Path, iteration: int, tmp: Path, metadata: dict, keep_las
     final = root / iter_dir_name(iteration)
 
     def write_metadata_and_check() -> dict | None:
-        info = {
-            "format": FORMAT,
-            "iteration": iteration,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "parallel": _parallel_layout(),
-            "versions": _versions(),
-            "git_sha": _git_sha(),
-            **metadata,
-        }
-        text = json.dumps(info, indent=2, default=_json_default) + "\n"
+        text = run_metadata_text(iteration, metadata)
         try:
             (tmp / METADATA_FILE).write_text(text)
         except OSError as e:
