@@ -15,108 +15,15 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers, validate_args
+from megatron_ext.evaluate.cli_model import data_tokenizer, early_tokenizer, model_and_tokenizer, model_vocab_size
 from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.interrupts import interrupts_reported
 from megatron_ext.evaluate.io import check_writable_folder, not_there, read_utf8
 from megatron_ext.log_lines import log_line
-
-
-@contextmanager
-def _model(args, tokenizer=None):
-    """(model, tokenizer) from --model or --megatron (converted into a temporary directory under --out, removed
-    on errors, Ctrl-C and SIGTERM too), with --tokenizer's tokenizer when given. `tokenizer`: the one
-    `_early_tokenizer` loaded, not loaded again."""
-    from megatron_ext.evaluate.loading import check_convertible, check_vocab, convert_megatron, load_hf, load_tokenizer
-
-    if args.model is not None:
-        given = tokenizer
-        if given is None and args.tokenizer is not None:
-            given = load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}", _TOKENIZER_FIX)
-        model, tokenizer = load_hf(args.model, args.device, args.dtype, given)
-        check_vocab(tokenizer, model.config.vocab_size,
-                    f"--tokenizer {args.tokenizer}" if args.tokenizer is not None else f"the tokenizer in {args.model}")
-        yield model, tokenizer
-        return
-    # Before the conversion, which copies the whole model: a missing tokenizer is found in seconds, and an HF
-    # folder or a missing path before "converting ..." is printed.
-    check_convertible(args.megatron)
-    if tokenizer is None:
-        tokenizer = _megatron_tokenizer(args)
-    made = args.out is not None and not args.out.exists()
-    if args.out is not None:  # beside the results: the same file system, removed with the directory
-        args.out.mkdir(parents=True, exist_ok=True)
-    try:
-        with tempfile.TemporaryDirectory(dir=args.out, prefix=".hf-from-megatron.") as tmp:
-            log_line(f"[niah] converting {args.megatron} to Hugging Face format (tools/convert.py to-hf)", sys.stderr)
-            yield load_hf(convert_megatron(args.megatron, Path(tmp) / "hf"), args.device, args.dtype, tokenizer)
-    finally:
-        if made and not any(args.out.iterdir()):  # a failed conversion leaves no empty --out behind
-            args.out.rmdir()
-
-
-_TOKENIZER_FIX = "give a tokenizer directory (tokenizer.json ...) or a hub name"
-
-
-def _early_tokenizer(args):
-    """The tokenizer the run will use, loaded before the model (seconds, where the model takes minutes) for checks
-    that need it: --tokenizer's, --model's own, or the one --megatron's checkpoint records. None when the folder
-    is not there or not a checkpoint: loading the model then says so, with the message it always gave."""
-    from megatron_ext.evaluate.loading import load_tokenizer, model_tokenizer
-
-    if args.model is None:
-        return _megatron_tokenizer(args)
-    if args.tokenizer is not None:
-        return load_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}", _TOKENIZER_FIX)
-    if (args.model / "config.json").is_file():  # as load_hf loads it
-        return model_tokenizer(args.model)
-    return None
-
-
-def _megatron_tokenizer(args):
-    """--tokenizer's or the tokenizer --megatron's checkpoint records (which tools/convert.py to-hf would copy);
-    None when the checkpoint's metadata cannot be read: the converter then says what is wrong with it."""
-    from megatron_ext.evaluate.loading import megatron_tokenizer
-
-    meta = _checkpoint_metadata(args)
-    if meta is None:
-        return None
-    return megatron_tokenizer(args.megatron, args.tokenizer, meta.get("tokenizer"),
-                              (meta.get("hf_config") or {}).get("vocab_size"))
-
-
-def _checkpoint_metadata(args) -> dict | None:
-    """The run metadata of --megatron's checkpoint; None when it cannot be read (the converter or the engine then
-    says why)."""
-    from megatron_ext.checkpoint_index import CheckpointError
-    from megatron_ext.checkpoint_layout import read_metadata
-
-    try:
-        meta = read_metadata(args.megatron)
-    except (CheckpointError, OSError, UnicodeDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _data_tokenizer(args):
-    """(tokenizer, where it comes from) of the model, for checking ppl --indexed data against (before the model
-    loads): --tokenizer's, --model's own or the one --megatron's checkpoint records; (None, None) when there is
-    none to compare. The Megatron engine reads token ids alone and runs without one, so a tokenizer it cannot load
-    is not compared there; the transformers engine needs it, and says so here."""
-    if args.model is not None:
-        return _early_tokenizer(args), args.tokenizer or str(args.model)
-    try:
-        tokenizer = _megatron_tokenizer(args)
-    except EvalError:
-        if args.engine == "hf":
-            raise
-        return None, None
-    return tokenizer, args.tokenizer or (_checkpoint_metadata(args) or {}).get("tokenizer")
 
 
 def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> None:
@@ -161,7 +68,7 @@ def _run_niah(args) -> None:
     if _megatron_engine(args):
         _run_niah_megatron(args, lengths, depths, save, previous)
         return
-    with _model(args) as (model, tokenizer):
+    with model_and_tokenizer(args) as (model, tokenizer):
         max_pos = getattr(model.config, "max_position_embeddings", None)
         ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
         if ran:
@@ -286,7 +193,7 @@ def _run_ruler(args) -> None:
     megatron = _megatron_engine(args)
     # Every task at every length before the model loads (minutes at 8B): a length too short failed one task at a
     # time, each after a load. The prompts, and so the lengths they need, are the tokenizer's.
-    tokenizer = _early_tokenizer(args)
+    tokenizer = early_tokenizer(args)
     if tokenizer is not None:
         check_lengths(tokenizer, tasks, lengths, samples=args.samples, seed=args.seed, chat=args.chat,
                       haystack=args.haystack, what="--lengths")
@@ -299,7 +206,7 @@ def _run_ruler(args) -> None:
         if process_env().rank != 0:
             return
     else:
-        with _model(args, tokenizer if args.model is not None else None) as (model, tokenizer):
+        with model_and_tokenizer(args, tokenizer if args.model is not None else None) as (model, tokenizer):
             max_pos = getattr(model.config, "max_position_embeddings", None)
             ran = [n for n in lengths if args.force or max_pos is None or n <= max_pos]
             if ran:
@@ -325,8 +232,8 @@ def _run_ppl(args) -> None:
                 raise EvalError(f"--text {t}: no text in the file; give text files of one document each")
     tokenizer = docs = None
     if args.indexed:  # data of another tokenizer or kind, before the model loads (it ran and exited 0)
-        tokenizer, name = _data_tokenizer(args)
-        docs = indexed_documents(args.indexed, args.documents or 8, vocab_size=_model_vocab_size(args),
+        tokenizer, name = data_tokenizer(args)
+        docs = indexed_documents(args.indexed, args.documents or 8, vocab_size=model_vocab_size(args),
                                  tokenizer=tokenizer, tokenizer_name=name)
     if _megatron_engine(args):
         from megatron_ext.evaluate.parallel import run_ppl_megatron
@@ -339,7 +246,7 @@ def _run_ppl(args) -> None:
         if process_env().rank == 0:
             _save_ppl(args, result)
         return
-    with _model(args, tokenizer) as (model, tokenizer):
+    with model_and_tokenizer(args, tokenizer) as (model, tokenizer):
         seq = args.seq_len or getattr(model.config, "max_position_embeddings", None)
         # The note is sized on the longest document as it will run (cut to `seq`), not on --seq-len: `--seq-len 1M`
         # on a 3,236-token book promised 512 MiB of KV cache. The texts are tokenized once, here.
@@ -348,20 +255,6 @@ def _run_ppl(args) -> None:
         result = perplexity_by_position(model, ids, seq_len=args.seq_len, per_octave=args.per_octave,
                                         chunk=args.chunk, progress=not args.no_progress)
     _save_ppl(args, result)
-
-
-def _model_vocab_size(args) -> int | None:
-    """vocab_size from --model's config.json or --megatron's run metadata, read before the model is loaded; None
-    when unreadable (loading the model then says what is wrong)."""
-    from megatron_ext.checkpoint_index import CheckpointError
-    from megatron_ext.checkpoint_layout import read_metadata
-    from megatron_ext.hf_config import read_config_json
-
-    try:
-        cfg = read_config_json(args.model / "config.json") if args.model else read_metadata(args.megatron)["hf_config"]
-        return int(cfg["vocab_size"])
-    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _save_ppl(args, result) -> None:
@@ -397,7 +290,7 @@ def _run_generate(args) -> None:
         if process_env().rank != 0:
             return
     else:
-        with _model(args) as (model, tokenizer):
+        with model_and_tokenizer(args) as (model, tokenizer):
             result = generate_hf(model, tokenizer, document, args.question, prefill_chunk=args.chunk, **common)
     result.settings.update(model=str(args.model or args.megatron), document=str(args.document),
                            question=args.question)
