@@ -110,11 +110,17 @@ nothing_launched() {
   die "${message%.}; nothing launched"
 }
 
+# check_python_found: end the job with one line when PYTHON is no program on this host (srun would say so once per
+# task, then once more itself).
+check_python_found() {
+  command -v "$PYTHON" >/dev/null ||
+    nothing_launched "PYTHON=$PYTHON: no such program; export PYTHON=/path/to/venv/bin/python before sbatch"
+}
+
 # check_python: end the job with one line when PYTHON is not a python with megatron_ext's dependencies (the
 # default `python` of a compute node often is the system one): what made the check above fail with a traceback.
 check_python() {
-  command -v "$PYTHON" >/dev/null ||
-    nothing_launched "PYTHON=$PYTHON: no such program; export PYTHON=/path/to/venv/bin/python before sbatch"
+  check_python_found
   # found, not imported (~8 s of CPU); launch --check looks for them the same way
   "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "yaml")))' 2>/dev/null ||
     nothing_launched "PYTHON=$PYTHON cannot import torch, megatron.core and yaml; export PYTHON=/path/to/venv/bin/python" \
@@ -157,8 +163,16 @@ preflight() {
   fi
   # the python itself (no such program, no torch): that line, not the traceback or 'No such file' it caused
   [[ -n ${CONTAINER_IMAGE:-} ]] || check_python
-  local told
+  local told line
   told=$(grep -Ev "$SRUN_TASK_END" <<<"$said" || true)
+  # PYTHON not in the image: slurmstepd's "slurmstepd[-NODE]: error: execve(): PYTHON: WHY" and srun's line
+  while IFS= read -r line; do
+    if [[ -n ${CONTAINER_IMAGE:-} && $line == slurmstepd*": error: execve(): $PYTHON: "* ]]; then
+      nothing_launched "PYTHON=$PYTHON cannot be run in the container CONTAINER_IMAGE=$CONTAINER_IMAGE" \
+        "(${line#*": error: execve(): $PYTHON: "}); export PYTHON=/path/to/python of the image's environment with" \
+        "megatron_ext's dependencies before sbatch"
+    fi
+  done <<<"$told"
   last=${told##*$'\n'}
   if ((rc == 1)) && [[ $last == "error: "* ]]; then # the check's (or container_check's) own one line
     [[ $told != *$'\n'* ]] || printf '%s\n' "${told%$'\n'*}" >&2
@@ -436,6 +450,8 @@ eval_main() {
   PYTHON=${PYTHON:-python}
   [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0 --megatron CKPT --cp 8 --out DIR"
   (($# > 0)) || die "give tools/niah.py arguments, e.g. sbatch $0 --megatron checkpoints/cpt_1m --cp 8 --lengths 1M --out runs/niah_1m"
+  # in the container only srun can tell; here, one line instead of one from every task and one from srun
+  [[ -n ${CONTAINER_IMAGE:-} ]] || check_python_found
   export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
   nccl_defaults
   build_launcher

@@ -57,6 +57,11 @@ while (($#)); do
   esac
 done
 [[ -f slurm/$CPT.sh ]] || { echo "error: --cpt $CPT: no slurm/$CPT.sh (cpt_1m, cpt_2m, cpt_4m)" >&2; exit 1; }
+command -v "$PYTHON" >/dev/null || {
+  echo "error: PYTHON=$PYTHON: no such program; run with PYTHON=/path/to/venv/bin/python (the environment megatron_ext" \
+    "is installed in)" >&2
+  exit 1
+}
 # the recipes are read with it below (a python without the dependencies would end in a traceback); found, not
 # imported: importing torch and Megatron-Core takes seconds on a login node
 "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "yaml")))' 2>/dev/null || {

@@ -26,6 +26,10 @@ STUBS = {
     "srun": '[[ $1 == --help ]] && { echo "${FAKE_HELP:-}"; exit 0; }\n'
             'if [[ -n ${FAKE_CONTAINER_PATH:-} && " $* " == *" megatron_ext.launch "* ]]; then\n'
             '  while [[ $1 == -* ]]; do shift; done; echo "$*" >>"$FAKE_CHECKS"; exec 4>&2; rc=0\n'
+            # a program the container lacks: what Slurm 22.05's slurmstepd and srun print (seen on tests/slurm's cluster)
+            '  if ! (PATH=$FAKE_CONTAINER_PATH; command -v "$1" >/dev/null); then\n'
+            '    echo "slurmstepd-node1: error: execve(): $1: No such file or directory" >&2\n'
+            '    echo "srun: error: node1: task 0: Exited with exit code 2" >&2; exit 2\n  fi\n'
             '  { PATH=$FAKE_CONTAINER_PATH "$@" 2>&4; } 2>/dev/null || rc=$?\n'
             '  if ((rc > 128)); then echo "srun: error: node1: task 0: Killed" >&2\n'
             '  elif ((rc)); then echo "srun: error: node1: task 0: Exited with exit code $rc" >&2; fi; exit $rc\nfi\n'
@@ -497,6 +501,12 @@ def test_pipeline_with_a_python_without_the_dependencies(tmp_path):
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("error: PYTHON=") and "cannot import torch" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
+    # not there at all: said so (it was 'cannot import torch'), and not the recipe read's 'No such file'
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHON="/no/such/python"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["error: PYTHON=/no/such/python: no such program; run with "
+                                        "PYTHON=/path/to/venv/bin/python (the environment megatron_ext is installed in)"]
 
 
 def test_task_prefix_runs_before_python_in_each_task(job, tmp_path):
@@ -587,6 +597,30 @@ def test_a_container_whose_python_lacks_torch_is_named_in_one_line(container_job
         f"error: python {sys.executable} cannot import torch and megatron.core, which the trainer needs; use the python "
         "of the environment megatron_ext is installed in (sbatch: export PYTHON=/path/to/venv/bin/python); nothing "
         "launched"]
+
+
+def test_a_python_the_container_lacks_is_named_in_one_line(container_job):
+    """PYTHON not in the image: slurmstepd's execve() line, srun's 'Exited with exit code 2' and 'the recipe check
+    ... failed with exit 2; its output is above' (3 lines). Now one, naming PYTHON, the image and the fix."""
+    proc, owner, _ = container_job(PYTHON="/no/such/python")
+    assert proc.returncode == 1 and "training exited" not in proc.stdout and owner == "41\n", proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: PYTHON=/no/such/python cannot be run in the container CONTAINER_IMAGE=img.sqsh (No such file or "
+        "directory); export PYTHON=/path/to/python of the image's environment with megatron_ext's dependencies before "
+        "sbatch; nothing launched"]
+
+
+def test_a_missing_python_stops_an_evaluation_job_in_one_line(job, tmp_path):
+    """slurm/niah.sh ran `srun $PYTHON tools/niah.py` as it was: a missing PYTHON gave slurmstepd's execve() line per
+    task and srun's (3 lines on 2 tasks, tests/slurm's cluster), then 'evaluation exited with 2'."""
+    argv = tmp_path / "argv"
+    grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", str(tmp_path / "niah"))
+    proc, _ = job("niah.sh", grid, PYTHON="/no/such/python", FAKE_ARGV=str(argv))
+    assert proc.returncode == 1 and not argv.exists(), proc.stdout + proc.stderr  # srun not run
+    assert proc.stderr.splitlines() == ["error: PYTHON=/no/such/python: no such program; export "
+                                        "PYTHON=/path/to/venv/bin/python before sbatch; nothing launched"]
+    proc, _ = job("niah.sh", grid, FAKE_ARGV=str(argv))  # control: the stub python is found
+    assert proc.returncode == 0 and argv.exists(), proc.stdout + proc.stderr
 
 
 def test_a_container_job_where_the_host_cannot_ask_slurm_either(container_job, tmp_path):
