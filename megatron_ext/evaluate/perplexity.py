@@ -225,7 +225,7 @@ def perplexity_by_position(model, tokenizer_or_token_tensors, *, texts: Sequence
                 "model": getattr(getattr(model, "config", None), "_name_or_path", None)
                 or (type(model).__name__ if model is not None else None)}
     if model is not None:  # the HF engine's numerics (the Megatron engine records its own: run_ppl_megatron)
-        from megatron_ext.evaluate.niah import engine_settings
+        from megatron_ext.evaluate.run_settings import engine_settings
 
         settings.update(engine_settings(model, None))
     return PerplexityResult(rows, len(docs), [len(d) for d in docs], settings)

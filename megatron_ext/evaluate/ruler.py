@@ -23,9 +23,9 @@ import torch
 
 from megatron_ext.evaluate.errors import EvalError
 from megatron_ext.evaluate.haystack import Haystack, builtin_haystack, file_haystack
-from megatron_ext.evaluate.niah import (PeriodicSave, _free_device_memory, _mean, _model_name, engine_settings,
-                                        lengths_within, refuse_other_numerics, refuse_other_prompts,
-                                        tokenizer_settings)
+from megatron_ext.evaluate.niah import PeriodicSave, _free_device_memory, _mean, _model_name, lengths_within
+from megatron_ext.evaluate.run_settings import (engine_settings, refuse_other_numerics, refuse_other_prompts,
+                                                tokenizer_settings)
 from megatron_ext.evaluate.ruler_tasks import TASKS, LengthTooShort, SampleBuilder, match_all, noise_haystack
 from megatron_ext.log_lines import log_line
 from megatron_ext.progress import progress_bar
@@ -91,7 +91,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], *,
     greedy decoding on `model` (which may then be None; give `max_position_embeddings`). Prompts of one task and
     length run in batches of up to `batch_tokens // length` rows. Lengths above the model's
     `max_position_embeddings` are skipped unless `allow_beyond_max_positions`. `previous`: an earlier run with the
-    same settings and numerics (engine, dtype, tokenizer: `niah.refuse_other_numerics`; `numerics`: those of a
+    same settings and numerics (engine, dtype, tokenizer: `run_settings.refuse_other_numerics`; `numerics`: those of a
     `generate` without `model`, as in `run_niah`); its scored cells are kept. `on_progress` gets the result so far after each task and length
     (and every `save_every_s` within one). `log` gets a `[ruler] ...` line per task and length (default: printed
     after the local time), None is silent.

@@ -417,7 +417,7 @@ def test_the_launchers_evaluation_stage_reports_the_ruler_average(tmp_path):
 def test_resume_refuses_other_numerics(tok):
     """RULER's --resume compared the prompts' settings alone: cells of another dtype, engine or tokenizer were
     kept. Now refused in one line (older results without these settings are kept as before)."""
-    from megatron_ext.evaluate.niah import tokenizer_digest
+    from megatron_ext.evaluate.run_settings import tokenizer_digest
 
     def reader(prompts, n):
         return oracle_generate(tok)(prompts, n)
