@@ -52,7 +52,7 @@ while (($#)); do
     --ruler) RULER=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h | --help) sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    --*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;;
+    -*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;; # an override is dotted.key=value
     *) OVERRIDES+=("$1"); shift ;;
   esac
 done
@@ -82,11 +82,31 @@ if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
 fi
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
 
+# run_python WHAT ARGS...: "$PYTHON" ARGS, its stdout passed on; its stderr held back until it ends. Where it fails
+# with its own one `error:` line (a user error) that line is the last word; a crash (a traceback, a killed process)
+# ends with its output and one line naming WHAT. Every call comes before the first sbatch.
+run_python() {
+  local what=$1 err said last rc=0
+  shift
+  err=$(mktemp) || nothing_launched "mktemp failed (TMPDIR=${TMPDIR:-/tmp})"
+  # bash's own notice of a killed process ("line N: PID Killed ...") to /dev/null: the last line says so
+  { "$PYTHON" "$@" 2>"$err"; } 2>/dev/null || rc=$?
+  said=$(<"$err")
+  rm -f -- "$err"
+  [[ -z $said ]] || printf '%s\n' "$said" >&2 # warnings; a failure's own lines
+  ((rc != 0)) || return 0
+  last=${said##*$'\n'}
+  ((rc == 1)) && [[ $last == "error: "* ]] && exit 1
+  local how="failed with exit $rc" signal
+  if ((rc > 128)) && signal=$(kill -l $((rc - 128)) 2>/dev/null); then how="was killed by SIG$signal (exit $rc)"; fi
+  nothing_launched "$what ($PYTHON ${1:-} ${2:-}) $how${said:+; its output is above}"
+}
+
 # field RECIPE KEY [overrides...]: a resolved recipe value (validates the recipe too).
 field() {
   local recipe=$1 key=$2
   shift 2
-  "$PYTHON" -m megatron_ext.launch --recipe "$recipe" --get "$key" "$@"
+  run_python "reading $key from $recipe" -m megatron_ext.launch --recipe "$recipe" --get "$key" "$@"
 }
 
 PREV="" N=0
@@ -180,13 +200,33 @@ if ((!DRY)); then
   }
   refuse_earlier_results niah "$NIAH" results.json
   refuse_earlier_results ruler "$RULER" ruler.json
-  "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-data || exit 1
-  if [[ -n $HF ]]; then "$PYTHON" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-hf "$HF" || exit 1; fi
-  if ((SFT)); then "$PYTHON" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data || exit 1; fi
+  run_python "checking the CPT stage's data" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" \
+    --check-data
+  if [[ -n $HF ]]; then
+    run_python "checking --hf $HF" -m megatron_ext.launch --recipe "$CPT_RECIPE" "${OVERRIDES[@]}" --check-hf "$HF"
+  fi
+  if ((SFT)); then
+    run_python "checking the SFT stage's data" -m megatron_ext.launch --recipe "${LAST_RECIPE[@]}" --check-data
+  fi
 fi
 # lengths: a list, within the last stage's model.max_position_embeddings
-[[ -n $NIAH ]] && { "$PYTHON" -m megatron_ext.launch_eval --niah "$NIAH" "${LAST_RECIPE[@]}" || exit 1; }
-[[ -n $RULER ]] && { "$PYTHON" -m megatron_ext.launch_eval --ruler "$RULER" "${LAST_RECIPE[@]}" || exit 1; }
+if [[ -n $NIAH ]]; then
+  run_python "checking --niah $NIAH" -m megatron_ext.launch_eval --niah "$NIAH" "${LAST_RECIPE[@]}"
+fi
+if [[ -n $RULER ]]; then
+  run_python "checking --ruler $RULER" -m megatron_ext.launch_eval --ruler "$RULER" "${LAST_RECIPE[@]}"
+fi
+if [[ -n $NIAH || -n $RULER ]]; then
+  # The CPT layout holds the longest sequences; evaluation passes need less memory than its training steps.
+  TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
+  CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
+  # GPUs per node: SBATCH_ARGS' --gpus-per-node=N where given (it sizes the training jobs too), else the recipe's
+  GPN=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
+  for arg in "${EXTRA[@]}"; do
+    [[ $arg =~ ^--gpus-per-node=([0-9]+)$ ]] && GPN=${BASH_REMATCH[1]}
+  done
+  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < GPN ? TP * CP : GPN))
+fi
 
 if [[ -n $HF ]]; then
   need_convert_tool --hf
@@ -208,15 +248,6 @@ eval_job() {
 }
 TRAINED=$PREV # the evaluations and the export need the last training stage only
 if [[ -n $NIAH || -n $RULER ]]; then
-  # The CPT layout holds the longest sequences; evaluation passes need less memory than its training steps.
-  TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
-  CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
-  # GPUs per node: SBATCH_ARGS' --gpus-per-node=N where given (it sizes the training jobs too), else the recipe's
-  GPN=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
-  for arg in "${EXTRA[@]}"; do
-    [[ $arg =~ ^--gpus-per-node=([0-9]+)$ ]] && GPN=${BASH_REMATCH[1]}
-  done
-  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < GPN ? TP * CP : GPN))
   [[ -n $NIAH ]] && PREV=$TRAINED && eval_job niah "" --lengths "$NIAH" --depths 0:100:10
   [[ -n $RULER ]] && PREV=$TRAINED && eval_job ruler ruler --lengths "$RULER" --tasks all
 fi

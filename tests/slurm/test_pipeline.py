@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.slurm.conftest import job_env
 
@@ -73,3 +75,33 @@ def test_ruler_job_after_the_niah_job_and_bad_lengths_fail_before_submitting():
     far = pipeline("--dry-run", "--ruler", "1M,2M")  # beyond the SFT model's 1M positions
     assert far.returncode == 1 and far.stdout == ""
     assert "2,097,152 tokens is beyond the last stage's model.max_position_embeddings = 1,048,576" in far.stderr
+
+
+@pytest.mark.parametrize("crash, said, before", [
+    ('exec "$real" -c "raise KeyError(\'bug\')"', "failed with exit 1; its output is above", "KeyError: 'bug'"),
+    ("kill -9 $$", "was killed by SIGKILL (exit 137)", None),  # e.g. out of memory: nothing printed
+])
+def test_a_python_step_that_crashes_ends_in_one_error_line(tmp_path, crash, said, before):
+    """A crash of the python the pipeline runs (a bug, not a user error: here in its first recipe read) left a bare
+    traceback, or nothing at all when the process was killed; now its output, then one line naming the step."""
+    python = tmp_path / "crashing_python"
+    python.write_text(f'#!/bin/bash\nreal={sys.executable}\n[[ $1 == -c ]] && exec "$real" "$@"  # the dependency check\n'
+                      f'{crash}\n')
+    python.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run"], capture_output=True, text=True,
+                          env=job_env(PYTHON=str(python)), timeout=60)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == (f"error: reading checkpoint.dir from recipes/cpt_1m.yaml ({python} -m megatron_ext.launch) "
+                         f"{said}; nothing launched"), proc.stderr
+    if before:
+        assert lines[0] == "Traceback (most recent call last):" and lines[-2] == before, proc.stderr
+    else:
+        assert len(lines) == 1, proc.stderr
+
+
+def test_an_option_among_the_overrides_is_one_line():
+    """`-x` went to the recipe read as an override: argparse's usage (5 lines) and its error."""
+    proc = pipeline("--dry-run", "-x")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["error: unknown option -x (see --help)"]
