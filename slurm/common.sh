@@ -47,7 +47,7 @@ bash_at_least_4_4() {
   ((major > 4 || (major == 4 && minor >= 4)))
 }
 bash_at_least_4_4 "${BASH_VERSINFO[0]}" "${BASH_VERSINFO[1]}" || die "slurm/*.sh need bash >= 4.4, this is bash $BASH_VERSION; put a newer bash first in PATH" \
-  "(a module, or conda install bash) before sbatch or bash slurm/pipeline.sh"
+  "(a module, or conda install bash) before sbatch or bash slurm/pipeline.sh; nothing launched"
 
 # NCCL / InfiniBand defaults for multi-node H100 jobs; every one can be overridden by exporting it
 # before sbatch. Interface and HCA names are cluster-specific and left to NCCL's detection unless
@@ -253,8 +253,8 @@ check_rendezvous() {
   [[ -n ${MASTER_ADDR:-} ]] || return 0
   if [[ $MASTER_ADDR =~ ^(localhost|127\.|::1$) ]]; then
     ((${SLURM_JOB_NUM_NODES:-1} == 1)) ||
-      die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) on a ${SLURM_JOB_NUM_NODES}-node job: the other" \
-        "nodes cannot reach it; unset MASTER_ADDR before sbatch (the job's first node is used)"
+      nothing_launched "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) on a ${SLURM_JOB_NUM_NODES}-node job:" \
+        "the other nodes cannot reach it; unset MASTER_ADDR before sbatch (the job's first node is used)"
     return 0
   fi
   local first
@@ -262,8 +262,8 @@ check_rendezvous() {
   [[ -n $first ]] || return 0 # cannot tell
   case $MASTER_ADDR in "$first" | "$first".* | "$first"-*) return 0 ;; esac
   if getent ahosts "$first" 2>/dev/null | awk '{print $1}' | grep -qxF -- "$MASTER_ADDR"; then return 0; fi
-  die "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) is not this job's first node $first, where rank 0" \
-    "listens for the other ranks; unset MASTER_ADDR before sbatch (the first node is used)"
+  nothing_launched "MASTER_ADDR=$MASTER_ADDR (from the submitting shell) is not this job's first node $first, where" \
+    "rank 0 listens for the other ranks; unset MASTER_ADDR before sbatch (the first node is used)"
 }
 
 # wait_step PID: wait for the srun step PID; its exit status in STEP_RC. `wait` returns early (> 128) when a
@@ -362,8 +362,8 @@ stage_main() {
     if [[ $arg == -h || $arg == --help ]]; then sed -n '2,/^#SBATCH/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
   done
   PYTHON=${PYTHON:-python}
-  [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0"
-  [[ -f $RECIPE ]] || die "recipe $RECIPE not found; set RECIPE=path/to/recipe.yaml"
+  [[ -n ${SLURM_JOB_ID:-} ]] || nothing_launched "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0"
+  [[ -f $RECIPE ]] || nothing_launched "recipe $RECIPE not found; set RECIPE=path/to/recipe.yaml"
   export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
   nccl_defaults
   build_launcher
@@ -448,8 +448,10 @@ results_stamp() {
 eval_main() {
   set -euo pipefail
   PYTHON=${PYTHON:-python}
-  [[ -n ${SLURM_JOB_ID:-} ]] || die "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0 --megatron CKPT --cp 8 --out DIR"
-  (($# > 0)) || die "give tools/niah.py arguments, e.g. sbatch $0 --megatron checkpoints/cpt_1m --cp 8 --lengths 1M --out runs/niah_1m"
+  [[ -n ${SLURM_JOB_ID:-} ]] ||
+    nothing_launched "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0 --megatron CKPT --cp 8 --out DIR"
+  (($# > 0)) || nothing_launched "give tools/niah.py arguments, e.g. sbatch $0 --megatron checkpoints/cpt_1m --cp 8" \
+    "--lengths 1M --out runs/niah_1m"
   # in the container only srun can tell; here, one line instead of one from every task and one from srun
   [[ -n ${CONTAINER_IMAGE:-} ]] || check_python_found
   export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -23,7 +23,10 @@
 root=${MEGATRON_EXT_ROOT:-$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null |
   sed -n 's|^ *Command=\(/.*\)/slurm/[^/]*\.sh.*|\1|p')}
 [[ -f $root/slurm/common.sh ]] || root=${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}
-[[ -f $root/slurm/common.sh ]] || { echo "error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>" >&2; exit 1; }
+[[ -f $root/slurm/common.sh ]] || {
+  echo "error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>; nothing launched" >&2
+  exit 1
+}
 # shellcheck source=slurm/common.sh
 source "$root/slurm/common.sh"
 stage_main cpt_2m "$@"

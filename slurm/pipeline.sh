@@ -42,7 +42,7 @@ OVERRIDES=()
 while (($#)); do
   case $1 in
     --cpt | --hf | --export | --sft-recipe | --niah | --ruler)
-      (($# >= 2)) || { echo "error: $1 needs a value (see --help)" >&2; exit 1; } ;;&
+      (($# >= 2)) || nothing_launched "$1 needs a value (see --help)" ;;&
     --cpt) CPT=$2; shift 2 ;;
     --hf) HF=$(from_caller "$2"); shift 2 ;;
     --export) EXPORT=$(from_caller "$2"); shift 2 ;;
@@ -52,39 +52,34 @@ while (($#)); do
     --ruler) RULER=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h | --help) sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    -*) echo "error: unknown option $1 (see --help)" >&2; exit 1 ;; # an override is dotted.key=value
+    -*) nothing_launched "unknown option $1 (see --help)" ;; # an override is dotted.key=value
     *) OVERRIDES+=("$1"); shift ;;
   esac
 done
-[[ -f slurm/$CPT.sh ]] || { echo "error: --cpt $CPT: no slurm/$CPT.sh (cpt_1m, cpt_2m, cpt_4m)" >&2; exit 1; }
-command -v "$PYTHON" >/dev/null || {
-  echo "error: PYTHON=$PYTHON: no such program; run with PYTHON=/path/to/venv/bin/python (the environment megatron_ext" \
-    "is installed in)" >&2
-  exit 1
-}
+[[ -f slurm/$CPT.sh ]] || nothing_launched "--cpt $CPT: no slurm/$CPT.sh (cpt_1m, cpt_2m, cpt_4m)"
+command -v "$PYTHON" >/dev/null || nothing_launched "PYTHON=$PYTHON: no such program; run with" \
+  "PYTHON=/path/to/venv/bin/python (the environment megatron_ext is installed in)"
 # the recipes are read with it below (a python without the dependencies would end in a traceback); found, not
 # imported: importing torch and Megatron-Core takes seconds on a login node
-"$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "yaml")))' 2>/dev/null || {
-  echo "error: PYTHON=$PYTHON cannot import torch, megatron.core and yaml: run with PYTHON=/path/to/venv/bin/python" \
-    "(the environment megatron_ext is installed in)" >&2
-  exit 1
-}
+"$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "yaml")))' 2>/dev/null ||
+  nothing_launched "PYTHON=$PYTHON cannot import torch, megatron.core and yaml: run with" \
+    "PYTHON=/path/to/venv/bin/python (the environment megatron_ext is installed in)"
 if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
   case $CPT in
     cpt_1m) SFT_RECIPE=recipes/sft.yaml ;;
     cpt_2m | cpt_4m) SFT_RECIPE=recipes/sft_${CPT#cpt_}.yaml ;;
     *)
-      echo "error: --cpt $CPT: no shipped SFT recipe has its RoPE; give --sft-recipe FILE (recipes/sft.yaml with" \
-        "that stage's rope block and model.max_position_embeddings), or --no-sft" >&2
-      exit 1
+      nothing_launched "--cpt $CPT: no shipped SFT recipe has its RoPE; give --sft-recipe FILE (recipes/sft.yaml" \
+        "with that stage's rope block and model.max_position_embeddings), or --no-sft"
       ;;
   esac
 fi
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
 
 # run_python WHAT ARGS...: "$PYTHON" ARGS, its stdout passed on; its stderr held back until it ends. Where it fails
-# with its own one `error:` line (a user error) that line is the last word; a crash (a traceback, a killed process)
-# ends with its output and one line naming WHAT. Every call comes before the first sbatch.
+# with its own one `error:` line (a user error) that line is the last word, saying that nothing was launched; a crash
+# (a traceback, a killed process) ends with its output and one line naming WHAT. Every call comes before the first
+# sbatch.
 run_python() {
   local what=$1 err said last rc=0
   shift
@@ -93,10 +88,13 @@ run_python() {
   { "$PYTHON" "$@" 2>"$err"; } 2>/dev/null || rc=$?
   said=$(<"$err")
   rm -f -- "$err"
-  [[ -z $said ]] || printf '%s\n' "$said" >&2 # warnings; a failure's own lines
-  ((rc != 0)) || return 0
   last=${said##*$'\n'}
-  ((rc == 1)) && [[ $last == "error: "* ]] && exit 1
+  if ((rc == 1)) && [[ $last == "error: "* ]]; then
+    [[ $said != *$'\n'* ]] || printf '%s\n' "${said%$'\n'*}" >&2 # warnings before it
+    nothing_launched "${last#error: }"
+  fi
+  [[ -z $said ]] || printf '%s\n' "$said" >&2 # warnings; a crash's traceback
+  ((rc != 0)) || return 0
   local how="failed with exit $rc" signal
   if ((rc > 128)) && signal=$(kill -l $((rc - 128)) 2>/dev/null); then how="was killed by SIG$signal (exit $rc)"; fi
   nothing_launched "$what ($PYTHON ${1:-} ${2:-}) $how${said:+; its output is above}"
@@ -109,7 +107,13 @@ field() {
   run_python "reading $key from $recipe" -m megatron_ext.launch --recipe "$recipe" --get "$key" "$@"
 }
 
-PREV="" N=0
+PREV="" N=0 SUBMITTED="" IDS=""
+# submit_failed MESSAGE...: end the pipeline with one line: MESSAGE, and that nothing was launched or which jobs were
+# (Slurm runs them as submitted).
+submit_failed() {
+  [[ -n $SUBMITTED ]] || nothing_launched "$*"
+  die "$*; submitted before it: $SUBMITTED, which Slurm runs as submitted: scancel$IDS to cancel them"
+}
 # submit NAME [VAR=value ...] sbatch-args...: submit after the previous job, with VAR=value in sbatch's environment
 # (the job inherits it: unlike --export=VAR=value, a value may hold commas); sets PREV to the new job id.
 submit() {
@@ -129,9 +133,20 @@ submit() {
     id="<$name>"
     printf '%s\n' "$(printf '%q ' "${cmd[@]}")"
   else
-    id=$(env "${cmd[@]}")
+    local err why rc=0
+    err=$(mktemp) || submit_failed "mktemp failed (TMPDIR=${TMPDIR:-/tmp}) before the $name job"
+    id=$(env "${cmd[@]}" 2>"$err") || rc=$?
+    why=$(<"$err")
+    rm -f -- "$err"
+    if ((rc != 0)); then
+      why=${why//sbatch: error: /}
+      why=${why//$'\n'/; }
+      submit_failed "sbatch refused the $name job (${why:-exit $rc})"
+    fi
+    [[ -z $why ]] || printf '%s\n' "$why" >&2 # sbatch's warnings
     id=${id%%;*}
     echo "submitted $name: job $id" >&2
+    SUBMITTED+="${SUBMITTED:+, }$name (job $id)" IDS+=" $id"
   fi
   PREV=$id
 }
@@ -150,12 +165,8 @@ tool_job() {
 
 need_convert_tool() {
   [[ -f tools/convert.py ]] && return 0
-  if ((DRY)); then
-    echo "warning: $1 needs tools/convert.py, which is missing" >&2
-  else
-    echo "error: $1 needs tools/convert.py, which is missing" >&2
-    exit 1
-  fi
+  ((!DRY)) || { echo "warning: $1 needs tools/convert.py, which is missing" >&2; return 0; }
+  nothing_launched "$1 needs tools/convert.py, which is missing"
 }
 
 # Resolve (and so validate) every recipe before the first submission.
@@ -173,29 +184,24 @@ fi
 if ((!DRY)); then
   # the convert and export jobs would find these only after their queue wait (export: after the whole training)
   if [[ -n $HF && ! -f $HF/config.json ]]; then
-    echo "error: --hf $HF: no config.json there; give the Hugging Face model folder to convert" >&2
-    exit 1
+    nothing_launched "--hf $HF: no config.json there; give the Hugging Face model folder to convert"
   fi
   if [[ -n $HF && -z $INIT ]]; then
-    echo "error: --hf: the CPT recipe sets no checkpoint.init_from, the folder the convert job writes; give" \
-      "checkpoint.init_from=NEW_FOLDER" >&2
-    exit 1
+    nothing_launched "--hf: the CPT recipe sets no checkpoint.init_from, the folder the convert job writes; give" \
+      "checkpoint.init_from=NEW_FOLDER"
   fi
   if [[ -n $HF && -e $INIT ]]; then
-    echo "error: --hf: the CPT recipe's checkpoint.init_from $INIT exists, and the convert job writes it; leave out" \
-      "--hf to start from it, or give checkpoint.init_from=NEW_FOLDER" >&2
-    exit 1
+    nothing_launched "--hf: the CPT recipe's checkpoint.init_from $INIT exists, and the convert job writes it; leave" \
+      "out --hf to start from it, or give checkpoint.init_from=NEW_FOLDER"
   fi
   if [[ -n $EXPORT && -e $EXPORT ]]; then
-    echo "error: --export $EXPORT: exists, and the export job does not overwrite; give a new folder" >&2
-    exit 1
+    nothing_launched "--export $EXPORT: exists, and the export job does not overwrite; give a new folder"
   fi
   # the evaluation jobs refuse an --out holding an earlier run's results (they would find it after the training)
   refuse_earlier_results() { # NAME LENGTHS RESULTS_FILE
     if [[ -n $2 && -e ${LAST_DIR%/}_$1/$3 ]]; then
-      echo "error: --$1: ${LAST_DIR%/}_$1 holds an earlier evaluation's $3, which the $1 job does not overwrite;" \
-        "move or remove that folder first" >&2
-      exit 1
+      nothing_launched "--$1: ${LAST_DIR%/}_$1 holds an earlier evaluation's $3, which the $1 job does not" \
+        "overwrite; move or remove that folder first"
     fi
   }
   refuse_earlier_results niah "$NIAH" results.json
@@ -227,9 +233,10 @@ if [[ -n $NIAH || -n $RULER ]]; then
   done
   RANKS=$((TP * CP)) PER_NODE=$((TP * CP < GPN ? TP * CP : GPN))
 fi
+[[ -z $HF ]] || need_convert_tool --hf
+[[ -z $EXPORT ]] || need_convert_tool --export
 
 if [[ -n $HF ]]; then
-  need_convert_tool --hf
   tool_job convert tools/convert.py to-megatron --hf "$HF" --out "$INIT"
 fi
 # RECIPE: the one checked above, not one exported in the submitting shell (the job would run that)
@@ -252,7 +259,6 @@ if [[ -n $NIAH || -n $RULER ]]; then
   [[ -n $RULER ]] && PREV=$TRAINED && eval_job ruler ruler --lengths "$RULER" --tasks all
 fi
 if [[ -n $EXPORT ]]; then
-  need_convert_tool --export
   PREV=$TRAINED
   tool_job export tools/convert.py to-hf --megatron "$LAST_DIR" --out "$EXPORT"
 fi

@@ -12,9 +12,9 @@ from tests.conftest import ROOT
 from tests.slurm.conftest import job_env
 
 
-def pipeline(*args: str) -> subprocess.CompletedProcess:
+def pipeline(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), *args], capture_output=True, text=True,
-                          env=job_env(SBATCH_ARGS="--account=proj"), timeout=120)
+                          env=job_env(**{"SBATCH_ARGS": "--account=proj", **env}), timeout=120)
 
 
 def test_dry_run_chains_four_jobs_with_afterok():
@@ -71,7 +71,8 @@ def test_ruler_job_after_the_niah_job_and_bad_lengths_fail_before_submitting():
         bad = pipeline("--dry-run", option, "1Q")
         assert bad.returncode == 1 and bad.stdout == ""
         assert bad.stderr.strip() == (f"error: {option} '1Q': '1Q' is not a token count; use e.g. 4096, 32K, 1M "
-                                      "(K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11")
+                                      "(K=1024), a list 1K,2K,4K, or a log-spaced range START:END:COUNT like 1K:1M:11; "
+                                      "nothing launched")
     far = pipeline("--dry-run", "--ruler", "1M,2M")  # beyond the SFT model's 1M positions
     assert far.returncode == 1 and far.stdout == ""
     assert "2,097,152 tokens is beyond the last stage's model.max_position_embeddings = 1,048,576" in far.stderr
@@ -85,8 +86,8 @@ def test_a_python_step_that_crashes_ends_in_one_error_line(tmp_path, crash, said
     """A crash of the python the pipeline runs (a bug, not a user error: here in its first recipe read) left a bare
     traceback, or nothing at all when the process was killed; now its output, then one line naming the step."""
     python = tmp_path / "crashing_python"
-    python.write_text(f'#!/bin/bash\nreal={sys.executable}\n[[ $1 == -c ]] && exec "$real" "$@"  # the dependency check\n'
-                      f'{crash}\n')
+    python.write_text(f'#!/bin/bash\nreal={sys.executable}\n'
+                      f'[[ $1 == -c ]] && exec "$real" "$@"  # the dependency check\n{crash}\n')
     python.chmod(0o755)
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run"], capture_output=True, text=True,
                           env=job_env(PYTHON=str(python)), timeout=60)
@@ -104,4 +105,44 @@ def test_an_option_among_the_overrides_is_one_line():
     """`-x` went to the recipe read as an override: argparse's usage (5 lines) and its error."""
     proc = pipeline("--dry-run", "-x")
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.splitlines() == ["error: unknown option -x (see --help)"]
+    assert proc.stderr.splitlines() == ["error: unknown option -x (see --help); nothing launched"]
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--export"], {}, "error: --export needs a value (see --help)"),
+    (["--cpt", "cpt_9m"], {}, "error: --cpt cpt_9m: no slurm/cpt_9m.sh (cpt_1m, cpt_2m, cpt_4m)"),
+    ([], {"PYTHON": "/no/such/python"}, "error: PYTHON=/no/such/python: no such program; run with PYTHON="),
+    ([], {"PYTHON": "false"}, "error: PYTHON=false cannot import torch, megatron.core and yaml"),
+    (["train.bogus=1"], {}, "error: train.bogus: unknown key; valid keys here: "),  # the recipe read's own line
+])
+def test_an_error_before_the_first_sbatch_says_nothing_was_launched(args, env, message):
+    """The sbatch scripts' preflight errors end in '; nothing launched' (slurm/common.sh); the pipeline's, all before
+    its first sbatch, did not."""
+    proc = pipeline("--dry-run", *args, **env)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message) and lines[0].endswith("; nothing launched"), proc.stderr
+
+
+def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, token_data):
+    """sbatch refusing a job ended the pipeline with sbatch's own lines (set -e), saying neither that nothing was
+    launched nor, after the first job, which jobs were queued anyway. On the local cluster: the first sbatch refused
+    (no such partition), then the second (the NIAH job's 8 GPUs per node; the CPT job is held and cancelled)."""
+    data = f"data.prefix={token_data}"
+    # the CPT job's size overridden to fit (held: it never runs); the NIAH job asks for 8 GPUs per node
+    size = "--hold --nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --mem=100M --gpus-per-node 0"
+    proc = pipeline("--no-sft", data, SBATCH_ARGS=f"{size} --partition=nosuch")
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: sbatch refused the cpt_1m job (invalid partition specified: nosuch; Batch job submission failed: "
+        "Invalid partition name specified); nothing launched"]
+    proc = pipeline("--no-sft", "--niah", "1K", data, SBATCH_ARGS=size)
+    cpt = [line.rpartition(" ")[2] for line in proc.stderr.splitlines() if line.startswith("submitted cpt_1m: job ")]
+    try:
+        assert proc.returncode == 1 and len(cpt) == 1, proc.stderr
+        assert proc.stderr.splitlines()[-1] == (
+            "error: sbatch refused the niah job (Invalid generic resource (gres) specification); submitted before it: "
+            f"cpt_1m (job {cpt[0]}), which Slurm runs as submitted: scancel {cpt[0]} to cancel them"), proc.stderr
+    finally:
+        for job in cpt:
+            subprocess.run(["scancel", job], check=False)

@@ -219,7 +219,8 @@ def test_a_missing_project_is_one_error_line(tmp_path):
     env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "none-such", "SLURM_SUBMIT_DIR": str(tmp_path)}
     proc = subprocess.run(["bash", str(spool)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == "error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>"
+    assert proc.stderr.strip() == ("error: slurm/common.sh not found; set MEGATRON_EXT_ROOT=<project folder>; nothing "
+                                   "launched")
     assert Path(tmp_path / "slurm").exists() is False
 
 
@@ -243,7 +244,7 @@ def test_pipeline_paths_are_the_callers(tmp_path):
     assert ["--out", f"{tmp_path}/out/x"] == _wrapped_words(export)[-2:]
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--export"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help)\n"
+    assert proc.returncode == 1 and proc.stderr == "error: --export needs a value (see --help); nothing launched\n"
 
 
 def test_a_stage_script_given_help_prints_its_header():
@@ -301,7 +302,8 @@ def test_a_master_addr_left_from_another_job_stops_the_job(job, nodes):
         assert proc.returncode == 1 and "training exited" not in proc.stdout, (addr, proc.stderr)
         assert proc.stderr.strip().splitlines()[-1] == (
             f"error: MASTER_ADDR={addr} (from the submitting shell) is not this job's first node gpu004, where "
-            "rank 0 listens for the other ranks; unset MASTER_ADDR before sbatch (the first node is used)")
+            "rank 0 listens for the other ranks; unset MASTER_ADDR before sbatch (the first node is used); nothing "
+            "launched")
     for addr in ("gpu004", "gpu004-ib0", "gpu004.cluster.local"):
         proc, _ = job(MASTER_ADDR=addr, SLURM_JOB_NUM_NODES=nodes, FAKE_HOSTS=hosts, FAKE_RC="0")
         assert proc.returncode == 0 and "training exited with 0" in proc.stdout, (addr, proc.stderr)
@@ -356,6 +358,26 @@ def test_a_python_without_the_dependencies_is_named(job, tmp_path, python, messa
     assert lines[0].startswith(f"error: {message}") and "export PYTHON=" in lines[0], proc.stderr
     assert lines[0].endswith("before sbatch; nothing launched")
     assert "training exited" not in proc.stdout
+
+
+@pytest.mark.parametrize("script, args, fake, message", [
+    ("cpt_1m.sh", ("train.steps=3",), {"SLURM_JOB_ID": ""}, "error: run this with sbatch (no SLURM_JOB_ID), e.g. "),
+    ("cpt_1m.sh", ("train.steps=3",), {"RECIPE": "nope.yaml"},
+     "error: recipe nope.yaml not found; set RECIPE=path/to/recipe.yaml"),
+    ("cpt_1m.sh", ("train.steps=3",), {"MASTER_ADDR": "localhost", "SLURM_JOB_NUM_NODES": "2"},
+     "error: MASTER_ADDR=localhost (from the submitting shell) on a 2-node job"),
+    ("niah.sh", ("--cp", "2"), {"SLURM_JOB_ID": ""}, "error: run this with sbatch (no SLURM_JOB_ID), e.g. "),
+    ("niah.sh", (), {}, "error: give tools/niah.py arguments, e.g. sbatch "),
+    ("niah.sh", ("--cp", "2"), {"MASTER_ADDR": "gpu017", "FAKE_HOSTS": "gpu004"}, "error: MASTER_ADDR=gpu017 "),
+])
+def test_an_error_before_the_preflight_says_nothing_was_launched(job, tmp_path, script, args, fake, message):
+    """The preflight's errors end in '; nothing launched', the ones before it (the arguments, the environment) did
+    not, though no srun had run either."""
+    argv = tmp_path / "argv"
+    proc, _ = job(script, args, FAKE_ARGV=str(argv), **fake)
+    assert proc.returncode == 1 and not argv.exists(), proc.stdout + proc.stderr  # srun not run
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message) and lines[0].endswith("; nothing launched"), proc.stderr
 
 
 def test_an_option_given_to_a_stage_script_is_one_line(job):
@@ -417,7 +439,7 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     proc = pipeline("data.prefix=/nonexistent/cpt")
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == ("error: data.prefix = '/nonexistent/cpt': /nonexistent/cpt.bin not found; run "
-                           "tools/prepare_data.py first\n")
+                           "tools/prepare_data.py first; nothing launched\n")
     good = sft_recipe.read_text()
     sft_recipe.write_text(good.replace(sft_data, "/nonexistent/sft"))
     proc = pipeline(f"data.prefix={token_data}")
@@ -428,7 +450,7 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     proc = pipeline("--hf", "hf", f"data.prefix={token_data}")
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == (f"error: --hf {tmp_path}/hf: no config.json there; give the Hugging Face model folder to "
-                           "convert\n")
+                           "convert; nothing launched\n")
     (tmp_path / "hf/config.json").write_text("{}")
     proc = pipeline("--hf", "hf", f"data.prefix={token_data}", f"checkpoint.init_from={tmp_path}")
     assert proc.returncode == 1 and not calls.exists() and f"checkpoint.init_from {tmp_path} exists" in proc.stderr
@@ -449,11 +471,11 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == (f"error: --hf {tmp_path}/hf is another model than recipe cpt_1m's (hidden_size: 64 -> 4096; "
                            "num_hidden_layers: 2 -> 32, as 'model folder -> recipe'): give the model the recipe "
-                           "extends, or a recipe of this model\n")
+                           "extends, or a recipe of this model; nothing launched\n")
     proc = pipeline("--export", ".", f"data.prefix={token_data}")
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == (f"error: --export {tmp_path}/.: exists, and the export job does not overwrite; give a new "
-                           "folder\n")
+                           "folder; nothing launched\n")
     # an evaluation folder with an earlier run's results: the job would refuse to overwrite them after the training
     sft_recipe.write_text(good.replace("dir: checkpoints/sft_1m", f"dir: {tmp_path}/sft_1m"))
     (tmp_path / "sft_1m_ruler").mkdir()
@@ -461,7 +483,8 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     proc = pipeline("--ruler", "1M", f"data.prefix={token_data}")
     assert proc.returncode == 1 and not calls.exists(), proc.stderr
     assert proc.stderr == (f"error: --ruler: {tmp_path}/sft_1m_ruler holds an earlier evaluation's ruler.json, which "
-                           "the ruler job does not overwrite; move or remove that folder first\n")
+                           "the ruler job does not overwrite; move or remove that folder first; nothing "
+                           "launched\n")
     sft_recipe.write_text(good)
     # the export job's command: sbatch runs --wrap under /bin/sh, which took the $'...' quoting of bash's printf %q
     # (the C locale of many login nodes) literally
@@ -479,6 +502,26 @@ def test_pipeline_sft_recipe_path_with_a_comma(tmp_path, token_data, sft_data):
     assert cpt.startswith("RECIPE=recipes/cpt_1m.yaml ARGS=--parsable slurm/cpt_1m.sh")
     assert sft.startswith(f"RECIPE={recipes}/sft.yaml ARGS=--parsable --dependency=afterok:7 ")
     assert "--export=ALL slurm/sft.sh checkpoint.init_from=checkpoints/cpt_1m" in sft
+
+
+def test_pipeline_without_the_convert_tool_submits_nothing(tmp_path, token_data):
+    """--export with tools/convert.py missing was found after the CPT job was submitted (it ran; the export did not
+    exist): now before the first sbatch. A project folder without tools/; sbatch records its calls."""
+    project = tmp_path / "project"
+    for folder in ("slurm", "recipes"):
+        shutil.copytree(ROOT / folder, project / folder)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "$*" >>"$FAKE_CALLS"\necho 7\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, PYTHONPATH=str(ROOT),
+               PYTHONWARNINGS="ignore", FAKE_CALLS=str(calls))
+    proc = subprocess.run(["bash", str(project / "slurm/pipeline.sh"), "--no-sft", "--export", "out",
+                           f"data.prefix={token_data}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and not calls.exists(), proc.stderr
+    assert proc.stderr.splitlines() == ["error: --export needs tools/convert.py, which is missing; nothing launched"]
 
 
 def test_pipeline_sft_follows_the_cpt_stage(tmp_path):
@@ -506,7 +549,8 @@ def test_pipeline_with_a_python_without_the_dependencies(tmp_path):
                           env=dict(os.environ, PYTHON="/no/such/python"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.splitlines() == ["error: PYTHON=/no/such/python: no such program; run with "
-                                        "PYTHON=/path/to/venv/bin/python (the environment megatron_ext is installed in)"]
+                                        "PYTHON=/path/to/venv/bin/python (the environment megatron_ext is installed "
+                                        "in); nothing launched"]
 
 
 def test_task_prefix_runs_before_python_in_each_task(job, tmp_path):
@@ -611,8 +655,8 @@ def test_a_python_the_container_lacks_is_named_in_one_line(container_job):
 
 
 def test_a_missing_python_stops_an_evaluation_job_in_one_line(job, tmp_path):
-    """slurm/niah.sh ran `srun $PYTHON tools/niah.py` as it was: a missing PYTHON gave slurmstepd's execve() line per
-    task and srun's (3 lines on 2 tasks, tests/slurm's cluster), then 'evaluation exited with 2'."""
+    """slurm/niah.sh ran `srun $PYTHON tools/niah.py` as it was: a missing PYTHON gave slurmstepd's execve() line
+    per task and srun's (3 lines on 2 tasks, tests/slurm's cluster), then 'evaluation exited with 2'."""
     argv = tmp_path / "argv"
     grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", str(tmp_path / "niah"))
     proc, _ = job("niah.sh", grid, PYTHON="/no/such/python", FAKE_ARGV=str(argv))
