@@ -215,13 +215,10 @@ def _cache_names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
-def test_a_build_killed_while_writing_leaves_no_cache_name(tmp_path, token_data):
-    """A build killed partway through its cache writes (here by SIGXFSZ, the default action of a write past a
-    file-size limit, as a kill -9 or a node's loss would end it: no handler runs), after the description and the
-    document index were written and inside the sample index's write: the cache folder holds no name of this build's
-    caches, only the dead process's staging folder, which nothing reads; the next build writes the four and loads
-    them. Control (f087277's temporary-and-rename writes): the description and the document index at their final
-    names and 'sample_index.npy.tmp<pid>' beside them; stock Megatron-Core: the sample index cut at its final name."""
+def _build_killed_while_writing(token_data: str, cache: Path) -> int:
+    """A build (a subprocess) killed inside its cache writes by SIGXFSZ, the default action of a write past a
+    file-size limit, as a kill -9 or a node's loss would end it (no handler runs): after the description and the
+    document index were written, inside the sample index's write. Its pid."""
     import os
     import resource
     import signal
@@ -240,11 +237,22 @@ from megatron_ext.data import build_cpt_datasets
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; its default ends the process at the write
 build_cpt_datasets(sys.argv[1], 32, num_samples=(100, None, None), cache_dir=sys.argv[2])
 """
-    cache = tmp_path / "cache"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "-c", code, token_data, str(cache)], capture_output=True, text=True,
-                          env=env, timeout=120, preexec_fn=limited)
-    assert proc.returncode == -signal.SIGXFSZ, (proc.returncode, proc.stderr[-3000:])
+    proc = subprocess.Popen([sys.executable, "-c", code, token_data, str(cache)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=limited)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGXFSZ, (proc.returncode, err[-3000:])
+    return proc.pid
+
+
+def test_a_build_killed_while_writing_leaves_no_cache_name(tmp_path, token_data):
+    """A build killed partway through its cache writes (`_build_killed_while_writing`): the cache folder holds no
+    name of this build's caches, only the dead process's staging folder, which nothing reads; the next build writes
+    the four and loads them. Control (f087277's temporary-and-rename writes): the description and the document index
+    at their final names and 'sample_index.npy.tmp<pid>' beside them; stock Megatron-Core: the sample index cut at its
+    final name."""
+    cache = tmp_path / "cache"
+    _build_killed_while_writing(token_data, cache)
     assert _cache_names(cache) == [], _cache_names(cache)
     (staging,) = cache.iterdir()  # the killed build's, with what it had written
     assert sorted(p.name.split("-", 1)[1] for p in staging.iterdir()) == [
@@ -255,6 +263,65 @@ build_cpt_datasets(sys.argv[1], 32, num_samples=(100, None, None), cache_dir=sys
         "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy"]
     again = build_cpt_datasets(token_data, 32, num_samples=(100, None, None), cache_dir=str(cache))[0]  # loaded
     assert len(again) == len(train) >= 100 and again[7]["tokens"].tolist() == train[7]["tokens"].tolist()
+
+
+def test_a_later_build_removes_the_staging_folders_of_dead_builds(tmp_path, token_data, capsys):
+    """A killed build's staging folder (hundreds of MB to GBs at scale, one more for every requeued job killed while
+    it built) stayed in the cache folder for good. Now the next build removes those of its host whose process is
+    gone, saying so in one line with their size, and keeps a live build's (a sleeping child's pid; several jobs may
+    build in one folder at once) and this process's. Those named by another host or PID namespace (a container), whose
+    process cannot be asked, and an older version's (no host) are kept until they are a week old. A build that only
+    reads (a cache hit) removes them too: the live one once its process has ended. Control (no removal): the dead
+    build's folder is still there."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from megatron_ext.data.index_caches import STAGING_PREFIX
+
+    cache = tmp_path / "cache"
+    pid = _build_killed_while_writing(token_data, cache)
+    (dead,) = cache.iterdir()
+    assert f"-{pid}-" in dead.name
+    dead_bytes = sum(p.stat().st_size for p in dead.iterdir())
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        live, mine = (cache / dead.name.replace(f"-{pid}-", f"-{p}-") for p in (sleeper.pid, os.getpid()))
+        for folder in (live, mine):
+            folder.mkdir()
+            (folder / "part.npy").write_bytes(b"\0" * 300_000)
+        kwargs = dict(num_samples=(100, None, None), cache_dir=str(cache))
+        build_cpt_datasets(token_data, 32, **kwargs)  # a miss: this build writes the caches
+        assert not dead.exists()
+        assert live.is_dir() and mine.is_dir() and len(_cache_names(cache)) == 4
+        said = [line for line in capsys.readouterr().out.splitlines() if "[data]" in line]
+        mb = f"{dead_bytes / 1e6:.1f} MB"
+        assert len(said) == 1 and f"data cache folder {cache}: removed {dead.name} ({mb})" in said[0], said
+
+        here = f"{STAGING_PREFIX}{socket.gethostname()}-"
+        namespace, rest = dead.name[len(here):].split("-", 1)  # the dead pid's, named by
+        foreign = [cache / f"{STAGING_PREFIX}far-{namespace}-{rest}",  # another host
+                   cache / f"{here}{int(namespace) + 1}-{rest}",  # another container on this host
+                   cache / f"{STAGING_PREFIX}{rest}"]  # an older version
+        old = cache / f"{STAGING_PREFIX}old-{namespace}-{rest}"
+        for folder in (*foreign, old):
+            folder.mkdir()
+            (folder / "part.npy").write_bytes(b"\0" * 300_000)
+        week_ago = time.time() - 7 * 24 * 3600 - 60
+        for path in (old / "part.npy", old):
+            os.utime(path, (week_ago, week_ago))
+        sleeper.kill()
+        sleeper.wait()
+        build_cpt_datasets(token_data, 32, **kwargs)  # a hit
+        assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == sorted(
+            p.name for p in (mine, *foreign))
+        said = [line for line in capsys.readouterr().out.splitlines() if "[data]" in line]
+        assert len(said) == 1 and "(0.6 MB)" in said[0] and live.name in said[0] and old.name in said[0], said
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_index_caches_are_stock_megatron_cores_files(tmp_path, token_data, second_token_data):
