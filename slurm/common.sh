@@ -352,15 +352,21 @@ run_finished() {
   [[ $out == *"checkpoint: nothing to train"* ]]
 }
 
+# help_if_asked ARGS...: an -h or --help among the script's arguments prints its header and ends it: not the help of
+# the python it runs (on every task of a job that then does nothing), and outside a job too.
+help_if_asked() {
+  local arg
+  for arg in "$@"; do
+    if [[ $arg == -h || $arg == --help ]]; then sed -n '2,/^#SBATCH/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+  done
+}
+
 # stage_main STAGE [dotted.key=value ...]: run recipes/STAGE.yaml (or $RECIPE) with the overrides.
 stage_main() {
   set -euo pipefail
   RECIPE=${RECIPE:-$PROJECT_ROOT/recipes/$1.yaml}
   shift
-  local arg
-  for arg in "$@"; do  # the script's header, not the trainer's help on every task of a job that then trains nothing
-    if [[ $arg == -h || $arg == --help ]]; then sed -n '2,/^#SBATCH/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
-  done
+  help_if_asked "$@"
   PYTHON=${PYTHON:-python}
   [[ -n ${SLURM_JOB_ID:-} ]] || nothing_launched "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0"
   [[ -f $RECIPE ]] || nothing_launched "recipe $RECIPE not found; set RECIPE=path/to/recipe.yaml"
@@ -447,6 +453,7 @@ results_stamp() {
 
 eval_main() {
   set -euo pipefail
+  help_if_asked "$@"
   PYTHON=${PYTHON:-python}
   [[ -n ${SLURM_JOB_ID:-} ]] ||
     nothing_launched "run this with sbatch (no SLURM_JOB_ID), e.g. sbatch $0 --megatron CKPT --cp 8 --out DIR"

@@ -257,6 +257,21 @@ def test_a_stage_script_given_help_prints_its_header():
         assert proc.stdout.startswith("UltraLong CPT to 1M tokens") and "#SBATCH --" not in proc.stdout
 
 
+def test_the_evaluation_script_given_help_prints_its_header(job, tmp_path):
+    """`slurm/niah.sh --help` said 'run this with sbatch'; in a job every task ran `tools/niah.py --help`. Now the
+    header, outside a job and in one (srun not run), as the stage scripts do."""
+    for args in (["--help"], ["ruler", "--megatron", "runs/x", "-h"]):
+        proc = subprocess.run(["bash", str(ROOT / "slurm/niah.sh"), *args], capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"})
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith("Long-context evaluation of a Megatron checkpoint") and "#SBATCH --" not in proc.stdout
+        assert "Arguments are tools/niah.py's (`python tools/niah.py --help`)" in proc.stdout
+    argv = tmp_path / "argv"
+    proc, _ = job("niah.sh", ("--megatron", "runs/x", "--help"), FAKE_ARGV=str(argv))
+    assert proc.returncode == 0 and not argv.exists(), proc.stdout + proc.stderr
+    assert proc.stdout.startswith("Long-context evaluation of a Megatron checkpoint")
+
+
 def test_pipeline_help_is_its_whole_header():
     """--help printed the first 24 header lines of 26: not where the jobs run, how paths are read, or PYTHON."""
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--help"], capture_output=True, text=True,
