@@ -83,21 +83,22 @@ build_launcher() {
   fi
 }
 
+# log_job WHAT [ARGS...]: the job's first lines. WHAT is `overrides` (a stage: $RECIPE, then ARGS, its overrides) or
+# `tools/niah.py arguments` (an evaluation: ARGS; a RECIPE the submitting shell exported is not what it runs).
 log_job() {
-  local sha
+  local what=$1 sha
+  shift
   sha=$(git -C "$PROJECT_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
   if [[ $sha != unknown ]] && ! git -C "$PROJECT_ROOT" diff --quiet HEAD -- 2>/dev/null; then
     sha+="-dirty"
   fi
   log "job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}"
   log "git $sha in $PROJECT_ROOT"
-  [[ . -ef $PROJECT_ROOT ]] || log "working directory $PWD: relative paths in the recipe are taken from here"
-  if [[ -n ${RECIPE:-} ]]; then
-    log "recipe $RECIPE"
-    log "overrides: ${*:-(none)}"
-  else
-    log "arguments: ${*:-(none)}"
-  fi
+  local paths="in the recipe"
+  [[ $what == overrides ]] || paths="in the arguments"
+  [[ . -ef $PROJECT_ROOT ]] || log "working directory $PWD: relative paths $paths are taken from here"
+  [[ $what != overrides ]] || log "recipe $RECIPE"
+  log "$what: ${*:-(none)}"
   log "nodes ${SLURM_JOB_NODELIST:-?} (${SLURM_JOB_NUM_NODES:-?}), tasks ${SLURM_NTASKS:-?}," \
     "gpus/node ${SLURM_GPUS_ON_NODE:-0}, python $PYTHON${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
   [[ -z ${TASK_PREFIX:-} ]] || log "task prefix: $TASK_PREFIX"
@@ -373,7 +374,7 @@ stage_main() {
   export PYTHONPATH="$PROJECT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
   nccl_defaults
   build_launcher
-  log_job "$@"
+  log_job overrides "$@"
   # Trapped from here on: an early warning signal must not kill this shell (bash's default).
   trap 'note_signal USR1' USR1
   trap 'note_signal TERM' TERM
@@ -469,7 +470,7 @@ eval_main() {
   if ((grid)) && ((${SLURM_RESTART_COUNT:-0} > 0)) && [[ " $* " != *" --resume "* ]]; then
     args+=(--resume)
   fi
-  log_job "${args[@]}"
+  log_job "tools/niah.py arguments" "${args[@]}"
   check_rendezvous
   local saved_before
   saved_before=$(results_stamp "${args[@]}")

@@ -272,6 +272,19 @@ def test_the_evaluation_script_given_help_prints_its_header(job, tmp_path):
     assert proc.stdout.startswith("Long-context evaluation of a Megatron checkpoint")
 
 
+def test_the_evaluation_job_logs_what_it_runs(job):
+    """A RECIPE exported in the submitting shell (the stage scripts read it) made a niah.sh job log 'recipe X' and
+    'overrides: <its tools/niah.py arguments>': a recipe it does not run. Now the arguments its tasks run."""
+    grid = ("--megatron", "runs/x", "--cp", "2", "--lengths", "1K", "--out", "runs/n")
+    proc, _ = job("niah.sh", grid)  # the fixture exports RECIPE, as such a shell would
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "] recipe " not in proc.stdout and "overrides:" not in proc.stdout, proc.stdout
+    assert "relative paths in the arguments are taken from here" in proc.stdout
+    assert "tools/niah.py arguments: --megatron runs/x --cp 2 --lengths 1K --out runs/n\n" in proc.stdout
+    proc, _ = job()  # a stage still logs its recipe and overrides
+    assert f"recipe {ROOT}/recipes/tiny/cpt.yaml\n" in proc.stdout and "overrides: train.steps=3\n" in proc.stdout
+
+
 def test_pipeline_help_is_its_whole_header():
     """--help printed the first 24 header lines of 26: not where the jobs run, how paths are read, or PYTHON."""
     proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--help"], capture_output=True, text=True,
