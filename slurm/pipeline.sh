@@ -22,7 +22,9 @@
 #   --dry-run  print the sbatch commands instead of submitting (without checking paths and data)
 # Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>. Both stages' data
 # (the recipes' data.prefix: data/cpt, data/sft) is checked before the first job is submitted.
-# SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch".
+# SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch". With
+# --gpus-per-node=0 there (CPU nodes) the training recipes must set runtime.device=cpu, and the evaluation jobs ask
+# no GPUs and run cluster.gpus_per_node tasks per node.
 # The jobs run in the project root; --hf, --export and --sft-recipe are taken relative to the folder this is run
 # from, the recipes' own paths and overrides relative to the project root. PYTHON selects the python (default: python).
 set -euo pipefail
@@ -75,6 +77,10 @@ if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
   esac
 fi
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
+GPN="" # GPUs per node SBATCH_ARGS asks for; empty: none named (the scripts' #SBATCH lines and the recipe's)
+for arg in "${EXTRA[@]}"; do
+  if [[ $arg =~ ^--gpus-per-node=([0-9]+)$ ]]; then GPN=$((10#${BASH_REMATCH[1]})); fi
+done
 
 # run_python WHAT ARGS...: "$PYTHON" ARGS, its stdout passed on; its stderr held back until it ends. Where it fails
 # with its own one `error:` line (a user error) that line is the last word, saying that nothing was launched; a crash
@@ -179,6 +185,20 @@ if ((SFT)); then
   LAST_RECIPE=("$SFT_RECIPE" "checkpoint.init_from=$CPT_DIR")
   LAST_DIR=$(field "${LAST_RECIPE[@]:0:1}" checkpoint.dir "${LAST_RECIPE[@]:1}")
 fi
+# No GPUs (CPU nodes): a training job runs only with runtime.device=cpu; its recipe check would refuse cuda after the
+# queue wait (and after the jobs before it).
+if [[ $GPN == 0 ]]; then
+  need_cpu() { # RECIPE JOB FIX [overrides...]
+    local device
+    device=$(field "$1" runtime.device "${@:4}")
+    [[ $device == cpu ]] || nothing_launched "SBATCH_ARGS='${SBATCH_ARGS:-}' asks for no GPUs, but $1 has" \
+      "runtime.device = $device (the $2 job would stop at its recipe check); $3, or GPUs per node (--gpus-per-node=N)"
+  }
+  need_cpu "$CPT_RECIPE" "$CPT" "give the override runtime.device=cpu" "${OVERRIDES[@]}"
+  if ((SFT)); then
+    need_cpu "$SFT_RECIPE" sft "give --sft-recipe with runtime.device: cpu or --no-sft" "${LAST_RECIPE[@]:1}"
+  fi
+fi
 # The stages' data, before anything is submitted (not on --dry-run): a job would find it missing only after its
 # queue wait and the jobs before it.
 if ((!DRY)); then
@@ -226,12 +246,13 @@ if [[ -n $NIAH || -n $RULER ]]; then
   # The CPT layout holds the longest sequences; evaluation passes need less memory than its training steps.
   TP=$(field "$CPT_RECIPE" parallel.tensor "${OVERRIDES[@]}")
   CP=$(field "$CPT_RECIPE" parallel.context "${OVERRIDES[@]}")
-  # GPUs per node: SBATCH_ARGS' --gpus-per-node=N where given (it sizes the training jobs too), else the recipe's
-  GPN=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
-  for arg in "${EXTRA[@]}"; do
-    [[ $arg =~ ^--gpus-per-node=([0-9]+)$ ]] && GPN=${BASH_REMATCH[1]}
-  done
-  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < GPN ? TP * CP : GPN))
+  # Tasks per node: SBATCH_ARGS' GPUs per node where given (they size the training jobs too), else the recipe's
+  # processes per node, which on CPU nodes (no GPUs) it is anyway.
+  SLOTS=$GPN
+  [[ -n $SLOTS && $SLOTS != 0 ]] || SLOTS=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
+  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < SLOTS ? TP * CP : SLOTS))
+  EVAL_GPUS=$PER_NODE
+  [[ $GPN != 0 ]] || EVAL_GPUS=0
 fi
 [[ -z $HF ]] || need_convert_tool --hf
 [[ -z $EXPORT ]] || need_convert_tool --export
@@ -251,7 +272,7 @@ eval_job() {
     --no-progress)
   ((SFT)) && args+=(--chat)
   submit "$name" --job-name="$name" "--nodes=$(((RANKS + PER_NODE - 1) / PER_NODE))" "--ntasks-per-node=$PER_NODE" \
-    "--gpus-per-node=$PER_NODE" slurm/niah.sh "${args[@]}"
+    "--gpus-per-node=$EVAL_GPUS" slurm/niah.sh "${args[@]}"
 }
 TRAINED=$PREV # the evaluations and the export need the last training stage only
 if [[ -n $NIAH || -n $RULER ]]; then

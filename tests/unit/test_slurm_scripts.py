@@ -309,6 +309,36 @@ def test_pipeline_evaluation_jobs_fit_the_nodes(tmp_path, sbatch_args, overrides
     assert len(niah) == 1 and f"--nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} " in niah[0]
 
 
+def _pipeline_dry_run(tmp_path, sbatch_args: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", SBATCH_ARGS=sbatch_args)
+    return subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_pipeline_with_no_gpus_per_node(tmp_path):
+    """SBATCH_ARGS=--gpus-per-node=0 with --niah ended in bash's 'division by 0' after the recipe reads. CPU nodes are
+    a setup the stage scripts and slurm/niah.sh run (runtime.device=cpu; tests/slurm): the evaluation job then asks no
+    GPUs and runs the recipe's cluster.gpus_per_node tasks per node; a cuda recipe on no GPUs is one line."""
+    cpu = ("runtime.device=cpu", "parallel.sequence_parallel=false")  # sequence parallelism needs TE's norms
+    for form in ("--gpus-per-node=0",):
+        proc = _pipeline_dry_run(tmp_path, form, "--no-sft", "--niah", "128K", *cpu)
+        assert proc.returncode == 0, proc.stderr
+        niah = [line for line in proc.stdout.splitlines() if "slurm/niah.sh" in line]
+        assert len(niah) == 1 and "--nodes=4 --ntasks-per-node=8 --gpus-per-node=0 slurm/niah.sh" in niah[0], niah
+    proc = _pipeline_dry_run(tmp_path, "--gpus-per-node=0", "--no-sft", "--niah", "128K")
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: SBATCH_ARGS='--gpus-per-node=0' asks for no GPUs, but recipes/cpt_1m.yaml has runtime.device = cuda "
+        "(the cpt_1m job would stop at its recipe check); give the override runtime.device=cpu, or GPUs per node "
+        "(--gpus-per-node=N); nothing launched"]
+    proc = _pipeline_dry_run(tmp_path, "--gpus-per-node=0", *cpu)  # the SFT recipe's own device
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: SBATCH_ARGS='--gpus-per-node=0' asks for no GPUs, but recipes/sft.yaml has runtime.device = cuda "
+        "(the sft job would stop at its recipe check); give --sft-recipe with runtime.device: cpu or --no-sft, or GPUs "
+        "per node (--gpus-per-node=N); nothing launched"]
+
+
 def test_loopback_master_addr_from_the_login_shell_stops_a_multi_node_job(job):
     """sbatch exports the submitting shell's MASTER_ADDR; before, a 2-node job took 'localhost' as its rendezvous
     and the second node's ranks waited for themselves until the timeout."""
