@@ -63,6 +63,7 @@ def check_out(out: Path, force: bool, kind: str) -> None:
     iter_* folders; "hf": config.json, *.safetensors, the generation config and tokenizer files). `--force` once
     deleted whatever folder --out named (notes, data sets, another model)."""
     out = Path(out)
+    _destination(out)  # a dangling symlink is refused here, before any work (rename onto it failed at the end)
     if not out.exists():
         above = nearest_existing(out.absolute().parent)
         if not above.is_dir():  # mkdir said only 'File exists: ABOVE'
@@ -89,6 +90,19 @@ def check_out(out: Path, force: bool, kind: str) -> None:
         raise ConvertError(f"--out {out} already exists ({what}); choose another path or pass --force to replace it")
 
 
+def _destination(out: Path) -> Path:
+    """The folder a conversion writes for `--out out`. A dangling symlink is a ConvertError: the rename onto it
+    fails only at the end, after the whole conversion."""
+    given, out = Path(out), Path(out).absolute()
+    if not out.is_symlink():
+        return out
+    target = Path(os.readlink(out))
+    if not out.exists():
+        raise ConvertError(f"--out {given} is a symlink to {target}, which does not exist; create that folder "
+                           f"(mkdir -p {out.parent / target}) or give another --out")
+    return out
+
+
 @contextlib.contextmanager
 def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block succeeds.
@@ -97,8 +111,8 @@ def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     and is replaced only after the new one is complete. Any exception, including KeyboardInterrupt (Ctrl-C, and
     SIGTERM under `sigterm_as_interrupt`), removes the temporary folder: it is as large as the model.
     """
-    out = Path(out).absolute()
     check_out(out, force, kind)
+    given, out = out, _destination(out)
     tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +120,7 @@ def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:  # a parent that is a file, a read-only or virtual file system (/proc), no permission
-        raise ConvertError(f"--out {out}: cannot create a folder there ({e.strerror or e}: {e.filename}); "
+        raise ConvertError(f"--out {given}: cannot create a folder there ({e.strerror or e}: {e.filename}); "
                            "choose a writable path") from None
     try:
         yield tmp
@@ -117,13 +131,21 @@ def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     # A signal between the two renames would leave neither folder at `out`, one during the removal a
     # full-size `.old` folder: hold signals until both are done (a few file deletions).
     with _signals_held():
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
+        old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() else None
+        try:
+            if old is not None:
+                os.replace(out, old)
             os.replace(tmp, out)
+        except OSError as e:  # something put at `out` meanwhile (a file, a link), the file system gone read-only
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and not out.exists():
+                with contextlib.suppress(OSError):
+                    os.replace(old, out)
+            raise ConvertError(f"--out {given}: cannot move the finished output into place ({e.strerror or e}: "
+                               f"{out}); it was removed and --out left as it was; check --out and convert "
+                               "again") from None
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
 
 
 def _remove_stale_staging(out: Path) -> None:

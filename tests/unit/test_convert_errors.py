@@ -405,3 +405,32 @@ def test_tokenizer_folder_alone_gives_the_special_token_ids(tmp_path):
     assert ids["eos_token_id"] == tok.convert_tokens_to_ids("<|eot_id|>")
     (tok_dir / "config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     assert folder_generation_defaults(tok_dir)[1] == {"eos_token_id": [7, 9]}
+
+
+def test_out_a_dangling_symlink_is_refused_before_the_work(src, mcore, tmp_path, cpu_parallel_state):
+    """A --out that is a symlink to nothing passed the check (exists() is False for it): the whole conversion ran,
+    the rename onto the link failed, and the line said the output was removed while the model-sized staging folder
+    stayed. Now refused first. Control (old code): 'error: Not a directory (.../.link.partial-...)', folder left."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere" / "zz")
+    for argv in (["to-megatron", "--hf", str(src)], ["to-hf", "--megatron", str(mcore)]):
+        fails([*argv, "--out", str(link), "--no-progress"], f"error: --out {link} is a symlink to "
+              f"{tmp_path / 'nowhere' / 'zz'}, which does not exist; create that folder (mkdir -p "
+              f"{tmp_path / 'nowhere' / 'zz'}) or give another --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
+def test_a_failed_final_rename_removes_the_staged_output(tmp_path):
+    """The rename of the finished output onto --out ran outside the cleanup: when it failed (here: a dangling
+    symlink put at --out meanwhile, a real ENOTDIR) the model-sized staging folder stayed. Control (old code): a
+    bare OSError and the folder left."""
+    from megatron_ext.convert.hf_io import ConvertError
+    from megatron_ext.convert.staging import staged_output
+
+    out = tmp_path / "out"
+    with pytest.raises(ConvertError, match=rf"^--out {out}: cannot move the finished output into place \(Not a "
+                                           r"directory: .*\); it was removed and --out left as it was"):
+        with staged_output(out, False, "hf") as tmp:
+            (tmp / "config.json").write_text("{}")
+            out.symlink_to(tmp_path / "gone")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and out.is_symlink()
