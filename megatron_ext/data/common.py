@@ -83,8 +83,10 @@ def output_paths(prefix: str, with_lossmask: bool = False) -> list[Path]:
     return [Path(n) for n in names] + [Path(prefix + ".json")]
 
 
-def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None:
-    """Refuse to overwrite an existing dataset without --force; the output folder must exist.
+def check_outputs(prefix: str, force: bool, with_lossmask: bool = False, inputs: list[str] | tuple[str, ...] = ()
+                  ) -> None:
+    """Refuse to overwrite an existing dataset without --force; the output folder must exist; no output file may
+    be a file of `inputs` (the --input values), with or without --force.
 
     PREFIX names files, not a folder: 'out/' or an existing folder would write hidden 'out/.bin' etc.
     """
@@ -110,10 +112,43 @@ def check_outputs(prefix: str, force: bool, with_lossmask: bool = False) -> None
     problem = folder_write_problem(parent)
     if problem:  # found now, not as a traceback from the first write after the tokenizer and a read of the inputs
         raise DataError(f"--output {prefix}: {problem}")
+    _refuse_inputs_as_outputs(prefix, with_lossmask, inputs)  # before "pass --force", which destroyed the input
     existing = [str(p) for p in output_paths(prefix, with_lossmask) if p.exists()]
     if existing and not force:
         raise DataError(f"--output {prefix}: {existing[0]} already exists; pass --force to overwrite "
                         "or choose another prefix")
+
+
+def _real_path(path: str | Path) -> str:
+    """`path` with its folders' links resolved but not its own name: the file a rename onto `path` replaces (a
+    link named like an output is replaced as a link; the file it points to survives)."""
+    path = Path(path)
+    return os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def _refuse_inputs_as_outputs(prefix: str, with_lossmask: bool, inputs: list[str] | tuple[str, ...]) -> None:
+    """DataError when an output file of PREFIX is a file an --input reads (the file itself, one in an input folder,
+    or one an input links to): `--input corpus.json --output corpus` replaced the corpus with the manifest."""
+    from megatron_ext.data.sources import folder_files
+
+    outputs = {_real_path(p): p for p in output_paths(prefix, with_lossmask)}
+    for src in inputs:
+        path = Path(src)
+        if path.is_dir():
+            try:
+                files = folder_files(path)[0]
+            except DataError:  # no data in it: check_inputs says so; nothing of it is read
+                continue
+        else:
+            files = [path]
+        for file in files:
+            clash = outputs.get(os.path.realpath(file)) if file.exists() else None
+            if clash is not None:
+                held = (f" (which holds {file})" if str(file) != src
+                        else " (a link to it)" if file.is_symlink() else "")
+                kind = "sft" if with_lossmask else "cpt"
+                raise DataError(f"--output {prefix}: would overwrite {clash}, which --input {src}{held} reads; "
+                                f"give another --output prefix, e.g. --output {prefix}_{kind}")
 
 
 @contextmanager

@@ -214,7 +214,7 @@ def prepare_cpt(inputs: list[str], tokenizer: str, output: str, *, text_field: s
         raise DataError(f"--max-tokens {max_tokens}: must be positive")
     if seq_length is not None and seq_length <= 0:
         raise DataError(f"--seq-length {seq_length}: must be positive")
-    check_outputs(output, force)
+    check_outputs(output, force, inputs=inputs)
     tok = load_tokenizer(tokenizer, announce="cpt" if progress else None)
     tok_hash = tokenizer_hash(tok)  # a fixed cost (serializes the tokenizer): part of setup
     vocab_hash = tokenizer_vocabulary_hash(tok)

@@ -77,7 +77,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     if max_samples is not None and max_samples <= 0:
         raise DataError(f"--max-samples {max_samples}: must be a positive number of rows (leave it out for all)")
     check_inputs(inputs)
-    check_outputs(output, force, with_lossmask=True)
+    check_outputs(output, force, with_lossmask=True, inputs=inputs)
     tok = load_tokenizer(tokenizer, announce="sft" if progress else None)
     template = resolve_chat_template(chat_template, tok, tokenizer)
     vocab_size = len(tok)

@@ -661,3 +661,33 @@ def test_output_without_room_is_one_line(tmp_path, tok_dir, corpus):
         f"unfinished output was removed (--output {out} is written only by a complete run); lift the file-size limit "
         "(ulimit -f) or use a file system that takes larger files"], proc.stderr
     assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["cpt", "sft"])
+def test_output_that_is_an_input_is_refused_even_with_force(tmp_path, tok_dir, kind):
+    """`--input corpus.json --output corpus --force` replaced the corpus with the dataset's manifest (exit 0), and
+    without --force the error asked for --force. Now one line naming both flags, with or without --force, for the
+    file itself, a file of an input folder and an input that links to it; the input is untouched. Control (old
+    code): exit 0 with --force (corpus.json became the manifest); without it "already exists; pass --force"."""
+    rows = list(toy.synthetic_corpus(12, seed=1) if kind == "cpt" else toy.synthetic_chats(6, seed=1))
+    data = toy.write_jsonl(tmp_path / "data.json", rows)
+    before = data.read_bytes()
+    (tmp_path / "folder").mkdir()
+    inner = toy.write_jsonl(tmp_path / "folder" / "data.json", rows)
+    (tmp_path / "link.jsonl").symlink_to(data)
+    extra = ["--seq-length", "256"] if kind == "sft" else []
+    cli = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), kind, "--tokenizer", str(tok_dir), *extra]
+    prefix = str(tmp_path / "data")
+    for force in ([], ["--force"]):
+        proc = subprocess.run(cli + ["--input", str(data), "--output", prefix, *force], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 1 and proc.stderr.splitlines() == [
+            f"error: --output {prefix}: would overwrite {data}, which --input {data} reads; give another --output "
+            f"prefix, e.g. --output {prefix}_{kind}"], proc.stderr
+    argv = [kind, "--tokenizer", str(tok_dir), *extra, "--force", "--quiet"]
+    msg = _fail(argv + ["--input", str(tmp_path / "folder"), "--output", str(tmp_path / "folder" / "data")])
+    assert f"would overwrite {inner}, which --input {tmp_path / 'folder'} (which holds {inner}) reads" in msg, msg
+    msg = _fail(argv + ["--input", str(tmp_path / "link.jsonl"), "--output", prefix])
+    assert f"which --input {tmp_path / 'link.jsonl'} (a link to it) reads" in msg, msg
+    assert data.read_bytes() == before and inner.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "folder", "link.jsonl"]
