@@ -91,8 +91,12 @@ def check_out(out: Path, force: bool, kind: str) -> None:
 
 
 def _destination(out: Path) -> Path:
-    """The folder a conversion writes for `--out out`. A dangling symlink is a ConvertError: the rename onto it
-    fails only at the end, after the whole conversion."""
+    """The folder a conversion writes for `--out out`: `out` itself, or the folder a symlink `out` points to.
+
+    A symlinked --out (to a folder on a bigger disk) means its target: the output is staged beside the target, on
+    its file system, and renamed onto it; the link stays. Replacing the link itself filled the link's file system
+    and left the target as it was. A dangling link is a ConvertError: the rename onto it fails only at the end.
+    """
     given, out = Path(out), Path(out).absolute()
     if not out.is_symlink():
         return out
@@ -100,12 +104,13 @@ def _destination(out: Path) -> Path:
     if not out.exists():
         raise ConvertError(f"--out {given} is a symlink to {target}, which does not exist; create that folder "
                            f"(mkdir -p {out.parent / target}) or give another --out")
-    return out
+    return out.resolve()
 
 
 @contextlib.contextmanager
 def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; rename it to `out` only if the block succeeds.
+    """Yield a temporary folder beside `out` (beside its target if it is a symlink); rename it to `out` only if the
+    block succeeds.
 
     An existing `out` is an error unless `force` and it is empty or a previous output of `kind` (`check_out`),
     and is replaced only after the new one is complete. Any exception, including KeyboardInterrupt (Ctrl-C, and

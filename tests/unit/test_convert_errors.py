@@ -434,3 +434,28 @@ def test_a_failed_final_rename_removes_the_staged_output(tmp_path):
             (tmp / "config.json").write_text("{}")
             out.symlink_to(tmp_path / "gone")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and out.is_symlink()
+
+
+def test_out_a_symlink_to_a_folder_writes_that_folder(src, mcore, tmp_path, cpu_parallel_state):
+    """--out a symlink to a folder (on a bigger disk, say), with --force: the link was replaced by a real folder on
+    the link's file system, the target stayed empty and a `.link.old-PID` symlink was left. Now the output goes into
+    the target, staged beside it, and the link stays. Control (old code): outlink a folder, realout empty, the
+    .old link left."""
+    big, links = tmp_path / "big", tmp_path / "links"
+    (big / "realout").mkdir(parents=True)
+    links.mkdir()
+    link = links / "outlink"
+    link.symlink_to("../big/realout")  # relative, as `ln -s` makes them
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(link)], f"--out {link} already exists (an empty folder)")
+    for _ in range(2):  # the second replaces the first export
+        assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(link), "--force", "--no-progress"]) == 0
+        assert link.is_symlink() and (big / "realout" / "config.json").is_file()
+        assert [p.name for p in links.iterdir()] == ["outlink"] and [p.name for p in big.iterdir()] == ["realout"]
+    fails(["to-megatron", "--hf", str(src), "--out", str(link), "--force"], "is a Hugging Face model folder")
+    (big / "mc").mkdir()
+    link.unlink()
+    link.symlink_to(big / "mc")
+    assert cli.main(["to-megatron", "--hf", str(src), "--out", str(link), "--force", "--no-progress"]) == 0
+    assert (big / "mc" / "latest_checkpointed_iteration.txt").is_file() and link.is_symlink()
+    assert [p.name for p in links.iterdir()] == ["outlink"] and sorted(p.name for p in big.iterdir()) == ["mc",
+                                                                                                           "realout"]
