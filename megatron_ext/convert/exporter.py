@@ -71,7 +71,7 @@ def check_stored(reader: TorchDistReader, cfg: dict, path: Path) -> None:
 
 
 def _check_tokenizer(tokenizer: str | Path | None) -> None:
-    """--tokenizer names a folder with tokenizer files."""
+    """--tokenizer names a folder with a tokenizer that transformers loads (checked before the work)."""
     if tokenizer is None:
         return
     tokenizer = Path(tokenizer)
@@ -80,9 +80,23 @@ def _check_tokenizer(tokenizer: str | Path | None) -> None:
     if not tokenizer.exists():
         raise ConvertError(f"--tokenizer {tokenizer} does not exist; give the folder of the model's tokenizer, or "
                            "leave --tokenizer out for the one recorded at import")
-    if not tokenizer_files(tokenizer):
-        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); give the "
-                           "folder of the model's tokenizer, or leave --tokenizer out for the one recorded at import")
+    fix = "give the folder of the model's tokenizer, or leave --tokenizer out for the one recorded at import"
+    files = tokenizer_files(tokenizer)
+    if not files:
+        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); {fix}")
+    # tokenizer_config.json alone (a copy without its vocabulary) was copied and the export called fine, unusable
+    if not {"tokenizer.json", "tokenizer.model"} & {f.name for f in files}:
+        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer.json (or sentencepiece tokenizer.model) there, "
+                           f"only {', '.join(f.name for f in files)}, settings without the vocabulary (a Llama-3.1 "
+                           f"folder has tokenizer.json); {fix}")
+    try:  # a damaged file, or a tokenizer.model without sentencepiece installed: only loading it tells
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; the CLI prints one line
+        reason = " ".join(str(e).split())[:300]
+        raise ConvertError(f"--tokenizer {tokenizer}: transformers cannot load the tokenizer there "
+                           f"({type(e).__name__}: {reason}); {fix}") from None
 
 
 def _rope_of(cfg: dict) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -459,3 +460,22 @@ def test_out_a_symlink_to_a_folder_writes_that_folder(src, mcore, tmp_path, cpu_
     assert (big / "mc" / "latest_checkpointed_iteration.txt").is_file() and link.is_symlink()
     assert [p.name for p in links.iterdir()] == ["outlink"] and sorted(p.name for p in big.iterdir()) == ["mc",
                                                                                                            "realout"]
+
+
+def test_tokenizer_folder_without_a_tokenizer(tmp_path, mcore, toy_tokenizer, cpu_parallel_state):
+    """to-hf --tokenizer of a folder with tokenizer_config.json but no tokenizer.json exported (exit 0) a model no
+    tokenizer loads from, the only sign a warning to 'pass --tokenizer'. Now refused before the work, as is a
+    tokenizer.json transformers cannot read. Control (old code): exit 0 for both."""
+    bad = tmp_path / "badtok"
+    shutil.copytree(toy_tokenizer, bad)
+    (bad / "tokenizer.json").unlink()
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--tokenizer", str(bad)],
+          f"error: --tokenizer {bad}: no tokenizer.json (or sentencepiece tokenizer.model) there, only "
+          "tokenizer_config.json, ", "give the folder of the model's tokenizer, or leave --tokenizer out")
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {')  # cut short
+    fails(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--tokenizer", str(bad)],
+          f"error: --tokenizer {bad}: transformers cannot load the tokenizer there (")
+    no_leftovers(tmp_path, "o")
+    assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--tokenizer", toy_tokenizer,
+                     "--no-progress"]) == 0
+    assert (tmp_path / "o" / "tokenizer.json").read_bytes() == (Path(toy_tokenizer) / "tokenizer.json").read_bytes()
