@@ -22,9 +22,10 @@
 #   --dry-run  print the sbatch commands instead of submitting (without checking paths and data)
 # Overrides go to the CPT stage only; SFT gets checkpoint.init_from=<the CPT checkpoint.dir>. Both stages' data
 # (the recipes' data.prefix: data/cpt, data/sft) is checked before the first job is submitted.
-# SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch". With
-# --gpus-per-node=0 there (CPU nodes) the training recipes must set runtime.device=cpu, and the evaluation jobs ask
-# no GPUs and run cluster.gpus_per_node tasks per node.
+# SBATCH_ARGS (environment) is added to every sbatch call, e.g. "--account=proj --partition=batch"; its GPUs per node
+# (--gpus-per-node=[type:]N, --gres=gpu[:type]:N) size the evaluation jobs too (default: cluster.gpus_per_node). With
+# 0 there (CPU nodes) the training recipes must set runtime.device=cpu, and the evaluation jobs ask no GPUs and run
+# cluster.gpus_per_node tasks per node.
 # The jobs run in the project root; --hf, --export and --sft-recipe are taken relative to the folder this is run
 # from, the recipes' own paths and overrides relative to the project root. PYTHON selects the python (default: python).
 set -euo pipefail
@@ -77,10 +78,51 @@ if ((SFT)) && [[ -z $SFT_RECIPE ]]; then
   esac
 fi
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
-GPN="" # GPUs per node SBATCH_ARGS asks for; empty: none named (the scripts' #SBATCH lines and the recipe's)
-for arg in "${EXTRA[@]}"; do
-  if [[ $arg =~ ^--gpus-per-node=([0-9]+)$ ]]; then GPN=$((10#${BASH_REMATCH[1]})); fi
-done
+# sbatch_gpus_per_node: the GPUs per node SBATCH_ARGS asks for, in the forms sbatch takes (`man sbatch`):
+# --gpus-per-node=[type:]N, and a gpu entry gpu[:type][:N] (N 1 where left out) in --gres's comma list; either as
+# one word or two; a later one wins. Sets GPN (empty where SBATCH_ARGS names none) and GPU_TYPE, or GPN_UNREAD to why
+# one cannot be read (sbatch itself may take it or refuse it: only the evaluation jobs' size needs it).
+sbatch_gpus_per_node() {
+  GPN="" GPU_TYPE="" GPN_UNREAD=""
+  local i option value written entry
+  local -a entries
+  for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+    case ${EXTRA[i]} in
+      --gpus-per-node=* | --gres=*) option=${EXTRA[i]%%=*} value=${EXTRA[i]#*=} written=${EXTRA[i]} ;;
+      --gpus-per-node | --gres)
+        option=${EXTRA[i]}
+        if ((i + 1 == ${#EXTRA[@]})); then GPN_UNREAD="$option has no value"; return 0; fi
+        i=$((i + 1))
+        value=${EXTRA[i]} written="$option $value"
+        ;;
+      *) continue ;;
+    esac
+    if [[ $option == --gpus-per-node ]]; then
+      if [[ $value =~ ^(([^:,]+):)?([0-9]+)$ ]]; then
+        GPN=$((10#${BASH_REMATCH[3]})) GPU_TYPE=${BASH_REMATCH[2]} GPN_UNREAD=""
+      else
+        GPN_UNREAD="$written is not [type:]count"
+      fi
+      continue
+    fi
+    IFS=, read -r -a entries <<<"$value"
+    for entry in "${entries[@]}"; do
+      [[ $entry == gpu || $entry == gpu:* ]] || continue # another resource (or none)
+      if [[ $entry =~ ^gpu(:([0-9]+))?$ ]]; then
+        GPN=$((10#${BASH_REMATCH[2]:-1})) GPU_TYPE="" GPN_UNREAD=""
+      elif [[ $entry =~ ^gpu:([^:]+)(:([0-9]+))?$ ]]; then
+        GPN=$((10#${BASH_REMATCH[3]:-1})) GPU_TYPE=${BASH_REMATCH[1]} GPN_UNREAD=""
+      else
+        GPN_UNREAD="$written: its gpu entry is not gpu[:type][:count]"
+      fi
+    done
+  done
+}
+sbatch_gpus_per_node
+if [[ -n $GPN_UNREAD && (-n $NIAH || -n $RULER) ]]; then
+  nothing_launched "SBATCH_ARGS='${SBATCH_ARGS:-}': $GPN_UNREAD, which sizes the --niah/--ruler jobs; give GPUs per" \
+    "node as --gpus-per-node=[type:]N or --gres=gpu[:type]:N"
+fi
 
 # run_python WHAT ARGS...: "$PYTHON" ARGS, its stdout passed on; its stderr held back until it ends. Where it fails
 # with its own one `error:` line (a user error) that line is the last word, saying that nothing was launched; a crash
@@ -251,7 +293,7 @@ if [[ -n $NIAH || -n $RULER ]]; then
   SLOTS=$GPN
   [[ -n $SLOTS && $SLOTS != 0 ]] || SLOTS=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
   RANKS=$((TP * CP)) PER_NODE=$((TP * CP < SLOTS ? TP * CP : SLOTS))
-  EVAL_GPUS=$PER_NODE
+  EVAL_GPUS=${GPU_TYPE:+$GPU_TYPE:}$PER_NODE # the GPU type SBATCH_ARGS named kept
   [[ $GPN != 0 ]] || EVAL_GPUS=0
 fi
 [[ -z $HF ]] || need_convert_tool --hf

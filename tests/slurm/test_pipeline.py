@@ -3,6 +3,7 @@ with afterok (dry run: no cluster needed)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -124,25 +125,33 @@ def test_an_error_before_the_first_sbatch_says_nothing_was_launched(args, env, m
     assert len(lines) == 1 and lines[0].startswith(message) and lines[0].endswith("; nothing launched"), proc.stderr
 
 
-def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, token_data):
+def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, token_data, tmp_path):
     """sbatch refusing a job ended the pipeline with sbatch's own lines (set -e), saying neither that nothing was
-    launched nor, after the first job, which jobs were queued anyway. On the local cluster: the first sbatch refused
-    (no such partition), then the second (the NIAH job's 8 GPUs per node; the CPT job is held and cancelled)."""
+    launched nor, after the first job, which jobs were queued anyway. On the local cluster (no GPUs): the first sbatch
+    refused (no such partition), then the second (the convert job is held and cancelled; the CPT job asks for its
+    script's 8 GPUs per node)."""
+    from megatron_ext.hf_config import hf_config_from_recipe
+    from megatron_ext.recipe import load_recipe
+
     data = f"data.prefix={token_data}"
-    # the CPT job's size overridden to fit (held: it never runs); the NIAH job asks for 8 GPUs per node
-    size = "--hold --nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --mem=100M --gpus-per-node 0"
-    proc = pipeline("--no-sft", data, SBATCH_ARGS=f"{size} --partition=nosuch")
+    # the jobs' size overridden to fit (held: they never run); CPU nodes: 0 GPUs and a CPU recipe
+    size = "--hold --nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --mem=100M"
+    cpu = ["runtime.device=cpu", "parallel.sequence_parallel=false"]
+    proc = pipeline("--no-sft", data, *cpu, SBATCH_ARGS=f"{size} --gpus-per-node 0 --partition=nosuch")
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
     assert proc.stderr.splitlines() == [
         "error: sbatch refused the cpt_1m job (invalid partition specified: nosuch; Batch job submission failed: "
         "Invalid partition name specified); nothing launched"]
-    proc = pipeline("--no-sft", "--niah", "1K", data, SBATCH_ARGS=size)
-    cpt = [line.rpartition(" ")[2] for line in proc.stderr.splitlines() if line.startswith("submitted cpt_1m: job ")]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(hf_config_from_recipe(load_recipe(ROOT / "recipes/cpt_1m.yaml", [data]))))
+    proc = pipeline("--no-sft", "--hf", str(hf), data, f"checkpoint.init_from={tmp_path}/converted", SBATCH_ARGS=size)
+    convert = [line.rpartition(" ")[2] for line in proc.stderr.splitlines() if line.startswith("submitted convert: job ")]
     try:
-        assert proc.returncode == 1 and len(cpt) == 1, proc.stderr
+        assert proc.returncode == 1 and len(convert) == 1, proc.stderr
         assert proc.stderr.splitlines()[-1] == (
-            "error: sbatch refused the niah job (Invalid generic resource (gres) specification); submitted before it: "
-            f"cpt_1m (job {cpt[0]}), which Slurm runs as submitted: scancel {cpt[0]} to cancel them"), proc.stderr
+            "error: sbatch refused the cpt_1m job (Invalid generic resource (gres) specification); submitted before it: "
+            f"convert (job {convert[0]}), which Slurm runs as submitted: scancel {convert[0]} to cancel them"), proc.stderr
     finally:
-        for job in cpt:
+        for job in convert:
             subprocess.run(["scancel", job], check=False)

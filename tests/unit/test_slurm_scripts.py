@@ -295,24 +295,44 @@ def test_pipeline_help_is_its_whole_header():
     assert header[-1].endswith("PYTHON selects the python (default: python).")
 
 
-@pytest.mark.parametrize("sbatch_args, overrides, per_node, nodes", [
-    ("", [], 8, 4),  # TP 8 x CP 4 of cpt_1m on the recipe's 8 GPUs per node
-    ("--account=a --gpus-per-node=4 --ntasks-per-node=4", [], 4, 8),  # 4-GPU nodes: was 8 per node, refused by sbatch
-    ("", ["cluster.gpus_per_node=4"], 4, 8),
-])
-def test_pipeline_evaluation_jobs_fit_the_nodes(tmp_path, sbatch_args, overrides, per_node, nodes):
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", SBATCH_ARGS=sbatch_args)
-    proc = subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", "--no-sft", "--hf", "/m", "--niah",
-                           "128K:1M:4", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    niah = [line for line in proc.stdout.splitlines() if "slurm/niah.sh" in line]
-    assert len(niah) == 1 and f"--nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} " in niah[0]
-
-
 def _pipeline_dry_run(tmp_path, sbatch_args: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", SBATCH_ARGS=sbatch_args)
     return subprocess.run(["bash", str(ROOT / "slurm/pipeline.sh"), "--dry-run", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("sbatch_args, overrides, per_node, nodes, gpus", [
+    ("", [], 8, 4, "8"),  # TP 8 x CP 4 of cpt_1m on the recipe's 8 GPUs per node
+    ("--account=a --gpus-per-node=4 --ntasks-per-node=4", [], 4, 8, "4"),  # 4-GPU nodes: was 8 per node, refused
+    ("", ["cluster.gpus_per_node=4"], 4, 8, "4"),
+    # the other forms sbatch takes were not read: 8 per node asked of 4-GPU nodes (the GPU type dropped)
+    ("--gpus-per-node 4", [], 4, 8, "4"),
+    ("--gpus-per-node=h100:4", [], 4, 8, "h100:4"),
+    ("--gpus-per-node h100:4", [], 4, 8, "h100:4"),
+    ("--gres=gpu:4", [], 4, 8, "4"),
+    ("--gres gpu:h100:4,nvme:1", [], 4, 8, "h100:4"),
+    ("--gres=gpu:h100", [], 1, 32, "h100:1"),  # count 1 by default
+])
+def test_pipeline_evaluation_jobs_fit_the_nodes(tmp_path, sbatch_args, overrides, per_node, nodes, gpus):
+    proc = _pipeline_dry_run(tmp_path, sbatch_args, "--no-sft", "--hf", "/m", "--niah", "128K:1M:4", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    niah = [line for line in proc.stdout.splitlines() if "slurm/niah.sh" in line]
+    assert len(niah) == 1 and f"--nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={gpus} " in niah[0]
+
+
+@pytest.mark.parametrize("sbatch_args, said", [
+    ("--gpus-per-node=lots", "--gpus-per-node=lots is not [type:]count"),
+    ("--gres=gpu:h100:2k", "--gres=gpu:h100:2k: its gpu entry is not gpu[:type][:count]"),
+    ("--account=a --gpus-per-node", "--gpus-per-node has no value"),
+])
+def test_pipeline_refuses_gpus_per_node_it_cannot_read(tmp_path, sbatch_args, said):
+    """Where the evaluation jobs' size depends on it, GPUs per node that the pipeline cannot read are one line, not
+    a guess (the recipe's 8 were asked of the nodes before)."""
+    proc = _pipeline_dry_run(tmp_path, sbatch_args, "--no-sft", "--niah", "128K")
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: SBATCH_ARGS='{sbatch_args}': {said}, which sizes the --niah/--ruler jobs; give GPUs per node as "
+        "--gpus-per-node=[type:]N or --gres=gpu[:type]:N; nothing launched"]
 
 
 def test_pipeline_with_no_gpus_per_node(tmp_path):
@@ -320,7 +340,7 @@ def test_pipeline_with_no_gpus_per_node(tmp_path):
     a setup the stage scripts and slurm/niah.sh run (runtime.device=cpu; tests/slurm): the evaluation job then asks no
     GPUs and runs the recipe's cluster.gpus_per_node tasks per node; a cuda recipe on no GPUs is one line."""
     cpu = ("runtime.device=cpu", "parallel.sequence_parallel=false")  # sequence parallelism needs TE's norms
-    for form in ("--gpus-per-node=0",):
+    for form in ("--gpus-per-node=0", "--gres gpu:0"):
         proc = _pipeline_dry_run(tmp_path, form, "--no-sft", "--niah", "128K", *cpu)
         assert proc.returncode == 0, proc.stderr
         niah = [line for line in proc.stdout.splitlines() if "slurm/niah.sh" in line]
