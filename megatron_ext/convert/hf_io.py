@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -192,6 +193,12 @@ class SafetensorsReader:
         for name in files:
             path = hf_dir / name
             if not path.is_file():
+                if path.is_symlink():  # a hub cache whose blobs were pruned: the link stays, the file is gone
+                    state = "is not a file" if path.exists() else "does not exist"
+                    raise ConvertError(f"--hf {hf_dir}: {name} is a symlink to {os.readlink(path)}, which {state}; "
+                                       "download the model again")
+                if weight_map is None:  # a folder named *.safetensors
+                    raise ConvertError(f"--hf {hf_dir}: {name} is not a file; move it out of the model folder")
                 raise ConvertError(f"{index}: names shard {name}, which does not exist in {hf_dir}")
             for key, entry in _read_header(path).items():
                 if weight_map is not None and weight_map.get(key, name) != name:

@@ -479,3 +479,22 @@ def test_tokenizer_folder_without_a_tokenizer(tmp_path, mcore, toy_tokenizer, cp
     assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "o"), "--tokenizer", toy_tokenizer,
                      "--no-progress"]) == 0
     assert (tmp_path / "o" / "tokenizer.json").read_bytes() == (Path(toy_tokenizer) / "tokenizer.json").read_bytes()
+
+
+def test_a_dangling_safetensors_link_is_named(src, tmp_path, cpu_parallel_state):
+    """A hub cache whose blobs were pruned: model.safetensors a symlink to nothing, no index. The line named
+    model.safetensors.index.json, which does not exist. Now the link and its target. Control (old code): the index."""
+    d = tmp_path / "snapshot"
+    d.mkdir()
+    shutil.copy(src / "config.json", d)
+    blob = tmp_path / "blobs" / "0123abcd"
+    (d / "model.safetensors").symlink_to(blob)
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], f"error: --hf {d}: model.safetensors is a "
+          f"symlink to {blob}, which does not exist; download the model again")
+    blob.mkdir(parents=True)
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], f"symlink to {blob}, which is not a file")
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")],
+          f"error: --hf {d}: model.safetensors is not a file; move it out of the model folder")
+    no_leftovers(tmp_path, "o")
