@@ -43,7 +43,7 @@ from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.launch_check import check, check_tensor_parallel_within_node, describe, run_check
 from megatron_ext.slurm_jobs import (check_warning_fits, claim_checkpoint_dir, parse_owner_state,
                                      requeue_ends_the_task, requeue_refusal)
-from megatron_ext.train_setup import check_data, check_setup
+from megatron_ext.train_setup import check_data, check_metrics_file, check_setup
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The trainer's SIGUSR1 handler saves and exits with EXIT_REQUEUE; submitit reads this variable
@@ -278,6 +278,7 @@ def submit(args, plan: list[Stage]) -> int:
     check_stage_order([s.name for s in plan], [r for r, _ in jobs_params])
     if not args.dry_run:
         check_setup(jobs_params[0][0])
+        check_metrics_file(jobs_params[0][0].checkpoint.dir)
     evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 
     if args.dry_run:

@@ -14,7 +14,7 @@ from pathlib import Path
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext import slurm_jobs
 from megatron_ext.slurm_jobs import EXIT_ASK_HOST, OWNER_UNKNOWN_LINE, OwnerStateUnknown, claim_checkpoint_dir
-from megatron_ext.train_setup import check_setup, setup_warnings
+from megatron_ext.train_setup import check_metrics_file, check_setup, setup_warnings
 
 
 def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_per_node: int | None = None,
@@ -37,6 +37,7 @@ def check(recipe_path: str, overrides: list[str], world_size: int | None, tasks_
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     if paths:
         check_setup(recipe)
+        check_metrics_file(recipe.checkpoint.dir)  # read through here once, not by every rank (check_setup)
         check_data_caches(recipe)
     if tasks_per_node is not None:
         check_tensor_parallel_within_node(recipe, tasks_per_node)

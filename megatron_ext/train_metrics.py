@@ -11,6 +11,7 @@ import torch
 
 from megatron_ext import log_lines
 from megatron_ext.checkpoint_index import CheckpointError
+from megatron_ext.train_setup import metrics_file_problem
 
 
 class MetricsLogError(CheckpointError):
@@ -45,9 +46,18 @@ class MetricsLog:
             except OSError as e:
                 self.problem = self._unwritten(e, "training did not start")
                 return
+            # said before the first step: a folder or a file of other bytes there, or a link into no folder
+            self.problem = metrics_file_problem(path, read=False)
+            if self.problem is not None:
+                return
         if enabled and path.exists():
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                self.problem = metrics_file_problem(path) or f"metrics log {path}: cannot be read ({e})"
+                return
             kept, broken, redone = [], [], []
-            for number, line in enumerate(path.read_text().splitlines(), 1):
+            for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:

@@ -31,6 +31,7 @@ def check_setup(recipe: Recipe) -> None:
         raise RecipeError(f"checkpoint.dir = {recipe.checkpoint.dir!r} is a Hugging Face model folder (config.json and "
                           "weights): give a new folder for the run's checkpoints; to start from this model, convert it "
                           "(tools/convert.py to-megatron) and give that as checkpoint.init_from")
+    check_metrics_file(recipe.checkpoint.dir, read=False)
     if recipe.checkpoint.tensorboard_dir is not None:
         _check_folder_can_be_made("checkpoint.tensorboard_dir", recipe.checkpoint.tensorboard_dir)
         if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard's writer needs it
@@ -91,6 +92,55 @@ def check_setup(recipe: Recipe) -> None:
             raise RecipeError(f"checkpoint.init_from = {init!r} holds another model ({'; '.join(changed)}): set the "
                               "recipe's model.* to the checkpoint's (or model.hf_config to its HF folder), or start "
                               "from another checkpoint")
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_file_problem(path: Path, read: bool = True) -> str | None:
+    """Why `path` cannot be the run's metrics log, as one line (the file, what is wrong, the fix); None where it can
+    (absent included). The trainer rewrites it at every start and appends a line per step: a folder there ended rank 0
+    in an IsADirectoryError traceback, a file of other bytes in a UnicodeDecodeError one, and a link into a folder that
+    does not exist failed only after the first step. `read`: also read the whole file (rank 0 and `launch --check`;
+    the stat alone on every rank)."""
+    import os
+    import stat
+
+    where = f"checkpoint.dir = {str(path.parent)!r}: its {path.name}"
+    aside = "move it aside or remove it (the trainer writes one JSON line per step to that file)"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            return None
+        folder = Path(os.path.realpath(path)).parent
+        if folder.is_dir():
+            return None  # the first line makes the file the link names
+        return (f"{where} is a symbolic link to {os.readlink(path)}, whose folder {folder} does not exist: make that "
+                "folder, or remove the link")
+    except OSError as e:  # a link loop, a folder on the way without search permission
+        return f"{where} cannot be read ({e.strerror or e}); {aside}"
+    if stat.S_ISDIR(mode):
+        return f"{where} is a folder, not a file; {aside}"
+    if not stat.S_ISREG(mode):
+        return f"{where} is not a regular file; {aside}"
+    if read:
+        try:
+            path.read_bytes().decode("utf-8")
+        except OSError as e:
+            return f"{where} cannot be read ({e.strerror or e}); {aside}"
+        except UnicodeDecodeError as e:
+            # the trainer writes ASCII (json.dumps' default): these bytes are another program's
+            return (f"{where} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}), so not a log the "
+                    f"trainer wrote; {aside}")
+    return None
+
+
+def check_metrics_file(checkpoint_dir: str, read: bool = True) -> None:
+    """RecipeError where checkpoint.dir's metrics.jsonl cannot be the run's metrics log (`metrics_file_problem`)."""
+    problem = metrics_file_problem(Path(checkpoint_dir) / METRICS_FILE, read=read)
+    if problem:
+        raise RecipeError(problem)
 
 
 def _check_not_an_iteration_folder(checkpoint_dir: str) -> None:

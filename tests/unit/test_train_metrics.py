@@ -148,3 +148,31 @@ for step in range(1, 41):
     assert "no TensorBoard events from step" in said[0] and "(metrics.jsonl has every step)" in said[0]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 41))
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda p: p.mkdir(), "is a folder, not a file; move it aside or remove it (the trainer writes one JSON line per "
+                          "step to that file)"),
+    (lambda p: p.write_bytes(b'{"step": 1}\n\xff\xfe\n'), "is not UTF-8 text (byte 0xff at offset 12), so not a log "
+                                                          "the trainer wrote; move it aside or remove it"),
+    (lambda p: p.symlink_to(p.parent / "gone" / "metrics.jsonl"), "is a symbolic link to {dir}/gone/metrics.jsonl, "
+                                                                  "whose folder {dir}/gone does not exist: make that "
+                                                                  "folder, or remove the link"),
+], ids=["folder", "bytes", "link"])
+def test_an_unusable_metrics_log_is_one_line_before_the_first_step(tmp_path, make, said):
+    """A folder as metrics.jsonl (IsADirectoryError) and a file of other bytes (UnicodeDecodeError) ended rank 0 in a
+    traceback when the log was opened; a link into a folder that does not exist failed only at the first step's line.
+    Now each is `problem` at once, raised by `stop_if_unwritten` before any step, and the file is left as it was.
+    Control (old code): the two tracebacks, and problem None after the constructor for the link."""
+    from megatron_ext.train_metrics import MetricsLog, MetricsLogError
+
+    path = tmp_path / "metrics.jsonl"
+    make(path)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    log = MetricsLog(path, start_step=0, enabled=True)
+    assert log.problem is not None and log.problem.startswith(f"checkpoint.dir = '{tmp_path}': its metrics.jsonl ")
+    assert said.format(dir=tmp_path) in log.problem
+    with pytest.raises(MetricsLogError, match="its metrics.jsonl"):
+        log.stop_if_unwritten()
+    log.write({"step": 1, "loss": 1.0})  # nothing written after the problem
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before

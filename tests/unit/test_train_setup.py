@@ -361,3 +361,46 @@ def test_partial_rotary_is_warned_before_the_run(tmp_path, token_data):
     warnings = setup_warnings(recipe(tmp_path, token_data, "rope.partial_rotary_factor=0.5"))
     assert any("rope.partial_rotary_factor = 0.5" in w and "to-hf will refuse" in w for w in warnings), warnings
     assert not any("partial_rotary" in w for w in setup_warnings(recipe(tmp_path, token_data)))
+
+
+def test_an_unusable_metrics_log_is_refused_before_the_run(tmp_path, token_data):
+    """checkpoint.dir's metrics.jsonl a folder ended the trainer's rank 0 in an IsADirectoryError traceback (and
+    `launch --check` said ok), a file of other bytes in a UnicodeDecodeError one, a link into a folder that does not
+    exist in an error after the first step. Now check_setup (every rank: a stat) refuses the folder and the link,
+    `launch --check` (which reads the file) all three, and the trainer says the file's one line before its first
+    step. Control (old code): check_setup and check passed all three; the trainer's tracebacks."""
+    from megatron_ext.launch_check import check
+
+    runs = {"folder": tmp_path / "folder", "bytes": tmp_path / "bytes", "link": tmp_path / "link",
+            "link_ok": tmp_path / "link_ok"}
+    for run in runs.values():
+        run.mkdir()
+    (runs["folder"] / "metrics.jsonl").mkdir()
+    (runs["bytes"] / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
+    (runs["link"] / "metrics.jsonl").symlink_to(tmp_path / "gone" / "metrics.jsonl")
+    (tmp_path / "elsewhere").mkdir()
+    (runs["link_ok"] / "metrics.jsonl").symlink_to(tmp_path / "elsewhere" / "metrics.jsonl")  # the first line makes it
+    said = {"folder": "is a folder, not a file; move it aside or remove it",
+            "bytes": "is not UTF-8 text (byte 0xff at offset 12), so not a log the trainer wrote; move it aside",
+            "link": f"is a symbolic link to {tmp_path}/gone/metrics.jsonl, whose folder {tmp_path}/gone does not exist"}
+    for name, run in runs.items():
+        overrides = [*TINY, f"checkpoint.dir={run}", f"data.prefix={token_data}", "runtime.device=cpu"]
+        if name in ("folder", "link"):
+            with pytest.raises(RecipeError, match=f"^checkpoint.dir = '{run}': its metrics.jsonl "):
+                check_setup(recipe(run, token_data))
+        else:
+            check_setup(recipe(run, token_data))  # a stat only: every rank runs it
+        if name == "link_ok":
+            check(str(RECIPE), overrides, 1)
+            continue
+        with pytest.raises(RecipeError) as refused:
+            check(str(RECIPE), overrides, 1)
+        assert str(refused.value).startswith(f"checkpoint.dir = '{run}': its metrics.jsonl {said[name]}")
+    for name in ("folder", "bytes"):  # refused by check_setup, and by the trainer's metrics log after the model is built
+        proc = train_cli(f"checkpoint.dir={runs[name]}", f"data.prefix={token_data}")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr and "step 1/" not in proc.stdout, \
+            proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: checkpoint.dir = '{runs[name]}': its metrics.jsonl {said[name]}"), proc.stderr[-3000:]
+    assert (runs["bytes"] / "metrics.jsonl").read_bytes() == b'{"step": 1}\n\xff\xfe\n'
