@@ -22,7 +22,7 @@ from megatron_ext.evaluate.cli_args import parse_depths, parse_lengths, parsers,
 from megatron_ext.evaluate.cli_model import data_tokenizer, early_tokenizer, model_and_tokenizer, model_vocab_size
 from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.interrupts import interrupts_reported
-from megatron_ext.evaluate.io import check_writable_folder, not_there, read_utf8
+from megatron_ext.evaluate.io import OutputWriteError, check_writable_folder, not_there, read_utf8
 from megatron_ext.log_lines import log_line
 
 
@@ -327,4 +327,9 @@ def main(argv: list[str] | None = None) -> int:
             run(args)
         except (EvalError, DeviceError) as e:  # every rank of a job finds it alike: one line, from rank 0
             sys.exit(f"error: {e}" if process_env().rank == 0 or isinstance(e, RankError) else 1)
+        except OutputWriteError as e:  # a save after a length (rank 0's): a full disk, --out changed under the run
+            from megatron_ext.disk_space import no_space_message
+
+            said = no_space_message(e, f"--out {args.out}", args.out, e.what, "free space or choose another --out")
+            sys.exit(f"error: {said or f'--out {args.out}: {e}; choose another --out'}")
     return 0

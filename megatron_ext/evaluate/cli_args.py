@@ -4,6 +4,7 @@ and depths; `cli.py` runs them."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 
@@ -178,11 +179,15 @@ def _at_least(flag: str, value: int | None, low: int, what: str) -> None:
 
 
 def _check_out(out: Path | None) -> None:
-    """The directory --out names must be creatable: no file where it or a folder above it should be (the
-    FileExistsError of mkdir otherwise comes after the model has loaded, as a traceback)."""
+    """The directory --out names must be creatable: no file, nor a link to nothing, where it or a folder above it
+    should be (the FileExistsError of mkdir otherwise comes after the model has loaded, as a traceback)."""
     if out is None:
         return
     for p in (out.absolute(), *out.absolute().parents):
+        if p.is_symlink() and not p.exists():  # mkdir's FileExistsError came at the first save, after a length
+            where = "is" if p == out.absolute() else f"lies under {p}, which is"
+            raise EvalError(f"--out {out} {where} a link to {os.readlink(p)}, which does not exist: create that "
+                            "folder, or give another --out")
         if p.exists():
             if not p.is_dir():
                 where = "is a file" if p == out.absolute() else f"lies under {p}, which is a file"

@@ -22,12 +22,28 @@ def current_umask() -> int:
     return mask
 
 
+class OutputWriteError(OSError):
+    """`write_atomic` could not write its file: an OSError still (with the errno, for callers that handle a full
+    disk), whose `what` says what failed ("cannot write DIR/results.json"), for a one-line error."""
+
+    def __init__(self, error: OSError, what: str) -> None:
+        super().__init__(error.errno, error.strerror or str(error), error.filename)
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"{self.what} ({self.strerror})"
+
+
 def write_atomic(path: str | Path, write: Callable[[Any], None], mode: str = "w") -> Path:
     """Call `write(f)` on a new file beside `path` (a unique name: two writers never share one), then rename it
-    into place; on any error the temporary file is removed and `path` is left as it was. Returns the path."""
+    into place; on any error the temporary file is removed and `path` is left as it was. Returns the path.
+    An OSError is raised as OutputWriteError, naming the folder or file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # a link to nowhere, a file where a folder goes: a traceback after hours of evaluation
+        raise OutputWriteError(e, f"cannot create {path.name} in the folder {path.parent}") from None
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
@@ -35,6 +51,9 @@ def write_atomic(path: str | Path, write: Callable[[Any], None], mode: str = "w"
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputWriteError(e, f"cannot write {path}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

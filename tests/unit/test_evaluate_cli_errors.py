@@ -67,6 +67,13 @@ def _error(argv) -> str:
     (["--out", "{file}/sub"], "--out {file}/sub lies under {file}, which is a file"),
     (["--out", "a_file"], "--out a_file is a file: give a directory path"),  # relative: said "lies under a_file"
     (["generate", "--question", "q", "--out", "{file}/x"], "--out {file}/x lies under {file}, which is a file"),
+    # a link to nowhere: mkdir's FileExistsError traceback at the first save, after a length had been evaluated
+    (["--out", "{link}"], "--out {link} is a link to {tmp}/gone, which does not exist: create that folder, or "
+                          "give another --out"),
+    (["ruler", "--out", "{link}"], "--out {link} is a link to {tmp}/gone, which does not exist"),
+    (["ppl", "--text", "{doc}", "--out", "{link}/sub"], "--out {link}/sub lies under {link}, which is a link to "
+                                                         "{tmp}/gone, which does not exist"),
+    (["generate", "--question", "q", "--out", "{link}"], "--out {link} is a link to {tmp}/gone, which does not"),
     (["--device", "tpu"], "--device tpu: not a device this tool runs on; give cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "--device cuda:99: " + ("this process sees" if torch.cuda.is_available() else
                                                       "no CUDA device is visible to this process")),
@@ -85,7 +92,8 @@ def _error(argv) -> str:
 def test_mistakes_are_one_line_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     files = {"doc": tmp_path / "doc.txt", "file": tmp_path / "a_file", "binary": tmp_path / "bin.txt",
-             "empty": tmp_path / "empty.txt"}
+             "empty": tmp_path / "empty.txt", "link": tmp_path / "link", "tmp": tmp_path}
+    files["link"].symlink_to(tmp_path / "gone")
     files["doc"].write_text("The old river passes the garden near the hill. " * 10)
     files["empty"].write_text("\n")
     files["file"].write_text("not a directory")
@@ -338,3 +346,23 @@ def test_broken_megatron_checkpoint_gets_no_conversion_hint(no_tokenizer, tmp_pa
     assert proc.returncode == 1 and last.startswith(f"error: converting {ckpt} to HF failed: "), last
     assert last.endswith(f"free space there, or convert it onto a file system with room (`python tools/convert.py "
                          f"to-hf --megatron {ckpt} --out HF_DIR`) and pass --model HF_DIR"), last
+
+
+def test_a_save_that_fails_is_one_line(tiny_dir, tmp_path):
+    """A save after a length that fails (here a file-size limit, EFBIG, no root needed; a full disk or an --out
+    changed under the run alike) ended in a traceback from write_atomic; now one line naming --out and the file,
+    and no temporary file is left. Control (old code): the traceback ending `OSError: [Errno 27] File too large`."""
+    import resource
+
+    def small_files() -> None:  # the results (a few hundred bytes) cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "niah.py"), "--model", str(tiny_dir), "--lengths",
+                           "64", "--depths", "50", "--max-new-tokens", "2", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"error: --out {out}: file too large") and f"cannot write {out / 'results.json'}" in last, \
+        proc.stderr
+    assert [p.name for p in out.iterdir()] == []
