@@ -27,6 +27,8 @@ requeues the job (`scontrol requeue`), which resumes from the checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -173,6 +175,63 @@ class TrainStage:
 # ---------------------------------------------------------------------------- CLI
 
 
+class SubmissionError(RuntimeError):
+    """A job of the chain could not be submitted: one line, saying which jobs were submitted before it."""
+
+
+class Submitted:
+    """The jobs submitted so far, for the line that ends a submission that failed half-way: Slurm runs them as
+    submitted (the wording of slurm/pipeline.sh's submit_failed)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[str, str]] = []  # (name, job id)
+
+    def add(self, name: str, job_id: str) -> None:
+        self.jobs.append((name, job_id))
+
+    def failed(self, message: str) -> SubmissionError:
+        """`message`, then that nothing was launched, or which jobs were and the scancel that cancels them."""
+        if not self.jobs:
+            return SubmissionError(f"{message}; nothing launched")
+        names = ", ".join(f"{name} (job {job})" for name, job in self.jobs)
+        return SubmissionError(f"{message}; submitted before it: {names}, which Slurm runs as submitted: scancel "
+                               f"{' '.join(job for _, job in self.jobs)} to cancel them")
+
+    def submit(self, executor, name: str, folder: str, function):
+        """`executor.submit(function)`, recorded; a refusal of sbatch or a folder it cannot write raises
+        SubmissionError (submitit's FailedJobError carried a 30-line traceback, and left the jobs submitted before
+        it unsaid)."""
+        from submitit.core.utils import FailedJobError
+
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr itself before it raises
+                job = executor.submit(function)
+        except FailedJobError as e:
+            code = getattr(e.__cause__, "returncode", None)
+            lines = [line.strip().removeprefix("sbatch: error: ") for line in str(e).splitlines()]
+            why = "; ".join(line for line in lines if line)
+            raise self.failed(f"sbatch refused the {name} job ({why or f'exit {code}'})") from None
+        except OSError as e:
+            raise self.failed(f"--folder {folder}: cannot write submitit's files for the {name} job there "
+                              f"({e.strerror or e}); give a writable folder") from None
+        self.add(name, job.job_id)
+        return job
+
+
+def check_submit_folder(folder: str) -> None:
+    """RecipeError where submitit cannot make `--folder` (its part before the first `%j`): a file there or above it
+    ended the submission in a FileExistsError or NotADirectoryError traceback."""
+    from submitit.core.utils import JobPaths
+
+    base = JobPaths.get_first_id_independent_folder(folder).absolute()
+    there = base
+    while not os.path.lexists(there):
+        there = there.parent
+    if not there.is_dir():
+        where = "is a file" if there == base else f"lies under {there}, which is a file"
+        raise RecipeError(f"--folder {folder}: {where}, not a folder; give a folder for submitit's logs and pickles")
+
+
 def after(params: dict, job: str) -> dict:
     """submitit parameters of a job that starts once job `job` has succeeded, and that Slurm cancels if it fails
     (`--kill-on-invalid-dep`: else it would wait in the queue forever, DependencyNeverSatisfied)."""
@@ -279,6 +338,7 @@ def submit(args, plan: list[Stage]) -> int:
     if not args.dry_run:
         check_setup(jobs_params[0][0])
         check_metrics_file(jobs_params[0][0].checkpoint.dir)
+        check_submit_folder(args.folder)
     evals = eval_jobs(args, [r for r, _ in jobs_params], lambda a, r, name: slurm_parameters(a, r, Stage(name, "")))
 
     if args.dry_run:
@@ -310,11 +370,11 @@ def submit(args, plan: list[Stage]) -> int:
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL
     import submitit
 
-    jobs = []
+    jobs, submitted = [], Submitted()
     for stage, (recipe, params) in zip(plan, jobs_params):
         executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
         executor.update_parameters(**(after(params, jobs[-1].job_id) if jobs else params))
-        job = executor.submit(TrainStage(stage.recipe, stage.overrides))
+        job = submitted.submit(executor, stage.name, args.folder, TrainStage(stage.recipe, stage.overrides))
         print(f"submitted {stage.name}: job {job.job_id} ({describe(recipe, params['nodes'] * params['ntasks_per_node'])})",
               flush=True)
         jobs.append(job)
@@ -322,7 +382,7 @@ def submit(args, plan: list[Stage]) -> int:
     for stage, params in evals:  # each after the last stage, like slurm/pipeline.sh: one failing stops no other
         executor = submitit.SlurmExecutor(folder=args.folder, max_num_timeout=50)
         executor.update_parameters(**after(params, trained))
-        jobs.append(executor.submit(stage))
+        jobs.append(submitted.submit(executor, stage.name, args.folder, stage))
         plan = [*plan, Stage(stage.name, "")]
         print(f"submitted {stage.name}: job {jobs[-1].job_id} ({shlex.join(['tools/niah.py', *stage.argv])})",
               flush=True)
@@ -385,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             check_hf_model(args.check_hf, load_recipe(args.recipe, args.overrides))
             return 0
         return submit(args, plan_stages(args.recipe, args.stages, args.overrides))
-    except (RecipeError, EvalError) as e:
+    except (RecipeError, EvalError, SubmissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

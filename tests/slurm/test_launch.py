@@ -165,6 +165,55 @@ def test_failed_stage_cancels_the_later_ones(slurm_cluster, tmp_path, token_data
     assert "training diverged; stopped without saving" in logs, logs[-3000:]
 
 
+def chain_args(tmp_path, token_data, sft_data) -> list[str]:
+    """The tiny CPT -> SFT chain on 2 "nodes" of the local cluster (test_failed_stage_cancels_the_later_ones')."""
+    return ["--recipe", "recipes/tiny/cpt.yaml", "--stages", "cpt,sft", "--nodes", "2", "--gpus-per-node", "1",
+            "--cpus-per-task", "1", "--time", "30", *TINY_OVERRIDES, "train.steps=3", f"cpt:data.prefix={token_data}",
+            f"sft:data.prefix={sft_data}", f"cpt:checkpoint.dir={tmp_path / 'cpt'}",
+            f"sft:checkpoint.dir={tmp_path / 'sft'}", f"sft:checkpoint.init_from={tmp_path / 'cpt'}",
+            "sft:train.global_batch_size=2"]
+
+
+def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, tmp_path, token_data, sft_data):
+    """sbatch refusing a job ended the launcher in submitit's ~30-line FailedJobError traceback, and one refused
+    after the first stage left that stage's job queued without a word. Now one line in slurm/pipeline.sh's words. On
+    the local cluster: the first job refused (no such partition); then the SFT job's GPU (the cluster has none) after
+    the CPT job, held (SBATCH_HOLD) and cancelled."""
+    args = [*chain_args(tmp_path, token_data, sft_data), "--folder", str(tmp_path / "submitit/%j")]
+    proc = launch(*args, "--partition", "nosuch")
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "error: sbatch refused the cpt job (invalid partition specified: nosuch; Batch job submission failed: Invalid "
+        "partition name specified); nothing launched"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", *args, "sft:runtime.device=cuda"],
+                          capture_output=True, text=True, cwd=ROOT, env=job_env(SBATCH_HOLD="1"), timeout=600)
+    cpt = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("submitted cpt: job ")]
+    try:
+        assert proc.returncode == 1 and len(cpt) == 1, proc.stdout + proc.stderr[-3000:]
+        assert proc.stderr.splitlines() == [
+            "error: sbatch refused the sft job (Invalid generic resource (gres) specification); submitted before it: "
+            f"cpt (job {cpt[0]}), which Slurm runs as submitted: scancel {cpt[0]} to cancel them"], proc.stderr
+        queued = subprocess.run(["squeue", "-h", "-j", cpt[0], "-o", "%T"], capture_output=True, text=True).stdout
+        assert queued.strip() == "PENDING", queued  # what the line says: the CPT job is in the queue
+    finally:
+        for job in cpt:
+            subprocess.run(["scancel", job], check=False)
+
+
+@pytest.mark.parametrize("folder, said", [
+    ("file", "--folder {tmp}/file: is a file, not a folder"),
+    ("file/logs/%j", "--folder {tmp}/file/logs/%j: lies under {tmp}/file, which is a file, not a folder"),
+])
+def test_a_folder_that_is_a_file_is_refused_before_submitting(tmp_path, token_data, sft_data, folder, said):
+    """--folder a file (or below one) ended in a FileExistsError / NotADirectoryError traceback from submitit's
+    mkdir; now one line naming --folder, before any sbatch (no cluster needed: none is reached)."""
+    (tmp_path / "file").write_text("")
+    proc = launch(*chain_args(tmp_path, token_data, sft_data), "--folder", str(tmp_path / folder))
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: {said.format(tmp=tmp_path)}; give a folder for submitit's logs and pickles"]
+
+
 def test_submitit_usr1_requeues_and_resumes(slurm_cluster, tmp_path, token_data, toy_tokenizer):
     """submitit path: USR1 to the tasks -> the trainer saves -> rank 0 requeues -> the rerun resumes. Then the NIAH
     job after it: USR1 -> submitit requeues it with --resume -> the rerun keeps the saved cells and runs the rest."""
