@@ -195,6 +195,32 @@ def _check_out(out: Path | None) -> None:
             return
 
 
+def _holds_a_model(folder: Path) -> bool:
+    """An HF model folder (config.json), a Megatron checkpoint folder or one iteration folder of it."""
+    from megatron_ext.checkpoint_layout import LATEST_FILE
+
+    return folder.is_dir() and ((folder / "config.json").is_file() or (folder / LATEST_FILE).is_file()
+                                or re.fullmatch(r"iter_\d+", folder.resolve().name) is not None
+                                or any(folder.glob("iter_*")))
+
+
+def _check_out_apart(command: str, out: Path | None, args: argparse.Namespace) -> None:
+    """--out must not be the model folder (--model, --megatron) or lie inside it: results.json and the plots were
+    written among the weights, into a checkpoint that tools/convert.py and the trainer read as a whole."""
+    if out is None:
+        return
+    where = out.resolve()
+    for flag in ("--model", "--megatron"):
+        model = getattr(args, flag[2:], None)
+        if model is None or not _holds_a_model(Path(model)):  # a hub name; a folder of no model: the loader says so
+            continue
+        folder = Path(model).resolve()
+        if where == folder or folder in where.parents:
+            how = "is" if where == folder else "lies inside"
+            raise EvalError(f"--out {out} {how} {flag} {model} (the model being evaluated): write the results to a "
+                            f"separate folder, e.g. --out runs/{command}")
+
+
 def validate_args(command: str, args: argparse.Namespace) -> None:
     """User mistakes argparse lets through, found before a model is loaded, as EvalError; turns --seq-len
     (e.g. 64K) into an int."""
@@ -224,3 +250,4 @@ def validate_args(command: str, args: argparse.Namespace) -> None:
                         "into a hidden folder of --out first; give --out DIR on a file system with room for the "
                         "model's weights, or use --engine megatron (no conversion)")
     _check_out(args.out)
+    _check_out_apart(command, args.out, args)

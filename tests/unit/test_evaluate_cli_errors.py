@@ -348,6 +348,31 @@ def test_broken_megatron_checkpoint_gets_no_conversion_hint(no_tokenizer, tmp_pa
                          f"to-hf --megatron {ckpt} --out HF_DIR`) and pass --model HF_DIR"), last
 
 
+def test_out_may_not_be_the_model_folder(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`niah.py --model hf --out hf` ran (exit 0) and wrote results.json and heatmap.png among the model's weights;
+    tools/convert.py refuses the same overlap. Now one line before the model loads, for --out the folder itself or
+    inside it (a relative spelling, and through a link), for --model and --megatron, every subcommand. A folder
+    holding the model is fine. Control (old code): the first case ran and exited 0."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_dir, "hf")
+    Path("alias").symlink_to(tmp_path / "hf")
+    before = sorted(p.name for p in Path("hf").iterdir())
+    (tmp_path / "doc.txt").write_text("The old river passes the garden near the hill. " * 10)
+    run = ["--lengths", "256", "--depths", "50", "--max-new-tokens", "2", "--no-progress"]
+    assert _error(["--model", "hf", "--out", "hf", *run]) == (
+        "error: --out hf is --model hf (the model being evaluated): write the results to a separate folder, e.g. "
+        "--out runs/niah")
+    assert _error(["ppl", "--model", "./hf/", "--text", "doc.txt", "--out", "alias/ppl"]) == (
+        "error: --out alias/ppl lies inside --model hf (the model being evaluated): write the results to a "
+        "separate folder, e.g. --out runs/ppl")
+    assert "lies inside --megatron hf" in _error(["ruler", "--megatron", "hf", "--out", "hf/r", "--lengths", "256"])
+    assert "is --model" in _error(["generate", "--model", str(tmp_path / "hf"), "--question", "q", "--out", "hf"])
+    assert sorted(p.name for p in Path("hf").iterdir()) == before
+    assert "memory note" not in capsys.readouterr().out  # found before the model loaded
+    assert main(["--model", "hf", "--out", ".", *run]) == 0 and Path("results.json").is_file()
+
 def test_a_save_that_fails_is_one_line(tiny_dir, tmp_path):
     """A save after a length that fails (here a file-size limit, EFBIG, no root needed; a full disk or an --out
     changed under the run alike) ended in a traceback from write_atomic; now one line naming --out and the file,
