@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("files", nargs="*", help="recipe YAML files")
     check.add_argument("--world-size", type=int, default=None, help="processes of the run (default: cluster size)")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="dotted override, e.g. --set train.steps=10 (repeatable)")
+                       help="dotted override, e.g. --set train.steps=10 (repeatable; of a key given twice the "
+                            "last applies, as in launch, the trainer and tools/plan.py)")
     check.add_argument("--quiet", action="store_true", help="print only one line per file")
     check.add_argument("--fields", action="store_true", help="list every recipe field with its docstring")
     args = parser.parse_args(argv)
@@ -48,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     # An override given positionally, as `train` accepts it: said before any recipe is printed, not after a page
     # of YAML that reads as success
     overrides = [file for file in args.files if "=" in file and not Path(file).exists()]
-    if overrides:
-        for file in overrides:
-            print(f"error: {file}: not a recipe file but an override, it seems; give overrides with --set {file}",
-                  file=sys.stderr)
+    if overrides:  # one line for them all, as for every other mistake
+        sets = " ".join(f"--set {o}" for o in overrides)
+        what = ("not a recipe file but an override" if len(overrides) == 1
+                else "not recipe files but overrides")
+        print(f"error: {', '.join(overrides)}: {what}, it seems; give overrides with {sets}", file=sys.stderr)
         return 1
     from megatron_ext.train_setup import partial_rotary_warning, positions_warning, selective_recompute_warning
 

@@ -373,6 +373,25 @@ def test_cli_override_given_as_a_file_fails_before_printing(capsys):
                   "train.steps=10\n"
 
 
+def test_cli_overrides_given_positionally_are_one_error_line_and_a_key_twice_is_the_last():
+    """`recipe check R train.steps=3 train.steps=5` printed two `error:` lines (one per positional override) while
+    `--set train.steps=3 --set train.steps=5` ran with 5. The rule for overrides is the last one applies: launch
+    relies on it (--nodes after a cluster.nodes override, STAGE:key after key, the SFT stage's init_from after one
+    for every stage) and the trainer and tools/plan.py apply it; a key twice in a YAML file is refused. Positional
+    overrides stay refused in `recipe check`, now in one line whose fix is the --set form. Control (old code): two
+    error lines."""
+    tiny = "recipes/tiny/cpt.yaml"
+    proc = _check("--quiet", tiny, "train.steps=3", "train.steps=5")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "error: train.steps=3, train.steps=5: not recipe files but overrides, it seems; give overrides with --set "
+        "train.steps=3 --set train.steps=5"], proc.stderr
+    proc = _check(tiny, "--set", "train.steps=3", "--set", "train.steps=5")
+    assert proc.returncode == 0 and "\n  steps: 5\n" in proc.stdout, proc.stdout + proc.stderr
+    launch = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--recipe", tiny, "--get", "train.steps",
+                             "train.steps=3", "--set", "train.steps=5"], capture_output=True, text=True, cwd=ROOT)
+    assert launch.returncode == 0 and launch.stdout == "5\n", launch.stderr
+
 @pytest.mark.parametrize("text", ["", "# a comment alone\n"])
 def test_empty_recipe_file(tmp_path, text):
     """An empty recipe file was read as `{}`: 'train.seq_length: missing required field', which sends one looking
