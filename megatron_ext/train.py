@@ -14,10 +14,15 @@ once a checkpoint is written, so that the Slurm scripts requeue the job (not aft
 slurm/common.sh); `EXIT_DIVERGED` (= 4) at the first step whose loss or gradient norm is not finite,
 without saving: the newest checkpoint is from before (a requeue would only repeat the divergence);
 `EXIT_INTERRUPTED` (= 130) after Ctrl-C: saved at the end of the step in the loop, unsaved before it or
-at a second Ctrl-C.
+at a second Ctrl-C. Each ends in one line; signals after it change neither the status nor the log.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch and Megatron-Core are imported below (seconds): see train_stop
+    from megatron_ext.train_stop import catch_signals_while_starting
+
+    catch_signals_while_starting()
 
 import argparse
 import math
@@ -34,11 +39,10 @@ from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.train_metrics import LogWindow, MetricsLog, format_duration, log, memory_gib
 from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, setup_warnings
-from megatron_ext.train_stop import StopFlag, any_rank
+from megatron_ext.train_stop import EXIT_INTERRUPTED, StopFlag, any_rank, say_stopped_unsaved
 
 EXIT_REQUEUE = 3
 EXIT_DIVERGED = 4
-EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it: a stop the user asked for, not requeued
 
 
 # ---------------------------------------------------------------------------- setup
@@ -196,8 +200,12 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     data_now = data_identities(recipe) if rank0 else {}
     metadata = {"recipe": recipe.to_dict(), "hf_config": hf_cfg, "tokenizer": recipe.model.tokenizer,
                 "data_identity": data_now}
+    stop = stop or StopFlag()
     begin = start_point(recipe, model, optimizer, scheduler, metadata, data_now, dp_size)
-    if begin.finished:
+    if begin.finished:  # a finished run started again (a requeue, a rerun)
+        stop.settle()
+        log(f"[train] {root} is at step {begin.step} and train.steps = {t.steps}: nothing to train "
+            "(raise train.steps to go on)")
         return 0
     start, consumed_samples, tokens_seen = begin.step, begin.consumed_samples, begin.tokens
 
@@ -210,7 +218,6 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
     metrics = MetricsLog(root / "metrics.jsonl", start, enabled=rank0,
                          tensorboard_dir=recipe.checkpoint.tensorboard_dir)
     metrics.stop_if_unwritten()  # rank 0 rewrites it on a resume
-    stop = stop or StopFlag()
     saver = CheckpointSaver(root, keep_last=recipe.checkpoint.keep_last, background=recipe.checkpoint.async_save,
                             log=log, optimizer_sharding=recipe.checkpoint.optimizer_sharding)
     shape = shape_from_hf_config(hf_cfg)
@@ -289,6 +296,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 metrics.write(record)
                 samples = range(data.samples_before(step - 1), data.samples_before(step))
                 saver.finalize(blocking=True)  # an earlier step's save is good: in place before the report names it
+                stop.settle()
                 return report_divergence(step, f"loss {loss}, grad_norm {grad_norm}", root, samples)
             stopping = stop.agreed()
             # not on the way out after a signal: the checkpoint must land before the time limit (this step's
@@ -309,6 +317,8 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                     ddp_model.start_param_sync(force_sync=True)  # next forward: gather them before saving
                 saver.save(step, [model], optimizer=optimizer, scheduler=scheduler, metadata={**metadata, **position},
                            wait=stopping or step == t.steps)
+            if stopping and step < t.steps:
+                stop.settle()
             if stopping and step < t.steps and stop.interrupted_anywhere:
                 log(f"[train] interrupted (Ctrl-C) after step {step}; checkpoint saved, exiting with "
                     f"{EXIT_INTERRUPTED}: the same command goes on from it")
@@ -319,6 +329,7 @@ def train(recipe: Recipe, stop: StopFlag | None = None) -> int:
                 log(f"[train] received {received}; checkpoint saved, exiting with {EXIT_REQUEUE} to requeue")
                 return EXIT_REQUEUE
         took = max(time.time() - loop_start, 1e-6)
+        stop.settle()  # complete: a Ctrl-C from here on leaves it so, with exit 0
         log(f"[train] done: steps {start + 1}..{t.steps} in {format_duration(took)}, {planned:,} tokens "
             f"({planned / took:,.0f} tokens/s with validation and saves); checkpoint {root}/iter_{t.steps:07d}, "
             f"metrics {root / 'metrics.jsonl'}")
@@ -337,7 +348,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     args.overrides += args.set_overrides
     stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save
+    try:
+        code = _run(args, stop)
+    except KeyboardInterrupt:  # before the loop, or a second Ctrl-C (StopFlag): nothing saved now
+        stop.settle()
+        say_stopped_unsaved(stop.in_loop)
+        return EXIT_INTERRUPTED
+    stop.settle()  # its line is said (done, an error): Python's exit, torch's teardown, changes the outcome no more
+    return code
 
+
+def _run(args: argparse.Namespace, stop: StopFlag) -> int:
+    """`main` once its arguments are read: the recipe, the process group, `train`; user errors as one line."""
     from megatron_ext.runtime import DeviceError, destroy_distributed, init_distributed, process_env
     from megatron_ext.runtime.distributed import is_alike_on_every_rank
 
@@ -350,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=env.world_size)
         check_setup(recipe)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
     except RecipeError as e:
         # from the recipe and the files it names, alike on every rank of a node: said by each node's first rank, not
         # once per GPU (a node that alone cannot see a file still says so)
@@ -369,8 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:  # may be one task's alone (its CUDA_VISIBLE_DEVICES): every rank says its own
         print(f"error: rank {env.rank}: {e}" if env.world_size > 1 else f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
     try:
         from megatron_ext.checkpoint import CheckpointError
         from megatron_ext.data import DataError
@@ -396,11 +414,8 @@ def main(argv: list[str] | None = None) -> int:
               f"train.steps x train.global_batch_size = {t.steps:,} x {t.global_batch_size:,} samples: check "
               "train.steps, and the memory the job may use", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:  # before the loop, or a second Ctrl-C (StopFlag): nothing saved now
-        log("[train] interrupted (Ctrl-C): stopped without saving; the newest checkpoint in checkpoint.dir is where "
-            "the same command goes on from")
-        return EXIT_INTERRUPTED
     finally:
+        stop.settle()  # the outcome is said above, or is the interrupt's (main): the teardown changes neither
         destroy_distributed()
 
 

@@ -25,7 +25,7 @@ class StartPoint:
     consumed_samples: int = 0
     tokens: int = 0
     data_samples: int = 0  # CPT: training samples the saved run's data order was built for (0: none saved)
-    finished: bool = False  # at train.steps already: nothing to train
+    finished: bool = False  # at train.steps already (`step`): nothing to train
 
 
 def start_point(recipe: Recipe, model, optimizer, scheduler, metadata: dict, data_now: dict,
@@ -61,10 +61,8 @@ def _resume(recipe: Recipe, root: Path, done: int, model, optimizer, scheduler, 
     saved, resume = found
     if resume.stage_refusal:  # before `finished`: a finished CPT folder given to an SFT ended at once, exit 0
         raise alike_on_every_rank(CheckpointError(resume.stage_refusal))  # rank 0's plan: alike everywhere
-    if resume.finished:  # a finished run started again (a requeue, a rerun)
-        log(f"[train] {root} is at step {done} and train.steps = {t.steps}: nothing to train "
-            "(raise train.steps to go on)")
-        return StartPoint(finished=True)
+    if resume.finished:  # the trainer says so, once no signal can change its outcome (StopFlag.settle)
+        return StartPoint(step=done, finished=True)
     if resume.architecture_changed:
         raise alike_on_every_rank(CheckpointError(f"checkpoint.dir = {str(root)!r} holds another model "
                               f"({'; '.join(resume.architecture_changed)}): use the checkpoint's model.* "
