@@ -9,13 +9,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 # Conversion runs on the CPU (Megatron-Core through megatron_ext's CPU backend), also on a node with GPUs: hide them
 # before torch is imported, which the backend needs (megatron_ext/runtime/cpu_backend.py). tools/convert.py imports
@@ -61,6 +66,69 @@ def quiet_library_warnings() -> None:
     """Hide HARMLESS_WARNINGS (for the rest of the process); any other warning still shows."""
     for category, message, module in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold a Ctrl-C or SIGTERM that comes in the block and deliver it, to the handler it would have gone to,
+    when the block ends; a second one is delivered at once (a block that hangs).
+
+    For the imports of torch and Megatron-Core (seconds): a KeyboardInterrupt raised inside their C++ extensions'
+    initialisation ended in a bare traceback, or aborted the process (pybind11 'terminate called ...
+    error_already_set'), before the converter's one `error: interrupted` line could be printed. A signal this
+    process ignores (SIGINT in a `&` background job) stays ignored.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    held = [s for s, handler in previous.items() if handler is not signal.SIG_IGN]
+    got: list[int] = []
+
+    def hold(signum: int, frame) -> None:
+        got.append(signum)
+        if len(got) > 1:
+            signal.signal(signum, previous[signum])
+            signal.raise_signal(signum)
+
+    for s in held:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s in held:
+            signal.signal(s, previous[s])
+    if got:
+        signal.raise_signal(got[0])  # raises here (our handlers), or ends the process as the signal would have
+
+
+def _interrupted(e: KeyboardInterrupt, outcome: str) -> int:
+    """Print the one line of an interrupted conversion; the exit status a shell gives a process the signal ended."""
+    from megatron_ext.runtime.signals import Terminated
+
+    how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+    print(f"error: interrupted ({how}); {outcome}", file=sys.stderr)
+    return 143 if isinstance(e, Terminated) else 130
+
+
+def _error_line(e: Exception, out: Path, removed: str) -> str | None:
+    """The one `error:` line for a conversion that failed with `e`, None for a crash (its traceback shows)."""
+    from megatron_ext.checkpoint import CheckpointError
+    from megatron_ext.checkpoint_space import CheckpointSpaceError
+    from megatron_ext.convert import ConvertError
+    from megatron_ext.disk_space import no_space_message
+
+    if isinstance(e, CheckpointSpaceError):  # to-megatron's save ran out of space
+        return "error: " + e.say(f"--out {out}", "free space or choose another --out", outcome=removed)
+    if isinstance(e, (ConvertError, CheckpointError)):
+        return f"error: {e}"
+    if isinstance(e, OSError):  # a full disk, a quota, a file system gone: the unfinished output is removed
+        traceback.clear_frames(e.__traceback__)  # closes the output files its frames hold: their space is free again
+        if said := no_space_message(e, f"--out {out}", out, removed, "free space or choose another --out"):
+            return f"error: {said}"
+        where = f" ({e.filename})" if e.filename else ""
+        return f"error: {e.strerror or e}{where}; {removed}"
+    return None
 
 
 def _convert(args, to_megatron, to_hf) -> dict:
@@ -116,35 +184,29 @@ def main(argv: list[str] | None = None) -> int:
                  "(default 1e-4)")
 
     quiet_library_warnings()  # before the imports below: Megatron-Core warns as it is imported
-    from megatron_ext.checkpoint import CheckpointError
-    from megatron_ext.checkpoint_space import CheckpointSpaceError
-    from megatron_ext.convert import ConvertError, to_hf, to_megatron
-    from megatron_ext.disk_space import no_space_message
-    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
+    from megatron_ext.runtime.signals import sigterm_as_interrupt  # the standard library only: no wait
 
+    nothing = f"nothing was written (--out {args.out} is replaced only by a complete conversion)"
     removed = f"the unfinished output was removed (--out {args.out} is replaced only by a complete conversion)"
-
+    outcome = nothing
     # scancel / kill send SIGTERM: run the Ctrl-C cleanup (staged_output removes its model-sized temp folder).
-    try:
-        with sigterm_as_interrupt():
+    with sigterm_as_interrupt():
+        try:
+            with _interrupts_held():
+                from megatron_ext.convert import to_hf, to_megatron
+                if args.cmd == "to-megatron":  # its process group needs Megatron-Core (another second of imports)
+                    importlib.import_module("megatron.core.parallel_state")
+            outcome = removed
             report = _convert(args, to_megatron, to_hf)
-    except CheckpointSpaceError as e:  # to-megatron's save ran out of space
-        sys.exit("error: " + e.say(f"--out {args.out}", "free space or choose another --out", outcome=removed))
-    except (ConvertError, CheckpointError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:  # a full disk, a quota, a file system gone: the unfinished output is removed
-        traceback.clear_frames(e.__traceback__)  # closes the output files its frames hold: their space is free again
-        if said := no_space_message(e, f"--out {args.out}", args.out, removed, "free space or choose another --out"):
-            sys.exit(f"error: {said}")
-        where = f" ({e.filename})" if e.filename else ""
-        sys.exit(f"error: {e.strerror or e}{where}; {removed}")
-    except KeyboardInterrupt as e:
-        # staged_output has removed its temporary folder; --out is the old one, or the new one if the
-        # signal came after it was complete. No traceback.
-        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
-        print(f"error: interrupted ({how}); the unfinished output was removed (--out {args.out} is replaced "
-              "only by a complete conversion)", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        except KeyboardInterrupt as e:
+            # staged_output has removed its temporary folder; --out is the old one, or the new one if the
+            # signal came after it was complete. No traceback.
+            return _interrupted(e, outcome)
+        except Exception as e:
+            said = _error_line(e, args.out, removed) if outcome is removed else None
+            if said is None:
+                raise
+            sys.exit(said)
     for key in ("warning", "rope_changed"):
         if key in report:
             print(f"warning: {report[key]}", file=sys.stderr)
