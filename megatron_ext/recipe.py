@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -283,10 +285,30 @@ class Recipe:
 _REQUIRED = frozenset({"train.seq_length", "train.steps", "train.lr"})
 
 
-def _read_yaml(path: Path) -> dict:
+def _not_a_file(path: Path) -> str:
+    """What `path`, not a regular file, is instead: /dev/null was 'not found', which it is not."""
+    if path.is_dir():
+        return "is a folder"
+    if path.is_symlink() and not path.exists():
+        return f"is a link to {os.readlink(path)}, which does not exist"
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "not found"
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "something else")
+    return f"is not a regular file but {kind}"
+
+
+def _check_file(path: Path) -> None:
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "not found"
-        raise RecipeError(f"recipe file {str(path)!r} {what}; give the path to a .yaml recipe (see recipes/)")
+        raise RecipeError(f"recipe file {str(path)!r} {_not_a_file(path)}; give the path to a .yaml recipe "
+                          "(see recipes/)")
+
+
+def _read_yaml(path: Path) -> dict:
+    _check_file(path)
     try:
         raw = load_yaml_mapping(path.read_text(encoding="utf-8"), f"recipe file {str(path)!r}")
     except UnicodeDecodeError as e:
@@ -312,6 +334,7 @@ def _merge(base: dict, child: dict) -> dict:
 
 
 def _resolve_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    _check_file(path)  # as given: resolved, a link to nowhere or a pipe (/dev/fd/63) is named by what it points to
     path = path.resolve()
     if path in seen:
         raise RecipeError(f"recipe {str(path)!r}: `extends` forms a cycle through {[str(p) for p in seen]}")

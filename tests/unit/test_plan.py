@@ -463,3 +463,15 @@ def test_recommendation_above_90_percent_only_when_nothing_below_fits():
     r = load_recipe(R / "cpt_1m.yaml", ["train.seq_length=1703936"])
     best = P.recommend(r, C.GPUS["h100-80gb"], 256)
     assert best is not None and not best.tight, (best.context, best.recompute, best.memory.total / 1e9)
+
+
+def test_tool_names_what_a_recipe_path_is_instead_of_a_file(tmp_path):
+    """`tools/plan.py /dev/null` said "recipe file '/dev/null' not found", which it is not; a link to nowhere was
+    named by its target alone. Now what it is, with the path as given. Control (old code): 'not found' for both."""
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "gone.yaml")
+    fix = "give the path to a .yaml recipe (see recipes/)"
+    for path, what in (("/dev/null", "is not a regular file but a character device"),
+                       (str(tmp_path / "link.yaml"), f"is a link to {tmp_path / 'gone.yaml'}, which does not exist")):
+        proc = _tool(path)
+        assert proc.returncode == 1 and proc.stderr.splitlines() == [
+            f"error: {path}: recipe file {path!r} {what}; {fix}"], proc.stderr
