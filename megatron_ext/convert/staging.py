@@ -136,6 +136,7 @@ def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     # A signal between the two renames would leave neither folder at `out`, one during the removal a
     # full-size `.old` folder: hold signals until both are done (a few file deletions).
     with _signals_held():
+        _check_out_again(given, out, force, kind, tmp)
         old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() else None
         try:
             if old is not None:
@@ -151,6 +152,24 @@ def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
                                "again") from None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_out_again(given: Path, out: Path, force: bool, kind: str, tmp: Path) -> None:
+    """`check_out` once more, just before the rename: what appeared at --out during the conversion (another
+    command's output, the user's files) was moved aside and deleted. The finished output is not thrown away with the
+    error: it is renamed to a visible `OUT.converted-PID` beside --out, which no later conversion removes."""
+    if not out.exists():
+        return
+    try:
+        check_out(out, force, kind)
+    except ConvertError as e:
+        kept = out.parent / f"{out.name}.converted-{os.getpid()}"
+        try:
+            os.replace(tmp, kept)
+        except OSError:
+            kept = tmp
+        raise ConvertError(f"--out {given} changed while converting and was left as it is ({e}); the finished "
+                           f"output is kept at {kept}: move it where you want it") from None
 
 
 def _remove_stale_staging(out: Path) -> None:

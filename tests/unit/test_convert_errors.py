@@ -498,3 +498,31 @@ def test_a_dangling_safetensors_link_is_named(src, tmp_path, cpu_parallel_state)
     fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")],
           f"error: --hf {d}: model.safetensors is not a file; move it out of the model folder")
     no_leftovers(tmp_path, "o")
+
+
+def test_what_appears_at_out_while_converting_is_not_deleted(tmp_path):
+    """--out checked only before the work: what appeared there meanwhile (the user's files, another command's
+    output) was moved aside and deleted by the final rename, without --force. Now it is checked again and left;
+    the finished output is kept beside it under a visible name. Control (old code): notes.txt deleted, exit ok."""
+    from megatron_ext.convert.hf_io import ConvertError
+    from megatron_ext.convert.staging import staged_output
+
+    out = tmp_path / "out"
+    with pytest.raises(ConvertError, match=rf"^--out {out} changed while converting and was left as it is \(--out "
+                                           rf"{out} holds notes.txt \(not a checkpoint\).*\); the finished output "
+                                           rf"is kept at {tmp_path}/out.converted-\d+: move it"):
+        with staged_output(out, True, "hf") as tmp:
+            (tmp / "config.json").write_text("{}")
+            out.mkdir()
+            (out / "notes.txt").write_text("mine")
+    assert (out / "notes.txt").read_text() == "mine"
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("out.converted-")]
+    assert len(kept) == 1 and (kept[0] / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", kept[0].name])
+    with pytest.raises(ConvertError, match=r"changed while converting .*already exists \(an empty folder\)"):
+        with staged_output(tmp_path / "b", False, "hf") as tmp:
+            (tmp_path / "b").mkdir()
+    with staged_output(tmp_path / "c", True, "hf") as tmp:  # --force over an empty folder made meanwhile: fine
+        (tmp / "config.json").write_text("{}")
+        (tmp_path / "c").mkdir()
+    assert (tmp_path / "c" / "config.json").is_file()
