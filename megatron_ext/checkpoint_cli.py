@@ -1,10 +1,12 @@
 """`tools/checkpoint.py info DIR`: what a checkpoint holds, whether it is complete, and what a run would do
 with it (`--recipe`): resume model, optimizer and data position, the weights only, or nothing. `tools/checkpoint.py
-reshard DIR --out NEW`: its distributed-optimizer state saved again for any layout (megatron_ext.checkpoint_reshard)."""
+reshard DIR --out NEW`: its distributed-optimizer state saved again for any layout (megatron_ext.checkpoint_reshard).
+Ctrl-C / SIGTERM end either in one line and exit 130 / 143; an interrupted reshard leaves no --out."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -122,8 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     reshard.add_argument("--out", required=True, help="a new folder: the checkpoint.dir to resume from afterwards")
     reshard.add_argument("--iteration", type=_ITERATION, default=None, help="an iteration other than the latest")
     args = parser.parse_args(argv)
-    if args.command == "reshard":
-        return _reshard(args)
+    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
+
+    try:
+        with sigterm_as_interrupt():  # scancel / kill as Ctrl-C: reshard's cleanup runs
+            return _reshard(args) if args.command == "reshard" else _info(args)
+    except KeyboardInterrupt as e:
+        # in torch's import, the load or the save: reshard has removed its staging folder, --out is not made
+        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        made = (f"; nothing written (--out {args.out} is made only by a complete reshard)"
+                if args.command == "reshard" else "")
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # torchrun signals every rank
+            print(f"error: interrupted ({how}){made}", file=sys.stderr)
+        return code
+
+
+def _info(args: argparse.Namespace) -> int:
     if not args.recipe and (args.overrides or args.world_size is not None):
         print("error: --set and --world-size describe the run of --recipe; give --recipe FILE too", file=sys.stderr)
         return 1
@@ -149,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
 def _reshard(args) -> int:
     from megatron_ext.checkpoint_reshard import reshard
     from megatron_ext.runtime import DeviceError, process_env
+    from megatron_ext.runtime.signals import ignore_interrupts_from_now
 
     try:
         final = reshard(args.dir, args.out, args.iteration)
     except (CheckpointError, RecipeError, DeviceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    ignore_interrupts_from_now()  # --out is complete: the exit (torch's teardown, a second) keeps it so, with 0
     if process_env().rank == 0:
         print(f"saved {final} with the optimizer state fully_reshardable: resume from checkpoint.dir={args.out} at "
               "any TP, PP, CP, DP and gradient buckets")

@@ -7,10 +7,15 @@ dp_reshardable state loads at any DP x CP; more processes hold less of it each),
 saved recipe builds, and saves the same iteration into another folder with the state gathered into the parameters'
 shapes, which any layout resumes. The weights, the scheduler, the run's metadata (recipe, position in the data,
 data identity) and its metrics.jsonl go along; the run resumes from the new folder as from the old.
+
+The new folder is written as `.NAME.partial` beside it and renamed into place when complete (`staging_folder`): an
+interrupt or a failure removes it, and a killed run's is removed by the next, so that `--out` is a whole checkpoint
+or not there.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -81,21 +86,33 @@ def reshard_plan(src: str | Path, out: str | Path, iteration: int | None, world_
     return path, saved, overrides
 
 
+def staging_folder(out: str | Path) -> Path:
+    """Where `reshard` writes the new checkpoint.dir before it is complete: beside `out`, so that the rename is on
+    one file system; the same on every rank (they all write into it)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.partial"
+
+
 def reshard(src: str | Path, out: str | Path, iteration: int | None = None) -> Path:
     """Load `src` (a checkpoint.dir, its latest iteration, or one `iter_*` folder) at its own TP x PP and save it
     into `out` with the optimizer state `fully_reshardable`; returns the new `iter_*` folder. Collective: run on
-    a multiple of TP x PP processes (torchrun), on the device the run trained on."""
+    a multiple of TP x PP processes (torchrun), on the device the run trained on. Any exception, KeyboardInterrupt
+    too, leaves no `out` (made, whole, at the end) and no staging folder."""
     from megatron_ext.checkpoint import load_checkpoint, save_checkpoint
     from megatron_ext.model import build_model_from_recipe
     from megatron_ext.recipe import load_recipe
     from megatron_ext.runtime import destroy_distributed, init_distributed, process_env
+    from megatron_ext.runtime.distributed import rank_zero_outcome
     from megatron_ext.train import build_optimizer, wrap_ddp
     from megatron_ext.train_metrics import log
 
-    world = process_env().world_size
+    world, rank0 = process_env().world_size, process_env().rank == 0
     path, saved, overrides = reshard_plan(src, out, iteration, world)
     recipe = load_recipe(raw=saved["recipe"], overrides=overrides, world_size=world)
     p = recipe.parallel
+    out, stage = Path(out), staging_folder(out)
+    if rank0:  # a killed reshard's; the others wait for rank 0 in init_distributed before they write
+        shutil.rmtree(stage, ignore_errors=True)
     init_distributed(recipe.runtime.device, tensor=p.tensor, pipeline=p.pipeline, seed=recipe.train.seed,
                      timeout_minutes=recipe.runtime.timeout_minutes)
     try:
@@ -108,13 +125,24 @@ def reshard(src: str | Path, out: str | Path, iteration: int | None = None) -> P
         log(f"[reshard] loaded ({time.time() - began:.1f} s); saving it fully_reshardable into {out}")
         metadata = {k: v for k, v in saved.items() if k not in _OWN_KEYS}
         metadata["resharded_from"] = {"path": str(path), "parallel": saved["parallel"]}
-        final = save_checkpoint(out, step, [model], optimizer=optimizer, scheduler=scheduler, metadata=metadata,
+        final = save_checkpoint(stage, step, [model], optimizer=optimizer, scheduler=scheduler, metadata=metadata,
                                 extra=extra, optimizer_sharding="fully_reshardable")
         metrics = path.parent / "metrics.jsonl"
-        if process_env().rank == 0 and metrics.is_file():  # the run's curve goes on in the new folder
-            tmp = Path(out) / ".metrics.jsonl.partial"
-            shutil.copyfile(metrics, tmp)
-            tmp.replace(Path(out) / "metrics.jsonl")
-        return final
+
+        def publish() -> None:
+            if metrics.is_file():  # the run's curve goes on in the new folder
+                shutil.copyfile(metrics, stage / "metrics.jsonl")
+            os.replace(stage, out)  # onto nothing, or the empty folder reshard_plan accepted
+
+        # rank 0's outcome on every rank: none says it is done before the folder is in place, none waits on a failure
+        _, problem = rank_zero_outcome(publish, OSError)
+        if problem is not None:
+            raise CheckpointError(f"--out {out}: the resharded checkpoint could not be put in place ({problem}); "
+                                  "nothing was left there or beside it")
+        return out / final.name
+    except BaseException:
+        if rank0:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
     finally:
         destroy_distributed()

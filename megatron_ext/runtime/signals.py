@@ -46,8 +46,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
     and `except KeyboardInterrupt` cleanups run as on Ctrl-C; SIGINT raises KeyboardInterrupt as before. In
     processes forked inside the block both signals do nothing (see the module docstring). A handler someone else
     installed stays (submitit's, when the launcher runs a tool in-process), and the previous dispositions come
-    back after the block (tests call the tools' `main` in-process). Off the main thread nothing changes (Python
-    delivers signals there only).
+    back after the block (tests call the tools' `main` in-process), unless the block set its own
+    (`ignore_interrupts_from_now`). Off the main thread nothing changes (Python delivers signals there only).
     """
     global _owner_pid
     if threading.current_thread() is not threading.main_thread():
@@ -62,8 +62,20 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         for s in ours:
-            signal.signal(s, defaults[s])
+            if signal.getsignal(s) is _interrupt:
+                signal.signal(s, defaults[s])
         _owner_pid = previous_owner
+
+
+def ignore_interrupts_from_now() -> None:
+    """A command's outputs are complete: Ctrl-C and SIGTERM are ignored for the rest of the process, so that they
+    change neither its exit status nor what it printed. Python restores a handled signal's default action as it
+    exits, and the exit of a tool that imported torch and Megatron-Core takes a second (their helper processes):
+    a Ctrl-C there ended a complete command with status -2 and no word. For the end of a command's process (in a
+    `sigterm_as_interrupt` block it stays after the block); main thread only, elsewhere a no-op."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

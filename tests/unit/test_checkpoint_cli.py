@@ -323,3 +323,84 @@ def test_reshard_of_a_damaged_shard_is_one_line(ckpt, tmp_path):
     assert len(errors) == 1 and errors[0].startswith(f"error: {shard}: cannot read its tensors (corrupt shard: ") \
         and errors[0].endswith("; copy the checkpoint again or use an earlier iteration"), proc.stderr[-3000:]
     assert not (tmp_path / "new").exists() or not any((tmp_path / "new").iterdir())
+
+
+# tools/checkpoint.py (through runpy) that stops at one point, says `held: POINT` on stderr and goes on when a line
+# comes on stdin: `save` (every shard written, in the staging folder, before the metadata and the rename), `end`
+# (after main returned: --out complete, the process exiting).
+HELD_RESHARD = f"""
+import runpy, sys
+
+point = sys.argv.pop(1)
+
+def hold():
+    print(f"held: {{point}}", file=sys.stderr, flush=True)
+    sys.stdin.readline()
+
+if point == "save":
+    from megatron_ext import checkpoint
+
+    real = checkpoint._finish_save
+
+    def held(*args, **kwargs):
+        hold()
+        return real(*args, **kwargs)
+
+    checkpoint._finish_save = held
+    runpy.run_path({str(ROOT / "tools/checkpoint.py")!r}, run_name="__main__")
+else:
+    try:
+        runpy.run_path({str(ROOT / "tools/checkpoint.py")!r}, run_name="__main__")
+    finally:
+        hold()
+"""
+
+
+def _held_reshard(point: str, ckpt, out):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", HELD_RESHARD, point, "reshard", str(ckpt), "--out", str(out)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    seen = []
+    while not seen or seen[-1] != f"held: {point}\n":
+        seen.append(proc.stderr.readline())
+        assert seen[-1], "".join(seen)
+    return proc
+
+
+@pytest.mark.parametrize("how, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_reshard_interrupted_in_the_save_leaves_nothing(ckpt, tmp_path, how, code):
+    """Ctrl-C in a reshard was a `[rank0]: KeyboardInterrupt` traceback (exit -2) at any moment, SIGTERM a silent
+    -15, and one in the save left --out holding the unfinished `.iter_*.partial`. Now one line, 130 / 143, and
+    neither --out nor its staging folder."""
+    import signal
+
+    proc = _held_reshard("save", ckpt, tmp_path / "new")
+    assert list(tmp_path.rglob(".iter_0000002.partial"))  # the shards are written
+    proc.send_signal(getattr(signal, how))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    said = "Ctrl-C" if how == "SIGINT" else "SIGTERM"
+    assert err.strip().splitlines() == [f"error: interrupted ({said}); nothing written (--out {tmp_path / 'new'} "
+                                        "is made only by a complete reshard)"], err[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_ctrl_c_after_a_reshard_is_complete_changes_nothing(ckpt, tmp_path):
+    """A Ctrl-C once --out was complete, as the process exited (torch's teardown took a second), ended it with
+    status -2 and no word. Now it exits 0. (And a killed reshard's staging folder is removed by the next.)"""
+    import signal
+
+    (tmp_path / ".new.partial/.iter_0000002.partial").mkdir(parents=True)  # left by a kill -9
+    proc = _held_reshard("end", ckpt, tmp_path / "new")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate("go\n", timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert out.splitlines()[-1].startswith(f"saved {tmp_path / 'new/iter_0000002'} with the optimizer state"), out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "run"]
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"]
