@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import stat
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.presets import PRESETS, ROPE_PRESETS
-from megatron_ext.recipe_schema import RecipeError, bad_value, build, load_yaml_mapping, unknown_key
+from megatron_ext.recipe_files import resolve_extends
+from megatron_ext.recipe_schema import RecipeError, bad_value, build, unknown_key
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -285,68 +284,6 @@ class Recipe:
 _REQUIRED = frozenset({"train.seq_length", "train.steps", "train.lr"})
 
 
-def _not_a_file(path: Path) -> str:
-    """What `path`, not a regular file, is instead: /dev/null was 'not found', which it is not."""
-    if path.is_dir():
-        return "is a folder"
-    if path.is_symlink() and not path.exists():
-        return f"is a link to {os.readlink(path)}, which does not exist"
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return "not found"
-    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
-             (stat.S_ISSOCK, "a socket"))
-    kind = next((name for test, name in kinds if test(mode)), "something else")
-    return f"is not a regular file but {kind}"
-
-
-def _check_file(path: Path) -> None:
-    if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} {_not_a_file(path)}; give the path to a .yaml recipe "
-                          "(see recipes/)")
-
-
-def _read_yaml(path: Path) -> dict:
-    _check_file(path)
-    try:
-        raw = load_yaml_mapping(path.read_text(encoding="utf-8"), f"recipe file {str(path)!r}")
-    except UnicodeDecodeError as e:
-        raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text (byte {e.start}); give a .yaml recipe") \
-            from None
-    if raw is None:  # not `{}`: "train.seq_length: missing required field" would hide that the file is empty
-        raise RecipeError(f"recipe file {str(path)!r} is empty (no settings, or comments alone); write the recipe "
-                          "in it, or give another file (see recipes/)")
-    if not isinstance(raw, dict):
-        raise RecipeError(f"recipe file {str(path)!r}: top level must be a mapping of sections, got {type(raw).__name__}")
-    return raw
-
-
-def _merge(base: dict, child: dict) -> dict:
-    out = dict(base)
-    for key, value in child.items():
-        # The rope fields only make sense together (a yarn child must not inherit llama3's freq factors).
-        if key != "rope" and isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _resolve_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    _check_file(path)  # as given: resolved, a link to nowhere or a pipe (/dev/fd/63) is named by what it points to
-    path = path.resolve()
-    if path in seen:
-        raise RecipeError(f"recipe {str(path)!r}: `extends` forms a cycle through {[str(p) for p in seen]}")
-    raw = _read_yaml(path)
-    parent = raw.pop("extends", None)
-    if parent is None:
-        return raw
-    if not isinstance(parent, str):
-        raise bad_value(f"{path.name}: extends", parent, "a path to another recipe, relative to this file")
-    return _merge(_resolve_extends(path.parent / parent, seen + (path,)), raw)
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML)."""
     if "=" not in text:
@@ -397,7 +334,7 @@ def load_recipe(
     if raw is None:
         if path is None:
             raise RecipeError("no recipe given; pass --recipe FILE (see recipes/)")
-        raw = _resolve_extends(Path(path))
+        raw = resolve_extends(Path(path))
         raw.setdefault("name", Path(path).stem)
     # the rules and sources import this module's types
     from megatron_ext.recipe_rules import validate
