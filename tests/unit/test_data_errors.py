@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -691,3 +692,33 @@ def test_output_that_is_an_input_is_refused_even_with_force(tmp_path, tok_dir, k
     assert f"which --input {tmp_path / 'link.jsonl'} (a link to it) reads" in msg, msg
     assert data.read_bytes() == before and inner.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "folder", "link.jsonl"]
+
+
+def test_ctrl_c_after_the_outputs_are_complete_changes_nothing(tmp_path, tok_dir):
+    """A Ctrl-C once the outputs were written (while Python exits: torch's and Megatron-Core's helper processes
+    take a second) ended a complete run with status -2 or a KeyboardInterrupt traceback. The run here stops after
+    main() returns and says so; the Ctrl-C is sent then. Control (old code): a traceback, exit 1."""
+    import signal
+
+    corpus = toy.write_jsonl(tmp_path / "c.jsonl", toy.synthetic_corpus(20, seed=1))
+    out = tmp_path / "out"
+    script = ("import runpy, sys, time\n"
+              f"sys.argv = ['prepare_data.py', 'cpt', '--input', {str(corpus)!r}, '--tokenizer', {str(tok_dir)!r}, "
+              f"'--output', {str(out)!r}, '--quiet']\n"
+              f"main = runpy.run_path({str(ROOT / 'tools' / 'prepare_data.py')!r})['main']\n"
+              "code = main()\n"
+              "print('returned', flush=True)\n"
+              "time.sleep(3)  # Python's exit, made long enough to be hit\n"
+              "sys.exit(code)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "returned\n", proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert Path(f"{out}.bin").is_file() and Path(f"{out}.json").is_file()
