@@ -9,18 +9,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import traceback
 import warnings
 from pathlib import Path
-from typing import Iterator
 
 # Conversion runs on the CPU (Megatron-Core through megatron_ext's CPU backend), also on a node with GPUs: hide them
 # before torch is imported, which the backend needs (megatron_ext/runtime/cpu_backend.py). tools/convert.py imports
@@ -66,40 +62,6 @@ def quiet_library_warnings() -> None:
     """Hide HARMLESS_WARNINGS (for the rest of the process); any other warning still shows."""
     for category, message, module in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Hold a Ctrl-C or SIGTERM that comes in the block and deliver it, to the handler it would have gone to,
-    when the block ends; a second one is delivered at once (a block that hangs).
-
-    For the imports of torch and Megatron-Core (seconds): a KeyboardInterrupt raised inside their C++ extensions'
-    initialisation ended in a bare traceback, or aborted the process (pybind11 'terminate called ...
-    error_already_set'), before the converter's one `error: interrupted` line could be printed. A signal this
-    process ignores (SIGINT in a `&` background job) stays ignored.
-    """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    held = [s for s, handler in previous.items() if handler is not signal.SIG_IGN]
-    got: list[int] = []
-
-    def hold(signum: int, frame) -> None:
-        got.append(signum)
-        if len(got) > 1:
-            signal.signal(signum, previous[signum])
-            signal.raise_signal(signum)
-
-    for s in held:
-        signal.signal(s, hold)
-    try:
-        yield
-    finally:
-        for s in held:
-            signal.signal(s, previous[s])
-    if got:
-        signal.raise_signal(got[0])  # raises here (our handlers), or ends the process as the signal would have
 
 
 def _interrupted(e: KeyboardInterrupt, outcome: str) -> int:
@@ -184,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                  "(default 1e-4)")
 
     quiet_library_warnings()  # before the imports below: Megatron-Core warns as it is imported
-    from megatron_ext.runtime.signals import sigterm_as_interrupt  # the standard library only: no wait
+    from megatron_ext.runtime.held_signals import interrupts_held  # these two: the standard library only, no wait
+    from megatron_ext.runtime.signals import sigterm_as_interrupt
 
     nothing = f"nothing was written (--out {args.out} is replaced only by a complete conversion)"
     removed = f"the unfinished output was removed (--out {args.out} is replaced only by a complete conversion)"
@@ -192,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     # scancel / kill send SIGTERM: run the Ctrl-C cleanup (staged_output removes its model-sized temp folder).
     with sigterm_as_interrupt():
         try:
-            with _interrupts_held():
+            with interrupts_held():
                 from megatron_ext.convert import to_hf, to_megatron
                 if args.cmd == "to-megatron":  # its process group needs Megatron-Core (another second of imports)
                     importlib.import_module("megatron.core.parallel_state")

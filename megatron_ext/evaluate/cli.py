@@ -13,6 +13,7 @@ or Megatron checkpoint (the arguments: `cli_args.py`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import warnings
@@ -24,6 +25,8 @@ from megatron_ext.evaluate.errors import EvalError, RankError
 from megatron_ext.evaluate.interrupts import interrupts_reported
 from megatron_ext.evaluate.io import OutputWriteError, check_writable_folder, not_there, read_utf8
 from megatron_ext.log_lines import log_line
+from megatron_ext.runtime.held_signals import interrupts_held
+from megatron_ext.runtime.signals import sigterm_as_interrupt
 
 
 def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> None:
@@ -306,9 +309,32 @@ def _run_generate(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of tools/niah.py; user errors end as one `error: ...` line and exit status 1 (Ctrl-C: 130)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    by_command = parsers()
-    command = argv.pop(0) if argv and argv[0] in by_command else "niah"
-    args = by_command[command].parse_args(argv)
+    # From the first moment: the parsers import numpy (ruler's prompts), a tenth of a second in which a Ctrl-C was a
+    # bare traceback and a SIGTERM ended the process without a word. The signal waits for the import, then is one line.
+    with sigterm_as_interrupt():
+        try:
+            with interrupts_held():
+                by_command = parsers()
+            command = argv.pop(0) if argv and argv[0] in by_command else "niah"
+            args = by_command[command].parse_args(argv)
+        except KeyboardInterrupt as e:
+            return _interrupted_at_start(e)
+        return _main(command, args)
+
+
+def _interrupted_at_start(e: KeyboardInterrupt) -> int:
+    """The one line of a run stopped before its arguments were read; the exit status (143 SIGTERM, 130 Ctrl-C)."""
+    from megatron_ext.runtime import process_env
+    from megatron_ext.runtime.signals import Terminated
+
+    if process_env().rank == 0:
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"error: interrupted ({how}) as the command started; nothing was written: run it again",
+              file=sys.stderr, flush=True)
+    return 143 if isinstance(e, Terminated) else 130
+
+
+def _main(command: str, args) -> int:
     run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate, "ruler": _run_ruler}[command]
     # SIGTERM (scancel, a time limit) removes the temporary HF copy of a --megatron checkpoint, as Ctrl-C does; both
     # end in one line saying what was kept. Our warnings (lengths skipped, ...) as plain "warning: ..." lines:
@@ -321,8 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             validate_args(command, args)
             check_writable_folder(args.out, "--out")  # here, not at the first save after the model load and a length
-            from megatron_ext.evaluate.loading import check_device  # imports torch: after the argument checks
+            # torch (and Megatron-Core) after the argument checks, a signal held until they are imported: one inside
+            # their C++ set-up was a bare traceback, or pybind11's abort (runtime/held_signals.py)
+            with interrupts_held():
+                from megatron_ext.evaluate.loading import check_device
 
+                if args.engine == "megatron":
+                    importlib.import_module("megatron.core.parallel_state")
             check_device(args.device, megatron_engine=args.engine == "megatron")
             run(args)
         except (EvalError, DeviceError) as e:  # every rank of a job finds it alike: one line, from rank 0

@@ -8,8 +8,6 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
-
 from megatron_ext.evaluate.errors import EvalError
 
 DTYPE_NAMES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")  # loading._DTYPES' keys (tested)
@@ -38,6 +36,8 @@ def parse_lengths(spec: str) -> list[int]:
             lo, hi = _token_count(bits[0]), _token_count(bits[1])
             if hi <= lo:
                 raise EvalError(f"--lengths: range {part!r} ends at or below its start; {_LENGTH_HELP}")
+            import numpy as np  # not at the top: tools/niah.py imports this module before its Ctrl-C handling begins
+
             out += [int(round(x)) for x in np.geomspace(lo, hi, int(bits[2]))]
         else:
             out.append(_token_count(part))
@@ -55,6 +55,8 @@ def parse_depths(spec: str) -> list[float]:
         if len(values) != 3 or values[2] <= 0 or values[1] < values[0]:
             raise EvalError(f"--depths: {spec!r} must be START:END:STEP with START <= END and STEP > 0 (e.g. 0:100:10)")
         lo, hi, step = values
+        import numpy as np  # not at the top: tools/niah.py imports this module before its Ctrl-C handling begins
+
         depths = [round(float(x), 6) for x in np.arange(lo, hi + step / 2, step)]  # plain floats in messages
     bad = [d for d in depths if not 0 <= d <= 100]
     if bad:
