@@ -151,22 +151,25 @@ def main(argv: list[str] | None = None) -> int:
 
     nothing = f"nothing was written (--out {args.out} is replaced only by a complete conversion)"
     removed = f"the unfinished output was removed (--out {args.out} is replaced only by a complete conversion)"
-    outcome = nothing
+    imported = False
     # scancel / kill send SIGTERM: run the Ctrl-C cleanup (staged_output removes its model-sized temp folder).
     with sigterm_as_interrupt():
         try:
             with interrupts_held():
                 from megatron_ext.convert import to_hf, to_megatron
+                from megatron_ext.convert.staging import stagings_begun
                 if args.cmd == "to-megatron":  # its process group needs Megatron-Core (another second of imports)
                     importlib.import_module("megatron.core.parallel_state")
-            outcome = removed
+            imported, staged = True, stagings_begun()
             report = _convert(args, to_megatron, to_hf)
-        except KeyboardInterrupt as e:
-            # staged_output has removed its temporary folder; --out is the old one, or the new one if the
-            # signal came after it was complete. No traceback.
-            return _interrupted(e, outcome)
-        except Exception as e:
-            said = _error_line(e, args.out, removed) if outcome is removed else None
+        except (KeyboardInterrupt, Exception) as e:
+            # The checks before the staging write nothing: "removed" is said only once staged_output has begun
+            # (and has removed its temporary folder; --out is the old one, or the new one if the signal came after
+            # it was complete). No traceback.
+            outcome = removed if imported and stagings_begun() > staged else nothing
+            if isinstance(e, KeyboardInterrupt):
+                return _interrupted(e, outcome)
+            said = _error_line(e, args.out, outcome) if imported else None
             if said is None:
                 raise
             sys.exit(said)

@@ -107,6 +107,15 @@ def _destination(out: Path) -> Path:
     return out.resolve()
 
 
+_staged = 0  # staged_output blocks this process has entered (with a temporary folder made)
+
+
+def stagings_begun() -> int:
+    """How many outputs this process has begun to stage: compared before and after a conversion, it tells an
+    interrupt before any output was written ("nothing was written") from one whose temporary folder was removed."""
+    return _staged
+
+
 @contextlib.contextmanager
 def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     """Yield a temporary folder beside `out` (beside its target if it is a symlink); rename it to `out` only if the
@@ -127,6 +136,8 @@ def staged_output(out: Path, force: bool, kind: str) -> Iterator[Path]:
     except OSError as e:  # a parent that is a file, a read-only or virtual file system (/proc), no permission
         raise ConvertError(f"--out {given}: cannot create a folder there ({e.strerror or e}: {e.filename}); "
                            "choose a writable path") from None
+    global _staged
+    _staged += 1
     try:
         yield tmp
     except BaseException:

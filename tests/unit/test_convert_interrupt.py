@@ -347,3 +347,63 @@ def test_an_interrupt_while_torch_is_imported_is_one_line(sig, name, code, src, 
                                              "replaced only by a complete conversion)"], err
     assert "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+# tools/convert.py, held in one of the checks it makes before it stages the output (the module and function named by
+# its second argument) until the file named by its third exists; the first is a file it makes once held.
+HELD_CHECK = f"""
+import importlib, runpy, sys, time
+from pathlib import Path
+
+held, where, go = (sys.argv.pop(1) for _ in range(3))
+held, go = Path(held), Path(go)
+sys.argv[0] = {str(ROOT / "tools/convert.py")!r}
+import megatron_ext.convert_cli  # first, as in tools/convert.py: it hides the GPUs before torch is imported
+
+module, name = where.rsplit(".", 1)
+module = importlib.import_module(module)
+check = getattr(module, name)
+
+
+def held_check(*args, **kwargs):
+    held.touch()
+    while not go.exists():
+        time.sleep(0.01)
+    return check(*args, **kwargs)
+
+
+setattr(module, name, held_check)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("direction, check", [("to-megatron", "megatron_ext.convert.importer.check_hf_tensors"),
+                                              ("to-hf", "megatron_ext.convert.exporter.check_stored")])
+def test_an_interrupt_before_the_staging_says_nothing_was_written(direction, check, src, mcore, tmp_path,
+                                                                   tmp_path_factory):
+    """A Ctrl-C while the conversion checked its source (before any output was staged) said 'the unfinished output
+    was removed', though nothing had been written. Now 'nothing was written'. Control (old convert_cli.py): the
+    'removed' line."""
+    out = tmp_path / "out"
+    flags = tmp_path_factory.mktemp("flags")
+    held, go = flags / "held", flags / "go"
+    source = ["--hf", str(src)] if direction == "to-megatron" else ["--megatron", str(mcore)]
+    cmd = [sys.executable, "-c", HELD_CHECK, str(held), check, str(go), direction, *source, "--out", str(out),
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # CI may ignore it
+    try:
+        _wait_for(held.name, flags, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        go.touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1:] == [f"error: interrupted (Ctrl-C); nothing was written (--out {out} is "
+                                             "replaced only by a complete conversion)"], err
+    assert "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
