@@ -39,6 +39,10 @@ def read_hf_config(hf_dir: Path) -> dict:
                            + "; give a Hugging Face model folder")
     path = hf_dir / "config.json"
     if not path.is_file():
+        if path.is_symlink():  # a hub cache whose blobs were pruned: the link stays, the file is gone
+            state = "is not a file" if path.exists() else "does not exist"
+            raise ConvertError(f"--hf {hf_dir}: config.json is a symlink to {os.readlink(path)}, which {state}; "
+                               "download the model again")
         if is_megatron_checkpoint(hf_dir):
             raise ConvertError(f"--hf {hf_dir} is a Megatron checkpoint (iter_* folders), not a Hugging Face model "
                                f"folder; to export it: python tools/convert.py to-hf --megatron {hf_dir} --out HF_DIR")

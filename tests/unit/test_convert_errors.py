@@ -526,3 +526,19 @@ def test_what_appears_at_out_while_converting_is_not_deleted(tmp_path):
         (tmp / "config.json").write_text("{}")
         (tmp_path / "c").mkdir()
     assert (tmp_path / "c" / "config.json").is_file()
+
+
+def test_a_dangling_config_json_link_is_named(src, tmp_path, cpu_parallel_state):
+    """A hub cache whose blobs were pruned: config.json a symlink to nothing. The line said 'no config.json', as for
+    a folder without one. Now the link and its target, as for a safetensors link. Control (old hf_io.py): 'no
+    config.json'."""
+    d = tmp_path / "snapshot"
+    d.mkdir()
+    (d / "model.safetensors").symlink_to(src / "model.safetensors")
+    blob = tmp_path / "blobs" / "4567cdef"
+    (d / "config.json").symlink_to(blob)
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], f"error: --hf {d}: config.json is a "
+          f"symlink to {blob}, which does not exist; download the model again")
+    blob.mkdir(parents=True)
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], f"symlink to {blob}, which is not a file")
+    no_leftovers(tmp_path, "o")
