@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fraction of BF16 peak the kernels sustain (default 0.35, perf.md §5a)")
     parser.add_argument("--fused-ce", action="store_true", help="with train.loss_head=full: assume a fused cross-entropy (2 B x V/TP per token)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="dotted recipe override, e.g. --set parallel.context=8 (repeatable)")
+                        help="dotted recipe override, e.g. --set parallel.context=8 (repeatable; of a key "
+                        "given twice the last applies, positional overrides counting before --set's)")
     evaluation = parser.add_argument_group("evaluation on the Megatron engine (tools/niah.py --engine megatron)")
     evaluation.add_argument("--eval", metavar="LENGTHS", help="prompt lengths, e.g. 128K,1M,4M or 128K:4M:6")
     for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context")):
