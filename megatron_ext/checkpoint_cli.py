@@ -165,14 +165,12 @@ def _info(args: argparse.Namespace) -> int:
 def _reshard(args) -> int:
     from megatron_ext.checkpoint_reshard import reshard
     from megatron_ext.runtime import DeviceError, process_env
-    from megatron_ext.runtime.signals import ignore_interrupts_from_now
 
     try:
         final = reshard(args.dir, args.out, args.iteration)
     except (CheckpointError, RecipeError, DeviceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ignore_interrupts_from_now()  # --out is complete: the exit (torch's teardown, a second) keeps it so, with 0
     if process_env().rank == 0:
         print(f"saved {final} with the optimizer state fully_reshardable: resume from checkpoint.dir={args.out} at "
               "any TP, PP, CP, DP and gradient buckets")

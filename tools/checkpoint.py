@@ -19,5 +19,9 @@ from megatron_ext.checkpoint_cli import main  # noqa: E402
 if __name__ == "__main__":
     import signal
 
+    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `checkpoint.py info ... | head` ends quietly, as a Unix filter does
-    sys.exit(main())
+    code = main()
+    ignore_interrupts_from_now()  # the outcome is said: the exit (torch's teardown, a second) keeps it, --out too
+    sys.exit(code)

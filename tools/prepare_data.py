@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", module=r"megatron\.")
     from megatron_ext.data import DataError, prepare_cpt, prepare_sft
     from megatron_ext.disk_space import no_space_message
-    from megatron_ext.runtime.signals import Terminated, ignore_interrupts_from_now, sigterm_as_interrupt
+    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
     common = dict(seed=args.seed, force=args.force, progress=not args.quiet)
     try:
@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
                 prepare_sft(args.input, args.tokenizer, args.output, args.seq_length,
                             messages_field=args.messages_field, answer_field=args.answer_field,
                             max_samples=args.max_samples, chat_template=args.chat_template, **common)
-            ignore_interrupts_from_now()  # the outputs are complete: a Ctrl-C while Python exits changes nothing
     except DataError as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, a quota: atomic_outputs has removed the PREFIX.* temporaries
@@ -136,4 +135,8 @@ def _write_toy(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+
+    ignore_interrupts_from_now()  # the outcome is said: a Ctrl-C while Python exits (a second) changes nothing
+    sys.exit(code)

@@ -72,7 +72,10 @@ def ignore_interrupts_from_now() -> None:
     change neither its exit status nor what it printed. Python restores a handled signal's default action as it
     exits, and the exit of a tool that imported torch and Megatron-Core takes a second (their helper processes):
     a Ctrl-C there ended a complete command with status -2 and no word. For the end of a command's process (in a
-    `sigterm_as_interrupt` block it stays after the block); main thread only, elsewhere a no-op."""
+    `sigterm_as_interrupt` block it stays after the block); main thread only, elsewhere a no-op. Call it from the
+    process's entry point (`if __name__ == "__main__"`), never from a `main()` that is also called in-process: the
+    caller (a test session) would ignore both signals from then on, and every process it starts would inherit that
+    (SIG_IGN survives exec; `sigterm_as_interrupt` leaves an ignored signal alone)."""
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
