@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from megatron_ext.quantize.errors import QuantizeError
+from megatron_ext.runtime.held_signals import interrupts_held
 from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
 
 DEFAULT_SEQ_CAP = 32768
@@ -61,7 +62,11 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ext.runtime.gpu_packages import hide_megatron_fallback_warnings
 
     hide_megatron_fallback_warnings()  # 6 warnings (12 lines) from the import of nvidia-modelopt, before any output
-    from megatron_ext.quantize import calib, check, fp8, report
+    # torch's and ModelOpt's imports (seconds) with a Ctrl-C / SIGTERM held until they are done: raised inside them
+    # it was a traceback, or lost in the import machinery ('Exception ignored in ... _get_module_lock') and the run
+    # went on (runtime/held_signals.py)
+    with interrupts_held():
+        from megatron_ext.quantize import calib, check, fp8, report
 
     for flag, limit in (("--max-ppl-increase", args.max_ppl_increase), ("--max-logits-rel-err", args.max_logits_rel_err)):
         if not limit >= 0:  # nan too
@@ -92,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise QuantizeError(f"--out {args.out}: {problem}")
     hf_cfg = fp8.read_hf_config(args.hf)
-    version, mtq, _ = fp8.modelopt()
+    with interrupts_held():
+        version, mtq, _ = fp8.modelopt()
     fp8.quant_config(mtq, args.weights, args.kv_cache, version)  # option and version errors before loading
     _check_device(args.device)
     seq = args.calib_seq_length
