@@ -15,4 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_ext.convert_cli import main  # noqa: E402  (first: it hides the GPUs before torch is imported)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+
+    ignore_interrupts_from_now()  # --out is complete or the error said: a Ctrl-C while Python exits (a second) changes nothing
+    sys.exit(code)

@@ -20,4 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_ext.quantize.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+
+    ignore_interrupts_from_now()  # the output is complete or the error said: a Ctrl-C while Python exits (a second) changes nothing
+    sys.exit(code)

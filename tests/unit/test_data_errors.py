@@ -715,7 +715,8 @@ def test_ctrl_c_after_the_outputs_are_complete_changes_nothing(tmp_path, tok_dir
               "sys.exit = exit_slowly\n"
               f"runpy.run_path({str(ROOT / 'tools' / 'prepare_data.py')!r}, run_name='__main__')\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,  # SIGINT as a terminal leaves it (CI's is ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == "returned\n", proc.communicate()
         os.killpg(proc.pid, signal.SIGINT)
