@@ -13,7 +13,6 @@ or Megatron checkpoint (the arguments: `cli_args.py`).
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import warnings
@@ -347,13 +346,11 @@ def _main(command: str, args) -> int:
         try:
             validate_args(command, args)
             check_writable_folder(args.out, "--out")  # here, not at the first save after the model load and a length
-            # torch (and Megatron-Core) after the argument checks, a signal held until they are imported: one inside
-            # their C++ set-up was a bare traceback, or pybind11's abort (runtime/held_signals.py)
+            # torch after the argument checks, a signal held until it is imported: one inside its C++ set-up was a
+            # bare traceback, or pybind11's abort (runtime/held_signals.py). Not Megatron-Core (Python on top of
+            # torch): on the CPU path Transformer Engine must be kept out before it is imported (cpu_backend, P0)
             with interrupts_held():
                 from megatron_ext.evaluate.loading import check_device
-
-                if args.engine == "megatron":
-                    importlib.import_module("megatron.core.parallel_state")
             check_device(args.device, megatron_engine=args.engine == "megatron")
             run(args)
         except (EvalError, DeviceError) as e:  # every rank of a job finds it alike: one line, from rank 0

@@ -359,11 +359,15 @@ else:
 def _held_reshard(point: str, ckpt, out):
     import os
     import subprocess
+    import signal
     import sys
 
+    # SIGINT as a terminal leaves it: CI runs the tests in the background, where it is ignored, and the reshard's
+    # Python would then install no Ctrl-C handler (the SIGINT tests passed by doing nothing)
     proc = subprocess.Popen([sys.executable, "-c", HELD_RESHARD, point, "reshard", str(ckpt), "--out", str(out)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     while not seen or seen[-1] != f"held: {point}\n":
         seen.append(proc.stderr.readline())

@@ -332,7 +332,8 @@ def test_an_interrupt_while_torch_is_imported_is_one_line(sig, name, code, src, 
     cmd = [sys.executable, "-c", HELD_IMPORT, str(held), str(go), "to-megatron", "--hf", str(src), "--out", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # CI may ignore it
     try:
         _wait_for(held.name, flags, proc)
         os.killpg(proc.pid, sig)
