@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT
+from tests.held_tool import signalled_at_import
 from tests.unit.test_convert_fixtures import make_hf_model
 
 
@@ -295,31 +296,6 @@ def test_to_megatron_onto_a_full_disk(src, tmp_path):
         subprocess.run(["umount", str(full)], capture_output=True)
 
 
-# tools/convert.py, held as it starts to import torch (the converter's first seconds) until the file named by its
-# second argument exists; the first argument is a file it makes once held.
-HELD_IMPORT = f"""
-import runpy, sys, time
-from pathlib import Path
-
-held, go = Path(sys.argv.pop(1)), Path(sys.argv.pop(1))
-sys.argv[0] = {str(ROOT / "tools/convert.py")!r}
-
-
-class HoldTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.meta_path.remove(self)
-            held.touch()
-            while not go.exists():
-                time.sleep(0.01)
-        return None
-
-
-sys.meta_path.insert(0, HoldTorch())
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.parametrize("sig, name, code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
 def test_an_interrupt_while_torch_is_imported_is_one_line(sig, name, code, src, tmp_path, tmp_path_factory):
     """Ctrl-C (to the terminal's process group) in the converter's first seconds, while torch and Megatron-Core are
@@ -327,23 +303,10 @@ def test_an_interrupt_while_torch_is_imported_is_one_line(sig, name, code, src, 
     (exit -6); SIGTERM ended it silently (-15). Now the signal is held until the imports are done, then ends the
     run in the one line and 130 / 143. Control (old convert_cli.py): the traceback and -2, and -15."""
     out = tmp_path / "out"
-    flags = tmp_path_factory.mktemp("flags")  # not in tmp_path, whose contents the test checks
-    held, go = flags / "held", flags / "go"
-    cmd = [sys.executable, "-c", HELD_IMPORT, str(held), str(go), "to-megatron", "--hf", str(src), "--out", str(out),
-           "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # CI may ignore it
-    try:
-        _wait_for(held.name, flags, proc)
-        os.killpg(proc.pid, sig)
-        go.touch()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == code, err
+    status, err, raised = signalled_at_import("convert.py", "torch", ["to-megatron", "--hf", src, "--out", out,
+                                                                       "--no-progress"],
+                                              sig, tmp_path_factory.mktemp("flags"))  # not in tmp_path (checked)
+    assert status == code and not raised, err
     assert err.strip().splitlines()[-1:] == [f"error: interrupted ({name}); nothing was written (--out {out} is "
                                              "replaced only by a complete conversion)"], err
     assert "Traceback" not in err, err

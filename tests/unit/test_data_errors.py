@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -692,38 +691,3 @@ def test_output_that_is_an_input_is_refused_even_with_force(tmp_path, tok_dir, k
     assert f"which --input {tmp_path / 'link.jsonl'} (a link to it) reads" in msg, msg
     assert data.read_bytes() == before and inner.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "folder", "link.jsonl"]
-
-
-def test_ctrl_c_after_the_outputs_are_complete_changes_nothing(tmp_path, tok_dir):
-    """A Ctrl-C once the outputs were written (while Python exits: torch's and Megatron-Core's helper processes
-    take a second) ended a complete run with status -2 or a KeyboardInterrupt traceback. The run here says so as
-    it exits, and waits; the Ctrl-C is sent then. Control (old code): a traceback, exit 1. The other tests call
-    main() in-process: the ignoring is the script's, after main(), or they would ignore Ctrl-C and SIGTERM (and
-    test_sigterm_removes_the_temporary_files's child with them: SIG_IGN is inherited)."""
-    import signal
-
-    corpus = toy.write_jsonl(tmp_path / "c.jsonl", toy.synthetic_corpus(20, seed=1))
-    out = tmp_path / "out"
-    script = ("import runpy, sys, time\n"
-              f"sys.argv = ['prepare_data.py', 'cpt', '--input', {str(corpus)!r}, '--tokenizer', {str(tok_dir)!r}, "
-              f"'--output', {str(out)!r}, '--quiet']\n"
-              "real_exit = sys.exit\n"
-              "def exit_slowly(code=0):\n"
-              "    print('returned', flush=True)\n"
-              "    time.sleep(3)  # Python's exit, made long enough to be hit\n"
-              "    real_exit(code)\n"
-              "sys.exit = exit_slowly\n"
-              f"runpy.run_path({str(ROOT / 'tools' / 'prepare_data.py')!r}, run_name='__main__')\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,  # SIGINT as a terminal leaves it (CI's is ignored)
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        assert proc.stdout.readline() == "returned\n", proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0 and "Traceback" not in err, err
-    assert Path(f"{out}.bin").is_file() and Path(f"{out}.json").is_file()

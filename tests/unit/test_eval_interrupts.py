@@ -21,6 +21,7 @@ import pytest
 from megatron_ext.evaluate.cli import main
 from megatron_ext.runtime.signals import Terminated
 from tests.conftest import ROOT
+from tests.held_tool import signalled_at_import
 from tests.unit.test_evaluate import save_tiny
 
 
@@ -163,37 +164,6 @@ def test_an_unwritable_out_is_found_before_the_model_loads(command, tiny_dir, tm
                                  "/proc); choose a writable path")
 
 
-
-# tools/niah.py, held at its first import of the module its second argument names (numpy: the parsers import it;
-# torch) until the file named by its third argument exists; the first argument is a file it makes once held, the
-# fourth one it makes if an interrupt is raised inside that import (where torch's C++ set-up can abort on it).
-HELD_IMPORT = f"""
-import runpy, sys, time
-from pathlib import Path
-
-held, name, go, raised = (sys.argv.pop(1) for _ in range(4))
-held, go, raised = Path(held), Path(go), Path(raised)
-sys.argv[0] = {str(ROOT / "tools/niah.py")!r}
-
-
-class HoldImport:
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == name:
-            sys.meta_path.remove(self)
-            held.touch()
-            try:
-                while not go.exists():
-                    time.sleep(0.01)
-            except KeyboardInterrupt:
-                raised.touch()
-                raise
-        return None
-
-
-sys.meta_path.insert(0, HoldImport())
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 STARTED = "as the command started; nothing was written: run it again"
 
 
@@ -212,32 +182,15 @@ def test_an_interrupt_while_the_heavy_imports_run_is_one_line(at, command, sig, 
     first and the signal is held until those imports are done: one line, 130 / 143, and no interrupt inside an
     import. Control (old cli.py, cli_args.py): numpy -2 with the traceback, -15; torch: raised inside the import."""
     out = tmp_path / "out"
-    flags = tmp_path_factory.mktemp("flags")
-    held, go, raised = flags / "held", flags / "go", flags / "raised"
     book = _text(tmp_path)
     argv = {"niah": ["--lengths", "256", "--depths", "50", "--out", out], "ppl": ["--text", book, "--out", out],
             "generate": ["--document", book, "--question", "Why?"],
             "ruler": ["--tasks", "niah_single_1", "--lengths", "256", "--samples", "1", "--out", out]}[command]
-    cmd = [sys.executable, "-c", HELD_IMPORT, held, at, go, raised, *([command] if command != "niah" else []),
-           "--model", tiny_dir, "--device", "cpu", *argv]
-    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in _niah
-    try:
-        deadline = time.time() + 120
-        while not held.exists():
-            assert proc.poll() is None, f"ended before the import of {at}: {proc.communicate()}"
-            assert time.time() < deadline, f"never reached the import of {at}"
-            time.sleep(0.01)
-        os.killpg(proc.pid, sig)
-        go.touch()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == code, err
+    status, err, raised = signalled_at_import("niah.py", at, [*([command] if command != "niah" else []), "--model",
+                                                             tiny_dir, "--device", "cpu", *argv],
+                                              sig, tmp_path_factory.mktemp("flags"))
+    assert status == code, err
     line = _one_error_line(err)
     assert line.startswith(f"error: interrupted ({how})") and says in line, line
-    assert not raised.exists(), f"the interrupt was raised inside the import of {at}"
+    assert not raised, f"the interrupt was raised inside the import of {at}"
     assert not out.exists()

@@ -24,6 +24,7 @@ pytest.importorskip("modelopt.torch.quantization")
 from megatron_ext.quantize.cli import main  # noqa: E402
 from megatron_ext.runtime.signals import Terminated  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
+from tests.held_tool import signalled_at_import  # noqa: E402
 from tests.unit.test_evaluate import save_tiny  # noqa: E402
 
 
@@ -210,37 +211,6 @@ def test_a_mistake_is_the_only_line(tiny_dir, tmp_path):
     assert proc.stderr.count("\n") == 1, proc.stderr
 
 
-# tools/quantize.py, held at its first import of the module its second argument names (torch; ModelOpt, which
-# takes seconds more) until the file named by its third argument exists; the first argument is a file it makes once
-# held, the fourth one it makes if an interrupt is raised inside that import.
-HELD_IMPORT = f"""
-import runpy, sys, time
-from pathlib import Path
-
-held, name, go, raised = (sys.argv.pop(1) for _ in range(4))
-held, go, raised = Path(held), Path(go), Path(raised)
-sys.argv[0] = {str(ROOT / "tools/quantize.py")!r}
-
-
-class HoldImport:
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == name:
-            sys.meta_path.remove(self)
-            held.touch()
-            try:
-                while not go.exists():
-                    time.sleep(0.01)
-            except KeyboardInterrupt:
-                raised.touch()
-                raise
-        return None
-
-
-sys.meta_path.insert(0, HoldImport())
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.parametrize("at, sig, how, code", [("torch", signal.SIGINT, "Ctrl-C", 130),
                                                 ("torch", signal.SIGTERM, "SIGTERM", 143),
                                                 ("modelopt", signal.SIGINT, "Ctrl-C", 130)])
@@ -253,29 +223,12 @@ def test_an_interrupt_while_torch_or_modelopt_is_imported_is_held_until_after(at
     130 / 143. Control (old cli.py): raised inside the import (the line and status as now, by luck)."""
     calib = tmp_path / "c.txt"
     calib.write_text(_words(400))
-    flags = tmp_path_factory.mktemp("flags")
-    held, go, raised = flags / "held", flags / "go", flags / "raised"
-    cmd = [sys.executable, "-c", HELD_IMPORT, held, at, go, raised, "--hf", tiny_dir, "--out", tmp_path / "o",
-           "--calib", calib, "--device", "cpu"]
-    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # CI may ignore it
-    try:
-        deadline = time.time() + 120
-        while not held.exists():
-            assert proc.poll() is None, f"ended before the import of {at}: {proc.communicate()}"
-            assert time.time() < deadline, f"never reached the import of {at}"
-            time.sleep(0.01)
-        os.killpg(proc.pid, sig)
-        go.touch()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == code, err
+    status, err, raised = signalled_at_import("quantize.py", at, ["--hf", tiny_dir, "--out", tmp_path / "o", "--calib",
+                                                                  calib, "--device", "cpu"],
+                                              sig, tmp_path_factory.mktemp("flags"))
+    assert status == code, err
     assert "Traceback" not in err and err.strip().splitlines()[-1:] == [
         f"error: interrupted ({how}); nothing was written (--out {tmp_path / 'o'} is written only by a complete run): "
         "run it again"], err
-    assert not raised.exists(), f"the interrupt was raised inside the import of {at}"
+    assert not raised, f"the interrupt was raised inside the import of {at}"
     assert sorted(tmp_path.iterdir()) == [calib]
