@@ -45,6 +45,10 @@ def modelopt():
 def read_hf_config(hf_dir: str | Path) -> dict:
     """config.json of `hf_dir`, checked: it names one supported architecture."""
     path = Path(hf_dir) / "config.json"
+    if path.is_symlink() and not path.is_file():  # a hub cache whose blobs were pruned: the link stays
+        state = "is not a file" if path.exists() else "does not exist"
+        raise QuantizeError(f"--hf {hf_dir}: config.json is a symlink to {os.readlink(path)}, which {state}; "
+                            "download the model again")
     if not path.is_file():
         raise QuantizeError(f"--hf {hf_dir}: no config.json there; pass a Hugging Face model directory "
                             "(tools/convert.py to-hf writes one)")

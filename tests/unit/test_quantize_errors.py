@@ -232,3 +232,22 @@ def test_an_interrupt_while_torch_or_modelopt_is_imported_is_held_until_after(at
         "run it again"], err
     assert not raised, f"the interrupt was raised inside the import of {at}"
     assert sorted(tmp_path.iterdir()) == [calib]
+
+
+def test_a_dangling_config_json_link_is_named(tmp_path):
+    """A hub cache whose blobs were pruned: config.json a symlink to nothing was 'no config.json there', as for a
+    folder without one. Now the link and its target, as tools/convert.py says. Control (old fp8.py): 'no config.json'."""
+    from megatron_ext.quantize.fp8 import QuantizeError, read_hf_config
+
+    blob = tmp_path / "blobs" / "4567cdef"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").symlink_to(blob)
+    with pytest.raises(QuantizeError, match=f"^--hf {tmp_path / 'hf'}: config.json is a symlink to {blob}, which does "
+                                            "not exist; download the model again$"):
+        read_hf_config(tmp_path / "hf")
+    blob.mkdir(parents=True)
+    with pytest.raises(QuantizeError, match=f"symlink to {blob}, which is not a file"):
+        read_hf_config(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(QuantizeError, match="no config.json there"):
+        read_hf_config(tmp_path / "hf")
