@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 from megatron_ext.presets import HF_LLAMA_RMS_NORM_EPS
@@ -101,3 +102,14 @@ def read_config_json(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ValueError(f"a JSON {type(raw).__name__}, not an object of config fields")
     return raw
+
+
+def pruned_link_problem(hf_dir: Path, name: str) -> str | None:
+    """The one-line error for file `name` of model folder `hf_dir` when it is a symlink to nothing usable (a hub
+    cache whose blobs were pruned: the link stays, the file is gone), else None. Any other missing file is the
+    caller's to name."""
+    path = hf_dir / name
+    if not path.is_symlink() or path.is_file():
+        return None
+    state = "is not a file" if path.exists() else "does not exist"
+    return f"--hf {hf_dir}: {name} is a symlink to {os.readlink(path)}, which {state}; download the model again"

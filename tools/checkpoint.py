@@ -19,9 +19,7 @@ from megatron_ext.checkpoint_cli import main  # noqa: E402
 if __name__ == "__main__":
     import signal
 
-    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+    from megatron_ext.runtime.signals import exit_after_main
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `checkpoint.py info ... | head` ends quietly, as a Unix filter does
-    code = main()
-    ignore_interrupts_from_now()  # the outcome is said: the exit (torch's teardown, a second) keeps it, --out too
-    sys.exit(code)
+    exit_after_main(main())  # a Ctrl-C while Python exits (torch's teardown, a second) changes the outcome no more

@@ -15,8 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_ext.convert_cli import main  # noqa: E402  (first: it hides the GPUs before torch is imported)
 
 if __name__ == "__main__":
-    code = main()
-    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+    from megatron_ext.runtime.signals import exit_after_main
 
-    ignore_interrupts_from_now()  # --out is complete or the error said: a Ctrl-C while Python exits (a second) changes nothing
-    sys.exit(code)
+    exit_after_main(main())  # a Ctrl-C while Python exits (a second) changes the outcome no more

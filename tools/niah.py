@@ -17,8 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_ext.evaluate.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    code = main()
-    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+    from megatron_ext.runtime.signals import exit_after_main
 
-    ignore_interrupts_from_now()  # the results are written or the error said: a Ctrl-C while Python exits (a second) changes nothing
-    sys.exit(code)
+    exit_after_main(main())  # a Ctrl-C while Python exits (a second) changes the outcome no more

@@ -135,8 +135,6 @@ def _write_toy(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    from megatron_ext.runtime.signals import ignore_interrupts_from_now
+    from megatron_ext.runtime.signals import exit_after_main
 
-    ignore_interrupts_from_now()  # the outcome is said: a Ctrl-C while Python exits (a second) changes nothing
-    sys.exit(code)
+    exit_after_main(main())  # a Ctrl-C while Python exits (a second) changes the outcome no more

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from megatron_ext.hf_config import normalize_hf_config, read_config_json
+from megatron_ext.hf_config import normalize_hf_config, pruned_link_problem, read_config_json
 from megatron_ext.presets import ROPE_PRESETS
 
 
@@ -39,10 +38,9 @@ def read_hf_config(hf_dir: Path) -> dict:
                            + "; give a Hugging Face model folder")
     path = hf_dir / "config.json"
     if not path.is_file():
-        if path.is_symlink():  # a hub cache whose blobs were pruned: the link stays, the file is gone
-            state = "is not a file" if path.exists() else "does not exist"
-            raise ConvertError(f"--hf {hf_dir}: config.json is a symlink to {os.readlink(path)}, which {state}; "
-                               "download the model again")
+        pruned = pruned_link_problem(hf_dir, "config.json")
+        if pruned:
+            raise ConvertError(pruned)
         if is_megatron_checkpoint(hf_dir):
             raise ConvertError(f"--hf {hf_dir} is a Megatron checkpoint (iter_* folders), not a Hugging Face model "
                                f"folder; to export it: python tools/convert.py to-hf --megatron {hf_dir} --out HF_DIR")
@@ -197,10 +195,9 @@ class SafetensorsReader:
         for name in files:
             path = hf_dir / name
             if not path.is_file():
-                if path.is_symlink():  # a hub cache whose blobs were pruned: the link stays, the file is gone
-                    state = "is not a file" if path.exists() else "does not exist"
-                    raise ConvertError(f"--hf {hf_dir}: {name} is a symlink to {os.readlink(path)}, which {state}; "
-                                       "download the model again")
+                pruned = pruned_link_problem(hf_dir, name)
+                if pruned:
+                    raise ConvertError(pruned)
                 if weight_map is None:  # a folder named *.safetensors
                     raise ConvertError(f"--hf {hf_dir}: {name} is not a file; move it out of the model folder")
                 raise ConvertError(f"{index}: names shard {name}, which does not exist in {hf_dir}")

@@ -45,14 +45,12 @@ def modelopt():
 def read_hf_config(hf_dir: str | Path) -> dict:
     """config.json of `hf_dir`, checked: it names one supported architecture."""
     path = Path(hf_dir) / "config.json"
-    if path.is_symlink() and not path.is_file():  # a hub cache whose blobs were pruned: the link stays
-        state = "is not a file" if path.exists() else "does not exist"
-        raise QuantizeError(f"--hf {hf_dir}: config.json is a symlink to {os.readlink(path)}, which {state}; "
-                            "download the model again")
+    from megatron_ext.hf_config import pruned_link_problem, read_config_json
+
     if not path.is_file():
-        raise QuantizeError(f"--hf {hf_dir}: no config.json there; pass a Hugging Face model directory "
+        raise QuantizeError(pruned_link_problem(Path(hf_dir), "config.json")
+                            or f"--hf {hf_dir}: no config.json there; pass a Hugging Face model directory "
                             "(tools/convert.py to-hf writes one)")
-    from megatron_ext.hf_config import read_config_json
 
     try:
         cfg = read_config_json(path)

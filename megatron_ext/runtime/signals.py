@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 _owner_pid: int | None = None  # the process inside `sigterm_as_interrupt`; its forked children have other pids
 _received: list[int] = []  # signals that raised in the owner, oldest first
@@ -79,6 +80,13 @@ def ignore_interrupts_from_now() -> None:
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
+
+
+def exit_after_main(code: int) -> NoReturn:
+    """sys.exit(code) from a tool's script once its main() returned (the outcome said): Ctrl-C and SIGTERM ignored
+    from then on (`ignore_interrupts_from_now`), there and not in main(), which tests call in-process."""
+    ignore_interrupts_from_now()
+    sys.exit(code)
 
 
 @contextlib.contextmanager
