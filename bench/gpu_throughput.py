@@ -5,8 +5,8 @@
 
 Model: Llama-3.1-8B at full width (hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256) with
 `--layers` layers, bf16. Ours: `megatron_ext.model.build_model` (local spec + torch SDPA, no TE),
-Megatron DDP and distributed optimizer through `megatron_ext.train` (`wrap_ddp`, `build_optimizer`,
-`forward_step`/`loss_func`) and Megatron's `forward_backward` schedule, as training runs. Peer:
+Megatron DDP and distributed optimizer through `megatron_ext.train` (`wrap_ddp`, `build_optimizer`) and
+`megatron_ext.train_step` (`forward_step`/`loss_func`) and Megatron's `forward_backward` schedule, as training runs. Peer:
 transformers `LlamaForCausalLM` (SDPA attention, bf16 weights, torch AdamW, grad clip 1.0, HF
 gradient checkpointing where ours uses full recompute). Each length: warm-up steps, then timed steps
 (CUDA events around each whole step: forward, backward, optimizer), median. FLOPs: the causal count

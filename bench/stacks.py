@@ -100,7 +100,7 @@ class Ours:
 
     def step(self, batch: dict):
         """One optimizer step; returns the loss [sum, count, pairs] tensor (read after timing)."""
-        from megatron_ext.train import forward_step
+        from megatron_ext.train_step import forward_step
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -30,7 +30,6 @@ import signal
 import sys
 import time
 import warnings
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
 from megatron_ext.train_metrics import LogWindow, MetricsLog, format_duration, log, memory_gib
 from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, setup_warnings
+from megatron_ext.train_step import forward_step, reduce_loss, validation_loss
 from megatron_ext.train_stop import EXIT_INTERRUPTED, StopFlag, any_rank, say_stopped_unsaved
 
 EXIT_REQUEUE = 3
@@ -89,64 +89,6 @@ def wrap_ddp(recipe: Recipe, model):
     if model.config.bf16:
         model = Float16Module(model.config, model)
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-
-
-# ---------------------------------------------------------------------------- step
-
-
-def loss_func(loss_mask: torch.Tensor, attention_pairs: int, output_tensor: torch.Tensor):
-    """Loss *sum* over this microbatch's unmasked tokens, and their count (the schedule sums both); the report adds
-    the (query, key) pairs its packed attention spans (0: not packed), for the FLOP count."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.float().reshape(-1)
-    loss_sum = (losses * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach().double(), num_tokens.double(),
-                          torch.tensor(float(attention_pairs), dtype=torch.float64, device=loss_sum.device)])
-    return loss_sum, num_tokens, {"lm loss": report}
-
-
-def forward_step(data_iterator, model):
-    """One microbatch through the model; batch tensors are `[b, s_local]` (already CP-sharded)."""
-    batch = next(data_iterator)
-    # loss_mask reaches the chunked loss head, which forms no logits for masked tokens (SFT prompts).
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"), loss_mask=batch["loss_mask"])
-    return output, partial(loss_func, batch["loss_mask"], batch.get("attention_pairs", 0))
-
-
-def reduce_loss(reports: list) -> tuple[float, int, int]:
-    """Global token-mean loss of a step from the per-microbatch `[sum, count, attention pairs]` reports (which only
-    the last pipeline stage has): summed over DP x CP, then sent to every pipeline stage (rank 0 writes the
-    metrics). Returns the loss, the tokens it counts and the packed attention's pairs (0 unless SFT)."""
-    from megatron.core import parallel_state as ps
-
-    total = torch.zeros(3, dtype=torch.float64, device=rank_device())
-    for report in reports:
-        total += report["lm loss"]
-    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
-                                    group=ps.get_pipeline_model_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), int(total[2].item())
-
-
-@torch.no_grad()
-def validation_loss(forward_backward, model, batches, recipe: Recipe, num_microbatches: int) -> tuple[float, int]:
-    """Token-mean loss over the first `train.eval_iters` global batches of the valid split (forward only, the
-    training step's layout and loss), and the number of tokens it counts."""
-    t = recipe.train
-    model.eval()
-    try:
-        reports = []
-        for k in range(t.eval_iters):
-            reports += forward_backward(
-                forward_step_func=forward_step, data_iterator=batches.iterator(k, num_microbatches), model=[model],
-                num_microbatches=num_microbatches, seq_length=t.seq_length,
-                micro_batch_size=t.micro_batch_size, forward_only=True)
-    finally:
-        model.train()
-    return reduce_loss(reports)[:2]
 
 
 def report_divergence(step: int, what: str, root: Path, samples: range) -> int:
