@@ -334,6 +334,20 @@ cancelled_by_user() {
   return 0
 }
 
+# chain_cancelled: where pending jobs wait for this one to succeed (`--dependency=afterok`, as slurm/pipeline.sh and
+# `launch --stages` chain the stages), a line saying that Slurm cancels them when this job ends without success
+# (--kill-on-invalid-dep), so that a stop or a cancel is not mistaken for the end of one stage alone; nothing where
+# none waits or squeue cannot say.
+chain_cancelled() {
+  local id dependency waiting=()
+  while read -r id dependency; do
+    [[ ,$dependency, =~ [,?]afterok:([0-9_]+:)*${SLURM_JOB_ID}[:\(,] ]] && waiting+=("$id")
+  done < <(timeout 30 squeue -h -t PENDING -o '%i %E' 2>/dev/null || true)
+  ((${#waiting[@]})) || return 0
+  log "job(s) ${waiting[*]} wait for this one to succeed (afterok) and are cancelled by Slurm: once this stage is" \
+    "done, submit the later stages again (slurm/pipeline.sh or launch --stages with the stages left)"
+}
+
 # warned_at_start: the USR1 came in the first half of the job's time limit. When that USR1 is the time-limit
 # warning (--signal=B:USR1@S with S too close to --time) every requeued run gets it as early: requeueing loops.
 warned_at_start() {
@@ -383,6 +397,7 @@ stage_main() {
   preflight "$@"
   if [[ ${SIGNALLED:-} == USR2 ]]; then
     log "received USR2 (stop) before training started: nothing to save; not requeued"
+    chain_cancelled
     exit "$EXIT_REQUEUE"
   fi
 
@@ -406,10 +421,12 @@ stage_main() {
     ((rc == EXIT_REQUEUE)) && log "stopped on request (USR2): checkpoint saved; not requeued; submitting the same" \
       "job again resumes from it"
     ((rc == EXIT_REQUEUE)) || log "stopped on request (USR2): not requeued (exit $rc)"
+    ((rc == 0)) || chain_cancelled
     exit "$rc"
   fi
   if ((rc == EXIT_REQUEUE)) && [[ ${SIGNALLED:-} == TERM ]] && cancelled_by_user; then
     log "job cancelled (scancel): not requeued; submitting the same job again resumes from the checkpoint"
+    chain_cancelled
     exit "$rc"
   fi
   ((rc == EXIT_REQUEUE)) && requeue_job "checkpoint saved; " ""

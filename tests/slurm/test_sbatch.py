@@ -132,6 +132,10 @@ def test_usr2_saves_and_stops_without_a_requeue(slurm_cluster, tmp_path, token_d
            *overrides(run, token_data, steps=1000), "checkpoint.interval=4"]
     job_id = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
                             env=job_env(RECIPE=str(TINY))).stdout.strip().split(";")[0]
+    # the next stage of a chain (slurm/pipeline.sh, launch --stages) waits for this one to succeed
+    later = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", f"--dependency=afterok:{job_id}",
+                            "--kill-on-invalid-dep=yes", f"--output={tmp_path / 'later.log'}", "--wrap=true"],
+                           check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
     deadline = time.time() + 300
     while not (run / "iter_0000004").is_dir():  # training under way
         assert squeue_state(job_id), log.read_text()[-3000:] if log.exists() else ""
@@ -142,6 +146,9 @@ def test_usr2_saves_and_stops_without_a_requeue(slurm_cluster, tmp_path, token_d
     text = log.read_text()
     assert (state, exit_code) == ("FAILED", f"{EXIT_REQUEUE}:0"), text[-3000:]
     assert "stopped on request (USR2): checkpoint saved; not requeued" in text, text[-3000:]
+    # a stopped stage is not a successful one: the log says that Slurm cancels the chain's next stage
+    assert f"job(s) {later} wait for this one to succeed (afterok) and are cancelled by Slurm" in text, text[-3000:]
+    assert wait_job(later, timeout=60)[0] == "CANCELLED"
     assert "requeueing" not in text and "restart 1" not in text
     saved = int((run / "latest_checkpointed_iteration.txt").read_text())
     assert saved == metrics(run)[-1]["step"] >= 4  # the step it stopped at, saved
