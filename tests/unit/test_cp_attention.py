@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.attention import zigzag_causal_attention
-from megatron_ext.context_parallel import cp_positions, shard_for_context_parallel, unshard
+from megatron_ext.context_parallel import cp_chunk_ids, cp_positions, shard_for_context_parallel, unshard
 
 
 def _sdpa(q, k, v, mask=None):
@@ -18,6 +18,23 @@ def _inputs(seq, heads=4, groups=2, d=8):
     q = torch.randn(2, heads, seq, d, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(2, groups, seq, d, generator=gen, dtype=torch.float64) for _ in range(2))
     return q, k, v
+
+
+def test_shard_takes_the_zigzag_chunks_of_2d_tokens_and_refuses_a_rank_outside_cp():
+    """[b, s] token ids (the dataloader's tokens, labels, loss_mask) at CP=2, by hand: 8 positions in 4 chunks of 2,
+    rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2. A [b] tensor and a non-tensor pass through. Rank == CP
+    (one past the last) is refused, not given a duplicate of another rank's chunks."""
+    tokens = torch.arange(16).reshape(2, 8)
+    batch = {"tokens": tokens, "lengths": torch.tensor([8, 8]), "name": "x"}
+    rank0, rank1 = (shard_for_context_parallel(batch, 2, r) for r in (0, 1))
+    assert rank0["tokens"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    assert rank1["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert rank0["lengths"].tolist() == [8, 8] and rank0["name"] == "x"
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match="outside"):
+            cp_chunk_ids(2, bad)
+        with pytest.raises(ValueError, match="outside"):
+            shard_for_context_parallel(batch, 2, bad)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
