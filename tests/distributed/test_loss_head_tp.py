@@ -10,11 +10,19 @@ MODEL_WORKER = ROOT / "tests/distributed/workers/tp_loss.py"
 
 @pytest.mark.parametrize("flags", [(), ("--sequence-parallel",)], ids=["tp2", "tp2-sp"])
 def test_tp2_chunked_head_matches_float64_oracle(tmp_path, torchrun, flags):
+    """Labels include each slice's first and last vocabulary rows (0, V/2-1, V/2, V-1). Under sequence
+    parallelism no chunk gathers more than chunk_tokens rows from the TP ranks (chunk_tokens / TP from each)."""
     torchrun(WORKER, 2, "--out", str(tmp_path / "out.json"), *flags)
-    ranks = read_json(tmp_path / "out.json")["ranks"]
+    out = read_json(tmp_path / "out.json")
+    ranks = out["ranks"]
     assert len(ranks) == 2
     for errors in ranks:
         assert max(errors.values()) < 1e-5, errors
+    for rows in out["gathered_rows"]:
+        if flags:
+            assert rows and max(rows) <= out["chunk_tokens"], rows
+        else:
+            assert rows == [], rows
 
 
 def test_negative_control_wrong_vocab_slice_is_caught(tmp_path, torchrun):
