@@ -88,6 +88,19 @@ def test_pack_samples_never_splits():
     assert packs != pack_samples(lengths, 512, seed=4)
     with pytest.raises(ValueError):
         pack_samples(np.array([513]), 512)
+    assert all(p == sorted(p) for p in packs)  # the docstring's promise: index order inside each pack
+
+
+@pytest.mark.parametrize("lengths, seq_length, packs", [
+    ([4, 4], 8, [[0, 1]]),  # an exact fit fills the pack
+    ([5, 3, 4, 4], 8, [[0, 1], [2, 3]]),  # the two 4s fill a pack, so 3 joins 5
+    ([8], 8, [[0]]),  # a sample of exactly seq_length
+    ([6, 5, 3, 2], 8, [[0, 3], [1, 2]]),
+])
+def test_pack_samples_best_fit_by_hand(lengths, seq_length, packs):
+    """Best-fit decreasing worked out by hand: each sample, longest first, into the pack with the least room that
+    still holds it, an exact fit included."""
+    assert sorted(pack_samples(np.array(lengths), seq_length, seed=0)) == packs
 
 
 def test_packed_dataset_batches(tmp_path, tok_dir, hf_tok):
@@ -126,6 +139,31 @@ def test_packed_dataset_batches(tmp_path, tok_dir, hf_tok):
     assert batch["tokens"].shape == (2, S) and batch["cu_seqlens"].dtype == torch.int32
     assert batch["cu_seqlens"].shape[1] == max(ds[0]["cu_seqlens"].numel(), ds[1]["cu_seqlens"].numel())
     assert batch["max_seqlen"].shape == (2,)
+    # packs of different sample counts: the shorter cu_seqlens row is padded with -1 (not 0, a real boundary)
+    short, long_ = sorted(range(len(ds)), key=lambda k: ds[k]["cu_seqlens"].numel())[::len(ds) - 1]
+    a, b = ds[short]["cu_seqlens"], ds[long_]["cu_seqlens"]
+    assert a.numel() < b.numel()
+    cu = collate_packed([ds[short], ds[long_]])["cu_seqlens"]
+    assert cu[0].tolist() == a.tolist() + [-1] * (b.numel() - a.numel()) and cu[1].tolist() == b.tolist()
+    assert collate_packed([ds[short], ds[long_]])["max_seqlen"].tolist() == \
+        [int((x[1:] - x[:-1]).max()) for x in (a, b)]
+
+
+def test_conversation_of_exactly_seq_length_is_kept(tmp_path, tok_dir, hf_tok):
+    """Read at seq_length = one conversation's own token count (from the tokenizer): it is kept, alone in a pack it
+    fills with no padding segment; only the longer ones are left out."""
+    chats = list(toy.synthetic_chats(12, seed=6))
+    path = toy.write_jsonl(tmp_path / "s.jsonl", chats)
+    prepare_sft([str(path)], str(tok_dir), str(tmp_path / "sft"), 4096, progress=False)
+    lengths = sorted(len(tokenize_chat(hf_tok, c["messages"], LLAMA31_CHAT_TEMPLATE)[0]) for c in chats)
+    S = lengths[len(lengths) // 2]
+    assert lengths.count(S) == 1 and lengths[-1] > S  # one conversation that long; longer ones exist
+    with pytest.warns(UserWarning, match=f"{sum(n > S for n in lengths)} conversations longer than seq_length"):
+        ds = SFTPackedDataset(str(tmp_path / "sft"), S, seed=1)
+    assert ds.dropped == sum(n > S for n in lengths)
+    full = [k for k in range(len(ds)) if ds[k]["cu_seqlens"].tolist() == [0, S]]
+    assert len(full) == 1 and int(ds[full[0]]["num_samples"]) == 1
+    assert sum(int(ds[k]["num_samples"]) for k in range(len(ds))) == sum(n <= S for n in lengths)
 
 
 def test_chat_template_options(tmp_path, tok_dir):
