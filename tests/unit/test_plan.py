@@ -27,6 +27,24 @@ def test_shape_from_recipe_and_parameter_counts():
     assert C.total_params(LLAMA31_8B) == 8_030_261_248
 
 
+
+def test_total_params_counts_a_tied_embedding_once():
+    """Oracle: transformers' LlamaForCausalLM (built on the meta device), whose tied embedding and LM head are one
+    parameter; and Llama-3.2-1B (tied), 1,235,814,400 parameters by hand: 16 x 60,817,408 + 67,584 norms +
+    128256 x 2048 (one vocabulary matrix)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_ext.presets import TINY
+
+    llama32_1b = dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
+    for cfg in ({**TINY, "tie_word_embeddings": False}, {**TINY, "tie_word_embeddings": True}, llama32_1b):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**cfg))
+        assert C.total_params(C.shape_from_hf_config(cfg)) == sum(p.numel() for p in model.parameters()), cfg
+    assert C.total_params(C.shape_from_hf_config(llama32_1b)) == 1_235_814_400
+
 def test_padded_vocab_matches_the_model_builder():
     from megatron_ext.model import padded_vocab_size
 
@@ -285,6 +303,36 @@ def test_overlapped_dp_communication():
     only_reduce = timing("sft", "train.overlap_param_gather=false")
     assert only_reduce.dp_comm_s == pytest.approx(40e6 / params * reduce_s + gather_s, rel=1e-12)
 
+
+
+def test_overlapped_grad_reduce_hides_two_thirds_of_the_last_microbatch():
+    """A microbatch too short to hide the reduce-scatter: SFT at 1,024 tokens, overlap_grad_reduce hides 2/3 of the
+    last microbatch's compute (its backward) and the rest shows. Hand numbers: 1,004,015,616 parameters per GPU
+    (test_logits_and_states_exact), 31/32 of their fp32 gradients and bf16 weights over 50 GB/s; one microbatch is
+    1,024 tokens x (6 N_matmul + 6 layers d_attn (L+1) + the chunked head's logits again, 2 h V) / TP 8 at 35% of
+    989.4 TFLOP/s (17.3 ms)."""
+    short = ["train.seq_length=1024", "train.overlap_param_gather=false"]
+
+    def dp_comm_s(*overrides):
+        return P.plan(load_recipe(R / "sft.yaml", [*short, *overrides]), H100).timing.dp_comm_s
+
+    params = 1_004_015_616
+    reduce_s, gather_s = 31 / 32 * params * 4 / 50e9, 31 / 32 * params * 2 / 50e9
+    microbatch_s = 1024 * (6 * 7_504_658_432 + 6 * 32 * 4096 * 1025 + 2 * 4096 * 128256) / 8 / (989.4e12 * 0.35)
+    assert dp_comm_s("train.overlap_grad_reduce=false") == pytest.approx(reduce_s + gather_s, rel=1e-9)
+    assert dp_comm_s() == pytest.approx(reduce_s - 2 / 3 * microbatch_s + gather_s, rel=1e-9)
+
+
+def test_pipeline_keeps_pp_microbatches_in_flight():
+    """1F1B's warm-up keeps PP microbatches' activations on the first stage (fewer if the step has fewer). Hand:
+    SFT at PP 2 (DP 16), 8,192 tokens x 16 layers x 18,432 B/token/layer (34 h / TP 8 + unfused RoPE's 1,024 B,
+    test_activation_bytes_exact) per microbatch."""
+    def activations(batch):
+        r = load_recipe(R / "sft.yaml", ["parallel.pipeline=2", f"train.global_batch_size={batch}"])
+        return P.plan(r, H100).memory.activations
+
+    assert activations(128) == 2 * 8192 * 16 * 18_432  # 8 microbatches: 2 in flight
+    assert activations(16) == 8192 * 16 * 18_432  # 1 microbatch
 
 def test_recommendation_prefers_no_recompute_when_gpus_allow():
     best = P.recommend(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100)

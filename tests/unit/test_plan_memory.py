@@ -90,3 +90,13 @@ def test_tiny_full_recompute_prediction_is_an_upper_bound(cpu_parallel_state):
     # only layer inputs and the head's tensors are saved: far below the no-recompute activations
     assert saved - 2048 * 4 * recipe.model.vocab_size < 0.2 * none.activations
     assert peak < m.activations + m.logits + m.rope < 1.9 * peak
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_planned_weights_are_the_built_models_parameters(cpu_parallel_state, tied):
+    """Oracle: the Megatron-Core model the trainer builds (PP 1), whose tied output layer reuses the embedding: the
+    planner counts one vocabulary matrix for it, not two."""
+    recipe = load_recipe("recipes/tiny/base.yaml", [f"model.tie_word_embeddings={str(tied).lower()}",
+                                                    "cluster.gpus_per_node=1", "train.global_batch_size=1"])
+    numel = sum(p.numel() for p in build_model_from_recipe(recipe).parameters())
+    assert P.plan(recipe, C.GPUS["h100-80gb"], 1).memory.weights == 4 * numel  # fp32 weights
