@@ -431,3 +431,43 @@ def test_full_resume_where_a_module_gained_extra_state(tmp_path, cpu_parallel_st
     norm.restored = "not loaded"
     load_checkpoint(root, [model2], optimizer=opt2, scheduler=sched2)
     assert torch.equal(norm.restored, torch.tensor([1.0]))
+
+
+def test_a_root_named_like_an_iteration_is_a_root(tmp_path):
+    """A checkpoint root whose own name is iter_N (it holds the latest pointer) resolves to its latest iteration,
+    not to itself as iteration N."""
+    from megatron_ext.checkpoint_layout import resolve_iteration_dir
+
+    root = tmp_path / "iter_0000005"
+    (root / "iter_0000003").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+    assert resolve_iteration_dir(root) == (3, root / "iter_0000003")
+    assert resolve_iteration_dir(root / "iter_0000003") == (3, root / "iter_0000003")  # an iteration folder itself
+
+
+def test_carry_forward_takes_only_what_the_recipe_does_not_set(tmp_path):
+    """The run's metadata keeps what its recipe set (tokenizer folder, generation config, bos/eos/pad ids) and takes
+    the starting checkpoint's where it has none; a tokenizer folder beats a hub name, whichever side holds it."""
+    from megatron_ext.checkpoint_layout import carry_forward
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    source = {"tokenizer": str(folder), "generation_config": {"eos_token_id": [128001, 128009]},
+              "hf_config": {"bos_token_id": 128000, "eos_token_id": 128009, "pad_token_id": 128004}}
+
+    hub = {"tokenizer": "meta-llama/Llama-3.1-8B-Instruct", "generation_config": None,
+           "hf_config": {"bos_token_id": None, "eos_token_id": None}}
+    carry_forward(hub, source)
+    assert hub == source  # everything taken over, the folder for the hub name
+
+    own = tmp_path / "own_tokenizer"
+    own.mkdir()
+    ours = {"tokenizer": str(own), "generation_config": {"eos_token_id": 7},
+            "hf_config": {"bos_token_id": 5, "eos_token_id": 7}}
+    carry_forward(ours, source)
+    assert ours == {"tokenizer": str(own), "generation_config": {"eos_token_id": 7},
+                    "hf_config": {"bos_token_id": 5, "eos_token_id": 7, "pad_token_id": 128004}}
+
+    names = {"tokenizer": "meta-llama/Llama-3.1-8B-Instruct", "hf_config": {}}
+    carry_forward(names, {"tokenizer": "some/other-tokenizer", "hf_config": {}})  # two hub names: the recipe's
+    assert names["tokenizer"] == "meta-llama/Llama-3.1-8B-Instruct"
