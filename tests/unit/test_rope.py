@@ -156,6 +156,96 @@ def test_ultralong_presets():
         assert torch.equal(inv_freq, ref) and af == ref_af and round(af, 3) == expected_af[name]
 
 
+def _tiny(**fields) -> dict:
+    """A small Llama config (head_dim 32: 16 frequencies) with `fields` added."""
+    return {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
+            "num_hidden_layers": 1, "vocab_size": 64, **fields}
+
+
+def assert_matches_transformers(cfg: dict, seq_len: int | None = None) -> None:
+    ours, ours_af = rope_frequencies(copy.deepcopy(cfg), seq_len)
+    ref, ref_af = hf_frequencies(cfg, seq_len)
+    rel = ((ours.double() - ref.double()).abs() / ref.double().abs()).max().item()
+    assert rel <= 1e-6 and ours_af == ref_af, (cfg, seq_len, rel, ours_af, ref_af)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_top_level_original_length_beats_the_blocks(kind):
+    """Phi-3 style: a top-level original_max_position_embeddings wins over the rope block's, as in transformers
+    (standardize_rope_params, which every ROPE_INIT_FUNCTIONS entry runs, gives the top-level field priority)."""
+    block = {"yarn": {"factor": 8.0},
+             "longrope": {"short_factor": [1 + i / 16 for i in range(16)], "long_factor": [4 + i for i in range(16)]}}
+    cfg = _tiny(max_position_embeddings=32768, rope_theta=1e4, original_max_position_embeddings=4096,
+                rope_scaling={"rope_type": kind, **block[kind], "original_max_position_embeddings": 8192})
+    for seq_len in (None, 6000):  # longrope: 6000 is past the top-level 4096 (long factors), not past 8192
+        assert_matches_transformers(cfg, seq_len)
+    block_only = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
+    assert not torch.equal(rope_frequencies(block_only, 6000)[0], rope_frequencies(cfg, 6000)[0])  # control
+
+
+@pytest.mark.parametrize("cfg", [
+    _tiny(max_position_embeddings=2048),
+    _tiny(max_position_embeddings=2048, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    _tiny(max_position_embeddings=2048, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 512}),
+], ids=["no-block", "v4", "v5"])
+def test_missing_rope_theta_is_transformers_default(cfg):
+    """No rope_theta anywhere: transformers' default_theta (10000), in either form."""
+    assert_matches_transformers(cfg)
+
+
+@pytest.mark.parametrize("rope_type, old_type, seq_len", [("linear", "dynamic", None), ("dynamic", "linear", 8192)])
+def test_rope_type_beats_the_old_type_key(rope_type, old_type, seq_len):
+    """A block with both keys: `rope_type` wins, as transformers' setdefault("rope_type", block.get("type"))."""
+    cfg = _tiny(max_position_embeddings=2048, rope_theta=1e4,
+                rope_scaling={"rope_type": rope_type, "type": old_type, "factor": 4.0})
+    assert_matches_transformers(cfg, seq_len)
+    other = {**cfg, "rope_scaling": {"rope_type": old_type, "factor": 4.0}}
+    assert not torch.equal(rope_frequencies(other, seq_len)[0], rope_frequencies(cfg, seq_len)[0])  # control
+
+
+def test_yarn_correction_range_past_the_last_channel():
+    """beta_slow 0.1 at theta 1000 over 4M original positions: the correction range's top (ceil 36.4) passes
+    dim - 1 = 31 and is clamped there, as transformers' find_correction_range does."""
+    cfg = _tiny(max_position_embeddings=1 << 22, rope_theta=1000.0,
+                rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 1 << 22,
+                                 "beta_fast": 2000.0, "beta_slow": 0.1})
+    assert_matches_transformers(cfg)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_offset_tables_are_transformers_rows(kind):
+    """forward / get_emb / get_cos_sin (L, offset=k) give rows k .. k+L-1 of transformers' LlamaRotaryEmbedding
+    at position_ids k .. k+L-1, whose frequencies follow the length L + k: past max_position_embeddings (dynamic)
+    or the original length (longrope) although L alone is not."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from megatron_ext.rope import set_attention_factor
+
+    block = {"dynamic": {"factor": 4.0},
+             "longrope": {"original_max_position_embeddings": 64, "short_factor": [1 + i / 16 for i in range(16)],
+                          "long_factor": [4 + i for i in range(16)]}}
+    cfg = _tiny(max_position_embeddings={"dynamic": 64, "longrope": 256}[kind], rope_theta=1e4,
+                rope_scaling={"rope_type": kind, **block[kind]})
+    length, offset = 48, 32
+    hf = LlamaRotaryEmbedding(LlamaConfig(**copy.deepcopy(cfg)))
+    cos, sin = (t[0] for t in hf(torch.zeros(1), torch.arange(offset, offset + length)[None]))  # [48, 32] each
+    emb = ScaledRotaryEmbedding(copy.deepcopy(cfg))
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2)
+    set_attention_factor(config, emb)
+    emb.bind(config)
+    af = emb.attention_factor
+    for angles in (emb(length, offset=offset), emb.get_emb(length, offset=offset)):
+        assert angles.shape == (length, 1, 1, 32)
+        assert torch.allclose(torch.cos(angles[:, 0, 0]) * af, cos, atol=1e-5, rtol=0)
+        assert torch.allclose(torch.sin(angles[:, 0, 0]) * af, sin, atol=1e-5, rtol=0)
+    our_cos, our_sin = emb.get_cos_sin(length, offset=offset)
+    assert torch.allclose(our_cos, cos[:, :16], atol=1e-5, rtol=0)
+    assert torch.allclose(our_sin, sin[:, :16], atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------------------- table accuracy
 
 LONG_CONFIGS = {
@@ -252,6 +342,9 @@ BAD = [
      "rope_scaling.factor = 0.5: must be >= 1"),
     ("beta_fast <= beta_slow", _v4(rope_type="yarn", factor=128.0, beta_fast=1.0, beta_slow=4.0,
                                    original_max_position_embeddings=8192), "rope_scaling.beta_fast = 1.0"),
+    ("beta_fast <= default beta_slow", _v4(rope_type="yarn", factor=8.0, beta_fast=0.5,
+                                           original_max_position_embeddings=8192),
+     "rope_scaling.beta_fast = 0.5: must be above beta_slow = 1 "),
     ("beta_fast == beta_slow", _v5(rope_type="yarn", factor=8.0, beta_fast=2.0, beta_slow=2.0),
      "rope_parameters.beta_fast = 2.0"),
     ("original above max positions", _v4(rope_type="yarn", factor=8.0, original_max_position_embeddings=262144),
