@@ -92,6 +92,10 @@ def test_converted_tensors_are_stored_in_tp_pieces(work):
     assert len(rows) == pieces and rows[1] == qkv.size[1] // pieces
     fc2 = index.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"]
     assert sorted({c.offsets[2] for c in fc2.chunks}) == [0, fc2.size[2] // pieces]  # along its input axis
+    # linear_proj is a RowParallelLinear as fc2: split along its input axis (the heads), not its output rows
+    proj = index.state_dict_metadata["decoder.layers.self_attention.linear_proj.weight"]
+    assert sorted({c.offsets[2] for c in proj.chunks}) == [0, proj.size[2] // pieces]
+    assert {c.offsets[1] for c in proj.chunks} == {0}
     assert tp_piece_count({"num_key_value_heads": 8, "intermediate_size": 14336}) == 8  # Llama-3.1-8B
     assert tp_piece_count({"num_key_value_heads": 8, "intermediate_size": 14340}) == 4
     # a vocabulary padded to a multiple of 4 only (make_vocab_size_divisible_by=4): equal pieces, fewer of them

@@ -268,3 +268,36 @@ def test_fp16_source_without_rms_norm_eps(tmp_path, cpu_parallel_state):
     assert a.keys() == b.keys()
     assert all(b[k].dtype == torch.float16 and torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "back/config.json").read_text())["rms_norm_eps"] == 1e-6
+
+
+def test_head_dim_not_hidden_over_heads(tmp_path, cpu_parallel_state):
+    """head_dim set so heads x head_dim (4 x 8 = 32) != hidden (64): q/k/v project to 32, o_proj back from 32
+    ([64, 32]). Every other fixture has 4 x 16 = 64, where o_proj is square. Oracle: transformers' logits."""
+    src = make_hf_model(tmp_path / "hf", head_dim=8)
+    assert read_all(src)["model.layers.0.self_attn.o_proj.weight"].shape == (64, 32)  # transformers' own layout
+    r = to_megatron(src, tmp_path / "m", verify=True, progress=False)
+    assert r["max_abs_logit_diff"] <= TOL
+    to_hf(tmp_path / "m", tmp_path / "back", verify=True, progress=False)
+    a, b = read_all(src), read_all(tmp_path / "back")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "back/config.json").read_text())["head_dim"] == 8
+
+
+def test_stored_rotary_inv_freq_is_ignored(tmp_path, cpu_parallel_state):
+    """Older transformers saved each layer's `rotary_emb.inv_freq` buffer in the checkpoint. It holds no weights (the
+    rope comes from config.json), so the import drops it: same checkpoint, same logits as without it."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_hf_model(tmp_path / "hf")
+    tensors = load_file(str(src / "model.safetensors"))
+    theta = json.loads((src / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    for i in range(2):  # plain RoPE's frequencies over head_dim 16, as those versions stored them
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = \
+            1.0 / theta ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    r = to_megatron(src, tmp_path / "m", verify=True, progress=False)
+    assert r["max_abs_logit_diff"] <= TOL
+    to_hf(tmp_path / "m", tmp_path / "back", progress=False)
+    back = read_all(tmp_path / "back")
+    assert not [k for k in back if "inv_freq" in k]
+    assert all(torch.equal(back[k], v) for k, v in tensors.items() if "inv_freq" not in k)
