@@ -64,10 +64,14 @@ def check_stored(reader: TorchDistReader, cfg: dict, path: Path) -> None:
     for key, shape in expected.items():
         got = reader.shape(key)
         # embedding rows: vocab_size plus any padding
-        vocab_ok = mapping.entry_for_key(key).kind == "vocab" and got[1:] == shape[1:] and got[0] >= cfg["vocab_size"]
+        vocab = mapping.entry_for_key(key).kind == "vocab"
+        vocab_ok = vocab and got[1:] == shape[1:] and got[0] >= cfg["vocab_size"]
         if got != shape and not vocab_ok:
+            # a vocab tensor's expected shape has 0 rows (any padding): name the row count it needs instead
+            implied = f"[>= {cfg['vocab_size']}, {', '.join(map(str, shape[1:]))}] (vocab_size {cfg['vocab_size']} " \
+                "plus any padding)" if vocab else str(list(shape))
             raise ConvertError(f"{path}: {key} has shape {list(got)}, but the metadata hf_config implies "
-                               f"{list(shape)}; the metadata does not describe these weights")
+                               f"{implied}; the metadata does not describe these weights")
 
 
 def _check_tokenizer(tokenizer: str | Path | None) -> None:

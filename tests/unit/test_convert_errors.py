@@ -127,6 +127,23 @@ def test_missing_lm_head_when_untied(src, tmp_path, cpu_parallel_state):
     fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], "lm_head.weight is required")
 
 
+def test_tied_config_with_a_different_lm_head(src, tmp_path, cpu_parallel_state):
+    """tie_word_embeddings true beside a stored lm_head.weight of its own: transformers would ignore that lm_head and
+    compute other logits than the weights say, so the import refuses it; an lm_head equal to the embedding is the
+    same model and converts."""
+    from safetensors.torch import load_file, save_file
+
+    d = copy_src(src, tmp_path)
+    edit_config(d, tie_word_embeddings=True)  # the untied fixture's random lm_head differs from its embedding
+    fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], "tie_word_embeddings is true",
+          "lm_head.weight differs from model.embed_tokens.weight", "set tie_word_embeddings=false")
+    no_leftovers(tmp_path, "o")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert cli.main(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+
+
 def test_output_exists_needs_force(src, mcore, tmp_path, cpu_parallel_state):
     out = tmp_path / "o"
     out.mkdir()
@@ -226,6 +243,21 @@ def test_a_damaged_shard_is_named(tmp_path, mcore, cpu_parallel_state):
     fails(["to-hf", "--megatron", str(damaged), "--out", str(tmp_path / "o"), "--no-progress"],
           f"error: {shard}: cannot read its tensors (corrupt shard: ", "File is not a zip file",
           "; copy the checkpoint again or use an earlier iteration")
+    no_leftovers(tmp_path, "o")
+
+
+def test_metadata_vocab_size_above_the_embedding_rows(tmp_path, mcore, cpu_parallel_state):
+    """Metadata that says vocab_size 600 beside a 512-row embedding (metadata of another model): the export would
+    write 512 rows under a config of 600, which transformers cannot load. One line naming the key and the sizes."""
+    d = tmp_path / "m"
+    shutil.copytree(mcore, d)
+    meta_file = d / "iter_0000000/megatron_ext.json"
+    meta = json.loads(meta_file.read_text())
+    meta["hf_config"]["vocab_size"] = 600
+    meta_file.write_text(json.dumps(meta))
+    fails(["to-hf", "--megatron", str(d), "--out", str(tmp_path / "o"), "--no-progress"],
+          "embedding.word_embeddings.weight has shape [512, 64]", "vocab_size 600",
+          "the metadata does not describe these weights")
     no_leftovers(tmp_path, "o")
 
 
