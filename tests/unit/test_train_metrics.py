@@ -176,3 +176,23 @@ def test_an_unusable_metrics_log_is_one_line_before_the_first_step(tmp_path, mak
         log.stop_if_unwritten()
     log.write({"step": 1, "loss": 1.0})  # nothing written after the problem
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_diverged_steps_infinities_are_null_in_strict_json(tmp_path):
+    """A diverged step's loss can be +inf (bf16 overflow) as well as NaN: Python's json writes `Infinity`, which jq
+    and JSON.parse refuse, so every non-finite number is null and named in `non_finite`; finite ones stay."""
+    import json
+
+    from megatron_ext.train_metrics import MetricsLog
+
+    def strict(word):
+        raise ValueError(f"not JSON: {word}")
+
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, start_step=0, enabled=True)
+    log.write({"step": 1, "loss": float("inf"), "grad_norm": float("-inf"), "lr": float("nan"), "tokens": 512})
+    log.write({"step": 2, "loss": 6.5, "grad_norm": 1.25, "lr": 1e-4, "tokens": 1024})
+    first, second = (json.loads(line, parse_constant=strict) for line in path.read_text().splitlines())
+    assert first == {"step": 1, "loss": None, "grad_norm": None, "lr": None, "tokens": 512,
+                     "non_finite": {"loss": "inf", "grad_norm": "-inf", "lr": "nan"}}
+    assert second == {"step": 2, "loss": 6.5, "grad_norm": 1.25, "lr": 1e-4, "tokens": 1024}
