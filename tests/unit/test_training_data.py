@@ -254,3 +254,27 @@ def test_sft_goes_round_its_packs_in_a_new_order_each_pass(sft_data):
     assert batches.passes(40) == (f"{n:,} packs of {convs:,} conversations; 80 packs read over the run: {80 / n:.2f} "
                                   f"passes over the data (each after the first in a new order), ~{2 * convs / n:,.0f} "
                                   "conversations per step")
+
+
+def test_an_sft_microbatch_confines_attention_to_each_conversation(sft_data):
+    """One pack per microbatch as a THD sequence: cu_seqlens are the pack's conversation bounds, max_seqlen the
+    longest conversation's length, and attention_pairs (the FLOP count's) the causal (query, key) pairs within each
+    conversation, counted here one by one: L (L + 1) / 2 each, the padding tail included."""
+    recipe = load_recipe(ROOT / "recipes/tiny/sft.yaml", [f"data.prefix={sft_data}", "checkpoint.dir=/tmp/unused",
+                                                          "train.global_batch_size=2", "train.steps=4"])
+    batches = TrainBatches(recipe, dp_rank=1, dp_size=2, cp_rank=0, cp_size=1)
+    (pack,) = batches.sample_ids(1, 0)  # step 1, DP rank 1: sample 3
+    assert pack == 3
+    row = batches.dataset[pack]
+    batch = batches.microbatch(1, 0)
+    bounds = [int(b) for b in row["cu_seqlens"]]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert len(lengths) >= 2 and len(set(lengths)) >= 2  # a pack of conversations of other lengths: a real check
+    assert sum(lengths) == recipe.train.seq_length
+    params = batch["packed_seq_params"]
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == bounds
+    assert params.max_seqlen_q == params.max_seqlen_kv == max(lengths)
+    assert batch["attention_pairs"] == sum(1 for n in lengths for q in range(n) for k in range(q + 1))
+    assert batch["tokens"].shape == (1, recipe.train.seq_length)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert batch[key][0].tolist() == list(row[key]), key

@@ -122,6 +122,32 @@ def test_sft_validation_dataset(sft_data):
     assert {i for p in train.packs for i in p}.isdisjoint({i for p in valid.packs for i in p})
 
 
+def test_sft_validation_reads_the_same_packs_in_the_same_order_every_pass(sft_data):
+    """Validation goes round its few packs in their own order each time (a loss comparable from one validation to the
+    next, and with another run's), while training goes round its packs in a new order each pass."""
+    recipe = _recipe(sft_data, "sft", "data.split=80,20,0", "train.eval_interval=2", "train.eval_iters=30")
+    train, valid = build_batches(recipe, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
+    n = len(valid.dataset)
+    assert 30 * 2 > 2 * n  # more than two passes over the valid packs
+    assert [i for k in range(30) for m in range(2) for i in valid.sample_ids(k, m)] == [s % n for s in range(60)]
+    t = len(train.dataset)
+    assert [train.pack_of(s) for s in range(t, 2 * t)] != list(range(t))  # control: training's second pass
+
+
+def test_sft_needs_one_global_batch_of_packs(sft_data):
+    """As many packs as train.global_batch_size are enough (each step reads every pack once); one fewer is an
+    error naming the counts and the fix."""
+    def recipe(batch):  # one process: any global batch divides
+        return _recipe(sft_data, "sft", "cluster.gpus_per_node=1", f"train.global_batch_size={batch}")
+
+    packs = len(build_datasets(recipe(2), 0, validation=False)[0])
+    assert len(build_datasets(recipe(packs), 0, validation=False)[0]) == packs
+    with pytest.raises(DataError, match=rf"^data\.prefix = '{sft_data}': {packs} packed sequences of 256 tokens, "
+                                        rf"fewer than train\.global_batch_size = {packs + 1}; prepare more SFT data "
+                                        "or lower the global batch$"):
+        build_datasets(recipe(packs + 1), 0, validation=False)
+
+
 @pytest.mark.parametrize("weights, expect", [("[3, 1]", [12, 4]), ("[1, 1]", [8, 8])])
 def test_blend_reads_the_prefixes_by_weight(token_data, second_token_data, weights, expect):
     """data.prefix as a list with data.weights: Megatron-Core's BlendedDataset, 16 training samples split by weight,
