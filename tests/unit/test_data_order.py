@@ -59,3 +59,24 @@ def test_epoch_count_is_gptdatasets(token_data):
     assert dataset._get_num_epochs(per_epoch) == train_split_epochs(recipe, 120) == 2
     fits = (per_epoch - 1) // 512  # the most samples one epoch serves
     assert train_split_epochs(recipe, fits) == 1 and train_split_epochs(recipe, fits + 1) == 2
+
+
+def test_epoch_count_when_the_samples_end_on_an_epochs_last_token(token_data):
+    """GPTDataset counts one token more than the samples' tokens (the last label): a request whose tokens are a
+    whole number of epochs exactly needs one epoch more. Oracle: GPTDataset's own _get_num_epochs for that request."""
+    import copy
+    import math
+
+    recipe = _recipe(token_data, "train.steps=60")
+    dataset = build_batches(recipe, 0, 1, 0, 1)[0].dataset
+    per_epoch = dataset._get_num_tokens_per_epoch()
+    exact = per_epoch // math.gcd(per_epoch, 512)  # the fewest samples whose 512-token sequences fill whole epochs
+
+    def gptdataset_epochs(samples: int) -> int:
+        asked = copy.copy(dataset)
+        asked.num_samples = samples
+        return asked._get_num_epochs(per_epoch)
+
+    for samples in (exact - 1, exact, exact + 1, 2 * exact):
+        assert train_split_epochs(recipe, samples) == gptdataset_epochs(samples), samples
+    assert gptdataset_epochs(exact) == exact * 512 // per_epoch + 1  # the case that needs the extra token
