@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 def main() -> None:
@@ -18,6 +19,13 @@ def main() -> None:
     sys.stderr.write(f"stderr of rank {os.environ.get('RANK')}\n")
     atexit.register(sys.stdout.write, f"atexit of rank {os.environ.get('RANK')}\n")
     if mode == "exit":
+        sys.exit(int(sys.argv[2]))
+    if mode == "exit-by-rank":  # rank r exits r x 2 s after rank 0, as ranks slow to see a shared error do
+        time.sleep(2 * int(os.environ.get("RANK") or 0))
+        sys.exit(int(sys.argv[2]))
+    if mode == "hang-after-rank0":  # the others wait forever, as in a collective rank 0 never joins
+        if os.environ.get("RANK") not in (None, "0"):
+            time.sleep(3600)
         sys.exit(int(sys.argv[2]))
     if mode == "raise":
         raise ValueError("the probe's error")

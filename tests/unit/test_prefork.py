@@ -47,6 +47,24 @@ def test_a_rank_that_fails_reports_its_exit_code(monkeypatch, mode, code):
     assert ("atexit of rank None" in out) == (mode != "kill")
 
 
+def test_ranks_that_fail_after_another_report_their_own_exit_code(monkeypatch):
+    """Ranks that see a shared user error exit with its code, not all at once: on a busy machine the harness killed
+    rank 1 as soon as rank 0 had failed, and a test expecting [1, 1] read [1, -9] (CI, 2026-12-03)."""
+    cmd = [sys.executable, "-u", str(PROBE), "exit-by-rank", "3"]
+    (codes, _, _), (plain_codes, _, _) = _both(monkeypatch, cmd, 2)
+    assert codes == plain_codes == [3, 3]
+
+
+def test_a_rank_left_waiting_after_another_failed_is_killed(monkeypatch):
+    """A rank that waits for one that failed (a collective it never joins) is killed after the grace period."""
+    import tests.conftest
+
+    monkeypatch.setattr(tests.conftest, "RANK_EXIT_GRACE_S", 1.0)
+    cmd = [sys.executable, "-u", str(PROBE), "hang-after-rank0", "3"]
+    (codes, _, _), (plain_codes, _, _) = _both(monkeypatch, cmd, 2)
+    assert codes == plain_codes == [3, -9]
+
+
 def test_a_pid_handed_out_again_does_not_inherit_an_old_exit_code():
     """pid_max is 32768 here: over a whole suite the server's children wrap around, and a new rank that got an
     earlier one's pid read that rank's exit code (0) at once: CI saw a kill -9 reported as 0."""
