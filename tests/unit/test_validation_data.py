@@ -171,3 +171,19 @@ def test_blend_resumes_as_the_same_data(token_data, second_token_data):
     assert resume_position(saved, 4, recipe)[2] == []
     other = _recipe([token_data, second_token_data], "cpt", "data.weights=[1, 1]")
     assert resume_position(saved, 4, other)[2] == ["data.weights: [3.0, 1.0] -> [1.0, 1.0]"]
+
+
+def test_a_blend_that_lost_a_dataset_is_changed_data(token_data, second_token_data):
+    """The saved run blended three datasets, this one the first two of them (same weights for those): another
+    sample order, named as a data.prefix change, not taken for the same data because the common datasets match."""
+    import copy
+
+    from megatron_ext.resume import resume_position
+
+    recipe = _recipe([token_data, second_token_data], "cpt", "data.weights=[3, 1]")
+    old = copy.deepcopy(recipe.to_dict())
+    old["data"]["prefix"] = [token_data, second_token_data, "/gone/third"]
+    old["data"]["weights"] = [3.0, 1.0]
+    saved = {"consumed_samples": 8, "tokens": 2048, "recipe": old}
+    assert resume_position(saved, 4, recipe)[2] == [
+        f"data.prefix: {[token_data, second_token_data, '/gone/third']!r} -> {[token_data, second_token_data]!r}"]
