@@ -137,6 +137,11 @@ def test_data_prepared_again_under_the_same_prefix_is_named(tmp_path, toy_tokeni
     assert plan_resume(saved, 4, recipe, 1, data_now={}).data_changed == []  # what other ranks than 0 pass
     no_record = {k: v for k, v in saved.items() if k != "data_identity"}  # a checkpoint from before: no warning
     assert resume_position(no_record, 4, recipe)[2] == []
+    # an identity recorded without the tokenizer's hash (an older version): the counts changed, and no other
+    # tokenizer is claimed, which nothing shows
+    assert "tokenizer_hash" in old and new["tokenizer_hash"] is not None
+    older = {**saved, "data_identity": {prefix: {k: v for k, v in old.items() if k != "tokenizer_hash"}}}
+    assert resume_position(older, 4, recipe)[2] == [expect]
     assert data_identity(str(tmp_path / "gone")) is None  # unreadable data: nothing recorded or compared
 
 
