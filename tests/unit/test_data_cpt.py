@@ -110,9 +110,22 @@ def test_upsample_rules_pure():
     assert [copies(2.0, 1, i) for i in range(5)] == [2] * 5
     u = np.array([uniform_hash(5, i) for i in range(20000)])
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+    # adjacent classes (gt4095 is [4096, inf), lt4096 is [0, 4096)) do not overlap; a rate of 0 drops (docstring)
+    adjacent = parse_upsample("gt4095=2,lt4096=0.5,code=0")
+    assert [upsample_rate(adjacent, "web", n) for n in (4095, 4096)] == [0.5, 2.0]
+    assert upsample_rate(adjacent, "code", 10) == 0.0 and copies(0.0, 1, 0) == 0
     for bad in ("lt4k", "web:lt4q=1", "gt8k=-1", "lt4k=0.5,lt2k=2"):
         with pytest.raises(DataError, match="--upsample"):
             parse_upsample(bad)
+
+
+def test_length_histogram_power_of_two_bins():
+    """Bins [2^k, 2^(k+1)) by hand: a length of exactly 2^k opens its bin."""
+    from megatron_ext.data.common import length_histogram
+
+    assert length_histogram(np.array([1, 2, 3, 4, 7, 8, 1023, 1024, 1025])) == {
+        "[1, 2)": 1, "[2, 4)": 2, "[4, 8)": 2, "[8, 16)": 1, "[512, 1024)": 1, "[1024, 2048)": 2}
+    assert length_histogram(np.array([], dtype=np.int64)) == {}
 
 
 def test_upsampling_ratios_hold(tmp_path, tok_dir, hf_tok):
@@ -273,3 +286,44 @@ def test_progress_on_a_terminal_redraws_in_place():
         for _ in range(10):
             bar.update(1)
     assert out.getvalue().startswith("\rcpt:") and out.getvalue().count("\n") == 1, repr(out.getvalue())
+
+
+def test_manifest_counts_and_boundaries_hand_computed(tmp_path, tok_dir, hf_tok):
+    """The manifest's counts against numbers computed here from transformers' own encoding: per-source tokens
+    count every upsampled copy; max_token_id includes the separator (the trainer compares it with
+    model.vocab_size); --max-tokens met exactly stops the read there; --seq-length S needs S + 1 tokens."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    docs = [{"text": "alpha beta gamma.", "source": "a"}, {"text": "delta epsilon.", "source": "b"},
+            {"text": "zeta eta theta iota.", "source": "b"}]
+    ids = [_enc(hf_tok, d["text"]) for d in docs]
+    # the separator: the largest id that is one token of its own and in no document, so it is the corpus' largest
+    backend = hf_tok.backend_tokenizer
+    sep_id = next(i for i in range(len(hf_tok) - 1, 0, -1)
+                  if backend.encode(hf_tok.decode([i]), add_special_tokens=False).ids == [i]
+                  and hf_tok.decode([i]).strip() and i > max(max(x) for x in ids))
+    sep = hf_tok.decode([sep_id])
+    sizes = [len(x) + 1 for x in ids]  # tokens + one separator token
+    path = toy.write_jsonl(tmp_path / "c.jsonl", docs)
+
+    def prep(name: str, **kw) -> dict:
+        return prepare_cpt([str(path)], str(tok_dir), str(tmp_path / name), source_field="source", separator=sep,
+                           upsample="a=2", progress=False, **kw)
+
+    man = prep("full")
+    total = 2 * sizes[0] + sizes[1] + sizes[2]
+    assert man["per_source"]["a"] == {"documents_read": 1, "documents_written": 2, "tokens_written": 2 * sizes[0]}
+    assert man["per_source"]["b"] == {"documents_read": 2, "documents_written": 2, "tokens_written": sizes[1] + sizes[2]}
+    assert man["tokens"] == total and man["documents"] == 4
+    assert man["max_token_id"] == sep_id == int(np.fromfile(tmp_path / "full.bin", dtype=man["dtype"]).max())
+    stored = IndexedDataset(str(tmp_path / "full"))  # kept: its items are views of its memory map
+    assert stored[0].tolist() == stored[1].tolist() == ids[0] + [sep_id]
+    # --max-tokens reached exactly by the first document's copies: nothing more is read
+    cut = prep("cut", max_tokens=2 * sizes[0])
+    assert (cut["documents_read"], cut["tokens"]) == (1, 2 * sizes[0])
+    # one sequence of S tokens needs S + 1 (the labels are the tokens shifted by one)
+    assert prep("fits", seq_length=total - 1)["tokens"] == total
+    with pytest.raises(DataError, match=f"corpus has {total} tokens but one sequence of --seq-length {total} needs "
+                                        f"{total + 1}"):
+        prep("short", seq_length=total)
+    assert not (tmp_path / "short.json").exists()
