@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from megatron_ext.data import DataError
-from megatron_ext.data.dataset_files import INDEX_DTYPES, check_complete, check_sft_masks, read_index
+from megatron_ext.data.dataset_files import (INDEX_DTYPES, check_complete, check_sft_masks, check_token_ids,
+                                             index_fingerprint, read_index)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,3 +154,43 @@ def test_pre_launch_check_names_a_python_without_the_trainer(monkeypatch, tmp_pa
     err = capsys.readouterr().err
     assert err == (f"error: python {sys.executable} cannot import torch, which the trainer needs; use the python of "
                    "the environment megatron_ext is installed in (sbatch: export PYTHON=/path/to/venv/bin/python)\n")
+
+
+def test_a_bin_one_byte_short_is_refused(tmp_path):
+    """check_complete: PREFIX.bin must reach the end of the index's last sequence (pointer + length x itemsize, hand
+    computed here); one byte short is a truncated file, the exact size passes."""
+    megatron_dataset(tmp_path / "d", np.int32, [5, 7])
+    prefix, binary = str(tmp_path / "d"), tmp_path / "d.bin"
+    index = check_complete(prefix)
+    end = int(index.sequence_pointers[-1]) + 4 * int(index.sequence_lengths[-1])
+    assert end == binary.stat().st_size == 4 * (5 + 7 + 9)
+    os.truncate(binary, end - 1)
+    with pytest.raises(DataError, match=rf"d\.bin is truncated or corrupt \({end - 1} bytes, its index points up to "
+                                        rf"byte {end}\)"):
+        check_complete(prefix)
+
+
+def test_token_ids_must_have_embedding_rows():
+    """Ids 0..vocab_size-1 have rows: the largest id equal to model.vocab_size is refused, one below passes; a
+    manifest without max_token_id falls back to its tokenizer's size."""
+    check_token_ids("p", {"max_token_id": 99, "vocab_size": 128}, 100)
+    with pytest.raises(DataError, match=r"holds token ids up to 100 .*model.vocab_size = 100 has rows for ids "
+                                        r"0..99 only.*at least 101"):
+        check_token_ids("p", {"max_token_id": 100, "vocab_size": 128}, 100)
+    check_token_ids("p", {"vocab_size": 100}, 100)
+    with pytest.raises(DataError, match="was tokenized with ids up to 100"):
+        check_token_ids("p", {"vocab_size": 101}, 100)
+
+
+def test_index_fingerprint_is_the_idx_sha256_and_follows_the_order(tmp_path):
+    """One prefix: the sha256 of its .idx (hashlib here, the oracle); several: over their sha256s in order, as a
+    blend's caches follow the order of its prefixes (and their weights)."""
+    import hashlib
+
+    for name, lengths in (("a", [3]), ("b", [4, 5])):
+        megatron_dataset(tmp_path / name, np.int32, lengths)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    digest = {p: hashlib.sha256(Path(p + ".idx").read_bytes()).hexdigest() for p in (a, b)}
+    assert index_fingerprint([a]) == "sha256:" + digest[a]
+    assert index_fingerprint([a, b]) == "sha256:" + hashlib.sha256(f"{digest[a]} {digest[b]}".encode()).hexdigest()
+    assert index_fingerprint([a, b]) != index_fingerprint([b, a])

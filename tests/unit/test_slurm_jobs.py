@@ -29,7 +29,7 @@ def test_claim_refuses_a_folder_another_live_job_writes(tmp_path):
     assert (run / OWNER_FILE).read_text() == "100\n"
 
 
-@pytest.mark.parametrize("state", [None, "COMPLETED", "CANCELLED by 0", "FAILED"])
+@pytest.mark.parametrize("state", [None, "COMPLETED", "CANCELLED by 0", "FAILED", "PREEMPTED", "TIMEOUT"])
 def test_claim_takes_over_from_a_job_that_ended(tmp_path, state):
     claim_checkpoint_dir(str(tmp_path), "100", state_of=lambda job: None)
     claim_checkpoint_dir(str(tmp_path), "101", state_of=lambda job: state)
@@ -72,6 +72,8 @@ def test_other_tasks_only_check_the_claim(tmp_path):
         claim_checkpoint_dir(str(run), "101", state_of=lambda job: "RUNNING", write=False)
     claim_checkpoint_dir(str(run), "101", state_of=lambda job: None, write=False)  # 100 ended
     assert (run / OWNER_FILE).read_text() == "100\n"
+    # a task of the job that holds the claim (its rank 0 wrote it) goes on, however squeue sees its job
+    claim_checkpoint_dir(str(run), "100", state_of=lambda job: "RUNNING", write=False)
 
 
 @pytest.fixture
@@ -358,6 +360,12 @@ def test_stages_chain_from_each_others_checkpoint_and_an_sft_keeps_its_rope(caps
     assert run("cpt_4m,sft_4m")[:2] == (0, "")
     code, err, _ = run("cpt_1m,cpt_4m", "cpt_4m:checkpoint.init_from=checkpoints/cpt_1m")
     assert code == 0 and "positions change from those it was trained with" in err
+    # only an SFT stage is chained by itself: a CPT stage keeps its recipe's init_from, with a warning
+    code, err, out = run("cpt_1m,cpt_4m")
+    assert code == 0 and err == ("warning: stage cpt_4m starts from checkpoint.init_from = "
+                                 "'checkpoints/llama31_8b_instruct', not from 'checkpoints/cpt_1m', which stage cpt_1m "
+                                 "writes; to chain them add cpt_4m:checkpoint.init_from=checkpoints/cpt_1m\n"), err
+    assert "checkpoint.init_from=checkpoints/cpt_1m" not in out.split("stage 2/2 cpt_4m")[1], out
 
 
 def test_every_stages_data_is_checked_before_submitting(tmp_path, capsys, monkeypatch, token_data):
@@ -374,6 +382,23 @@ def test_every_stages_data_is_checked_before_submitting(tmp_path, capsys, monkey
                                                         "/nonexistent/sft.bin not found; run tools/prepare_data.py "
                                                         "first")
     assert launch.main([*args, "--dry-run"]) == 0
+
+
+def test_a_stage_is_a_recipe_name_or_a_yaml_path(tmp_path):
+    """`--stages sft` is `sft.yaml` beside the recipe (or in the folder given); a name ending in .yaml or .yml is a
+    path as it is (stage_recipe's docstring): `x.yml` looked for `x.yml.yaml`."""
+    from megatron_ext.launch_stages import plan_stages, stage_recipe
+
+    assert stage_recipe("recipes/cpt_1m.yaml", "sft") == os.path.join("recipes", "sft.yaml")
+    assert stage_recipe(str(tmp_path), "sft") == str(tmp_path / "sft.yaml")
+    assert stage_recipe("recipes/cpt_1m.yaml", "other/a.yml") == "other/a.yml"
+    assert stage_recipe("recipes/cpt_1m.yaml", "other/b.yaml") == "other/b.yaml"
+    for name in ("a.yml", "b.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    plan = plan_stages(str(tmp_path / "a.yml"), f"{tmp_path / 'a.yml'},b", ["b:train.steps=3", "train.seed=1"])
+    assert [(s.name, s.recipe, s.overrides, s.own) for s in plan] == [
+        ("a", str(tmp_path / "a.yml"), ["train.seed=1"], []),
+        ("b", str(tmp_path / "b.yaml"), ["train.steps=3", "train.seed=1"], ["train.steps=3"])]
 
 
 def test_stage_names_order_and_sizes_are_checked(capsys, monkeypatch, tmp_path):
