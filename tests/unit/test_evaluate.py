@@ -628,3 +628,114 @@ def test_perplexity_documents_count_each_upsampled_text_once(tmp_path, toy_token
     got = indexed_documents(upsampled, 4)
     assert len({d.tobytes() for d in got}) == 4
     assert [d.tolist() for d in got] == [d.tolist() for d in want]
+
+
+# ---------------------------------------------------------------------------------------------- pinned by mutation testing
+
+
+def test_grid_scores_are_by_depth_and_length(tok):
+    """scores[i][j] is the mean over the cells of depths[i] and lengths[j] only. A stub answers right where the
+    needle is in the second half of the prompt or the prompt has 256 tokens: a grid that pooled a length's depths
+    (or swapped the axes) reads otherwise."""
+    def answer(ids: torch.Tensor) -> list[list[int]]:
+        out = []
+        for row in ids.tolist():
+            text = tok.decode(row)
+            right = text.index("special magic number is") > len(text) / 2 or len(row) == 256
+            out.append(tok(_read_needle(text) if right else " 1234567.", add_special_tokens=False)["input_ids"])
+        return out
+
+    res = run_niah(None, tok, [150, 200, 256], [0, 100], samples=2, generate=answer, progress=False, log=None)
+    assert res.scores == [[0.0, 0.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+def test_batched_greedy_rows_stop_at_their_own_eos(tiny):
+    """A row's EOS ends that row only: the other rows of the batch keep decoding (oracle: transformers' generate
+    without EOS, each row cut after its first EOS)."""
+    model, _ = tiny
+    ids = torch.randint(5, TINY["vocab_size"], (3, 41), generator=torch.Generator().manual_seed(1))
+    model.generation_config.eos_token_id = None
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                         min_new_tokens=10, pad_token_id=0)[:, ids.shape[1]:].tolist()
+    eos = ref[0][1]
+    want = [r[:r.index(eos) + 1] if eos in r else r for r in ref]
+    assert max(map(len, want)) > len(want[0])  # another row runs on past row 0's EOS
+    assert greedy_generate(model, ids, 10, eos_token_ids=(eos,)) == want
+
+
+def test_shared_prefix_greedy_runs_the_same_prompt_twice(tiny):
+    """A prompt equal to the one before reuses all its tokens but the last (whose logits give the first answer
+    token): the same continuation as transformers' generate, both times."""
+    from megatron_ext.evaluate.generate import SharedPrefixGreedy
+
+    model, _ = tiny
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(5, TINY["vocab_size"], (1, 50), generator=torch.Generator().manual_seed(3))
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                         min_new_tokens=6, pad_token_id=0)[:, 50:].tolist()
+    gen = SharedPrefixGreedy(model, 6, prefill_chunk=None)
+    assert gen(ids) == ref
+    assert gen(ids) == ref and gen.shared_tokens == 49
+
+
+def _sentence_pieces(sentences: list[str], lead: str) -> list[str]:
+    return [lead + sentences[0]] + [" " + s for s in sentences[1:]]
+
+
+def _expected_stream(tok, pieces: list[str], n_tokens: int) -> tuple[list[int], list[int]]:
+    """Oracle: each sentence (with the space before it) tokenized alone; a sentence starts at its first token."""
+    ids, starts = [], []
+    for p in pieces:
+        starts.append(len(ids))
+        ids += tok(p, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            break
+    return ids, starts
+
+
+def test_builtin_haystack_over_several_blocks_is_the_sentences_tokenized_alone(tok):
+    """The filler is tokenized 400 sentences at a time; the stream across block seams must read as one text (a
+    space between the blocks' sentences) with every sentence start found."""
+    from itertools import islice
+
+    from megatron_ext.evaluate.haystack import filler_sentences
+
+    hay = builtin_haystack(tok, 12_000, seed=5, lead=" ")
+    ids, starts = _expected_stream(tok, _sentence_pieces(list(islice(filler_sentences(5), 2000)), " "), 10 ** 9)
+    assert len(hay) >= 12_000 and len(hay) < len(ids)  # more than one block (400 sentences ~ 4,400 tokens)
+    assert hay.ids.tolist() == ids[:len(hay)]
+    assert hay.starts.tolist() == [s for s in starts if s < len(hay)]
+
+
+def test_file_haystack_over_several_blocks_is_the_file_tokenized_whole(tok, tmp_path):
+    """A file longer than a block (64 Ki characters) is cut at sentence ends, so the stream is the file's own
+    tokenization; a file that starts with whitespace gets no `lead` before it."""
+    from itertools import islice
+
+    from megatron_ext.evaluate.haystack import _BLOCK_CHARS, filler_sentences
+
+    sentences = list(islice(filler_sentences(7), 4000))
+    text = "\n" + " ".join(sentences)
+    assert len(text) > 2 * _BLOCK_CHARS
+    path = tmp_path / "essays.txt"
+    path.write_text(text, encoding="utf-8")
+    hay = file_haystack(tok, path, 30_000, lead=" ")
+    ids, starts = _expected_stream(tok, ["\n" + sentences[0]] + [" " + s for s in sentences[1:]], 10 ** 9)
+    assert len(hay) >= 30_000
+    assert hay.ids.tolist() == ids[:len(hay)]
+    assert hay.starts.tolist() == [s for s in starts if s < len(hay)]
+
+
+def test_needle_slots_refuse_a_gap_over_5_percent():
+    """A stretch of more than 5% of the prompt (and more than 256 tokens) without a sentence start is refused; 4% is
+    not (the needle lands within 2% of its depth)."""
+    from megatron_ext.evaluate.haystack import Haystack
+
+    def hay(gap: int) -> Haystack:
+        starts = np.r_[np.arange(0, 5000, 100), np.arange(5000 + gap, 10_000, 100)]
+        return Haystack(np.arange(10_000), starts, "essay")
+
+    assert hay(400).needle_slots(10_000)[-1] == 10_000  # 4%: fine
+    with pytest.raises(EvalError, match=r"haystack essay: tokens 4,900 to 5,900 of the 10,000 a prompt takes hold no "
+                                        r"sentence end"):
+        hay(900).needle_slots(10_000)  # 4,900 .. 5,900: 10%
