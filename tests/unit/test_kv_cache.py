@@ -151,3 +151,64 @@ def test_shared_prefix():
     assert cache.shared_prefix(list(range(50)), 49) == 49  # a prompt inside the cached one
     cache.ids, cache.prefill_valid = [], 0
     assert cache.shared_prefix([1, 2, 3], 2) == 0
+
+
+def test_reusable_prefix_compares_the_first_position_it_may_reuse():
+    """The id at `len(ids) - max_new` (the lowest position a decode step may reuse) is compared too."""
+    from megatron_ext.evaluate.kv_cache import ContextParallelKVCache
+
+    cache = ContextParallelKVCache.__new__(ContextParallelKVCache)  # the prefix rule only, no model
+    cache.ids = list(range(100))
+    ids = list(range(101))
+    ids[37] = -1  # 101 - 64 = 37
+    assert cache.reusable_prefix(ids, 100, 64) == 37
+
+
+class _CausalSdpa(torch.nn.Module):
+    """A core attention in Megatron's layout: q `[s, b, nh, d]`, k/v `[s, b, ng, d]` -> `[s, b, nh * d]`."""
+
+    def forward(self, q, k, v, attention_mask=None, *args, **kwargs):
+        s, b, nh, d = q.shape
+        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                             scale=D ** -0.5, enable_gqa=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
+
+
+def test_decode_steps_through_the_cache_are_attention_over_the_sequence(cpu_parallel_state):
+    """Prefill, decode steps of one and two tokens, and steps that roll back a draft (into the decoded tokens and
+    into the prefill) through the real ContextParallelKVCache at CP 1: each step's output is SDPA of its queries over
+    the sequence as it stands (causal among the new tokens), so rolled-back keys are not seen. The model is a shell
+    holding one core attention (the cache reads only its layers, rotary embedding and config)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.evaluate.kv_cache import ContextParallelKVCache
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(12, 1, h, D, generator=g) for h in (NH, NG, NG))
+    layer = SimpleNamespace(self_attention=SimpleNamespace(core_attention=_CausalSdpa()))
+    model = SimpleNamespace(rotary_pos_emb=SimpleNamespace(positions=None), decoder=SimpleNamespace(layers=[layer]),
+                            config=SimpleNamespace(kv_channels=D, softmax_scale=D ** -0.5))
+    cache = ContextParallelKVCache(model)
+    attn = layer.self_attention.core_attention
+    seq = {"k": [], "v": []}  # the sequence's keys and values as they stand
+
+    def step(start: int, nq: torch.Tensor, nk: torch.Tensor, nv: torch.Tensor) -> None:
+        del seq["k"][start:], seq["v"][start:]
+        seq["k"] += list(nk)
+        seq["v"] += list(nv)
+        with cache.decoding(start, len(nq)):
+            got = attn(nq, nk, nv)
+        keys, values = torch.stack(seq["k"]), torch.stack(seq["v"])
+        visible = torch.arange(len(keys))[None, :] <= torch.arange(start, start + len(nq))[:, None]
+        want = F.scaled_dot_product_attention(nq.permute(1, 2, 0, 3), keys.permute(1, 2, 0, 3),
+                                              values.permute(1, 2, 0, 3), attn_mask=visible, scale=D ** -0.5,
+                                              enable_gqa=True)
+        torch.testing.assert_close(got, want.permute(2, 0, 1, 3).reshape(len(nq), 1, NH * D), atol=1e-5, rtol=1e-5)
+
+    with cache.recording(torch.arange(8), 8):
+        attn(q[:8], k[:8], v[:8])
+    seq["k"], seq["v"] = list(k[:8]), list(v[:8])
+    step(8, q[8:10], k[8:10], v[8:10])  # two new tokens: causal among them
+    step(10, q[10:11], k[10:11], v[10:11])
+    step(9, q[11:12], k[11:12], v[11:12])  # a draft at 9, 10 rolled back: another token at 9
+    step(6, q[9:11], k[9:11], v[9:11])  # back into the prefill: its rows 6 and 7 are dropped
