@@ -440,3 +440,17 @@ def test_resume_refuses_other_numerics(tok):
         del older["settings"][key]
     run_ruler(None, tok, ["vt"], [1536, 2048], numerics={"engine": "hf", "dtype": "bf16"},
               previous=RulerResult.from_dict(older), **common)
+
+
+def test_word_list_is_the_largest_that_fits_exactly(tok):
+    """`_fit_list` takes the largest list that fits, also when it fills the length to the last token (the bisection
+    keeps a size equal to the budget). Oracle: the size of the first 50 words counted by hand."""
+    words = pseudo_words(random.Random(3), 200)
+    build = SampleBuilder(tok, {})
+    word_tokens = [len(ids) for ids in build.enc([" " + w for w in words])]
+    period = len(build.enc(["."])[0])
+    length = 2 + sum(word_tokens[:50]) + period * (50 // 12)  # head, tail, 50 words, a period after every 12th
+    sample = build._fit_list("t", length, random.Random(0), [1], [2], lambda n: [(w, 1) for w in words[:n]], [],
+                             lo=2, numbered=False)
+    assert len(sample.ids) == length
+    assert sorted(tok.decode(sample.ids[1:-1]).replace(".", " ").split()) == sorted(words[:50])
