@@ -720,7 +720,7 @@ def test_file_haystack_over_several_blocks_is_the_file_tokenized_whole(tok, tmp_
     path = tmp_path / "essays.txt"
     path.write_text(text, encoding="utf-8")
     hay = file_haystack(tok, path, 30_000, lead=" ")
-    ids, starts = _expected_stream(tok, ["\n" + sentences[0]] + [" " + s for s in sentences[1:]], 10 ** 9)
+    ids, starts = _expected_stream(tok, _sentence_pieces(sentences, "\n"), 10 ** 9)
     assert len(hay) >= 30_000
     assert hay.ids.tolist() == ids[:len(hay)]
     assert hay.starts.tolist() == [s for s in starts if s < len(hay)]

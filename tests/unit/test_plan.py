@@ -27,7 +27,6 @@ def test_shape_from_recipe_and_parameter_counts():
     assert C.total_params(LLAMA31_8B) == 8_030_261_248
 
 
-
 def test_total_params_counts_a_tied_embedding_once():
     """Oracle: transformers' LlamaForCausalLM (built on the meta device), whose tied embedding and LM head are one
     parameter; and Llama-3.2-1B (tied), 1,235,814,400 parameters by hand: 16 x 60,817,408 + 67,584 norms +
@@ -44,6 +43,7 @@ def test_total_params_counts_a_tied_embedding_once():
             model = LlamaForCausalLM(LlamaConfig(**cfg))
         assert C.total_params(C.shape_from_hf_config(cfg)) == sum(p.numel() for p in model.parameters()), cfg
     assert C.total_params(C.shape_from_hf_config(llama32_1b)) == 1_235_814_400
+
 
 def test_padded_vocab_matches_the_model_builder():
     from megatron_ext.model import padded_vocab_size
@@ -304,7 +304,6 @@ def test_overlapped_dp_communication():
     assert only_reduce.dp_comm_s == pytest.approx(40e6 / params * reduce_s + gather_s, rel=1e-12)
 
 
-
 def test_overlapped_grad_reduce_hides_two_thirds_of_the_last_microbatch():
     """A microbatch too short to hide the reduce-scatter: SFT at 1,024 tokens, overlap_grad_reduce hides 2/3 of the
     last microbatch's compute (its backward) and the rest shows. Hand numbers: 1,004,015,616 parameters per GPU
@@ -333,6 +332,7 @@ def test_pipeline_keeps_pp_microbatches_in_flight():
 
     assert activations(128) == 2 * 8192 * 16 * 18_432  # 8 microbatches: 2 in flight
     assert activations(16) == 8192 * 16 * 18_432  # 1 microbatch
+
 
 def test_recommendation_prefers_no_recompute_when_gpus_allow():
     best = P.recommend(load_recipe(R / "cpt_1m.yaml", FULL_HEAD), H100)
