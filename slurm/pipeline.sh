@@ -80,8 +80,9 @@ fi
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
 # sbatch_gpus_per_node: the GPUs per node SBATCH_ARGS asks for, in the forms sbatch takes (`man sbatch`):
 # --gpus-per-node=[type:]N, and a gpu entry gpu[:type][:N] (N 1 where left out) in --gres's comma list; either as
-# one word or two; a later one wins. Sets GPN (empty where SBATCH_ARGS names none) and GPU_TYPE, or GPN_UNREAD to why
-# one cannot be read (sbatch itself may take it or refuse it: only the evaluation jobs' size needs it).
+# one word or two; a later one wins (--gpus / -G, the job's GPUs in all, cannot be read as per node). Sets GPN (empty
+# where SBATCH_ARGS names none) and GPU_TYPE, or GPN_UNREAD to why one cannot be read (sbatch itself may take it or
+# refuse it: only the evaluation jobs' size needs it).
 sbatch_gpus_per_node() {
   GPN="" GPU_TYPE="" GPN_UNREAD=""
   local i option value written entry
@@ -89,14 +90,20 @@ sbatch_gpus_per_node() {
   for ((i = 0; i < ${#EXTRA[@]}; i++)); do
     case ${EXTRA[i]} in
       --gpus-per-node=* | --gres=*) option=${EXTRA[i]%%=*} value=${EXTRA[i]#*=} written=${EXTRA[i]} ;;
-      --gpus-per-node | --gres)
+      --gpus-per-node | --gres | --gpus | -G)
         option=${EXTRA[i]}
         if ((i + 1 == ${#EXTRA[@]})); then GPN_UNREAD="$option has no value"; return 0; fi
         i=$((i + 1))
         value=${EXTRA[i]} written="$option $value"
         ;;
+      --gpus=* | -G?*) option=--gpus written=${EXTRA[i]} ;;
       *) continue ;;
     esac
+    if [[ $option == --gpus || $option == -G ]]; then
+      # the job's GPUs in all: per node it depends on how Slurm spreads them, so a guess could ask too many
+      GPN="" GPU_TYPE="" GPN_UNREAD="$written counts the job's GPUs in all, not per node"
+      continue
+    fi
     if [[ $option == --gpus-per-node ]]; then
       if [[ $value =~ ^(([^:,]+):)?([0-9]+)$ ]]; then
         GPN=$((10#${BASH_REMATCH[3]})) GPU_TYPE=${BASH_REMATCH[2]} GPN_UNREAD=""

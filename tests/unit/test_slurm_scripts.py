@@ -324,6 +324,10 @@ def test_pipeline_evaluation_jobs_fit_the_nodes(tmp_path, sbatch_args, overrides
     ("--gpus-per-node=lots", "--gpus-per-node=lots is not [type:]count"),
     ("--gres=gpu:h100:2k", "--gres=gpu:h100:2k: its gpu entry is not gpu[:type][:count]"),
     ("--account=a --gpus-per-node", "--gpus-per-node has no value"),
+    # the job's GPUs in all were not read at all: the recipe's 8 per node asked of the nodes
+    ("--gpus=16", "--gpus=16 counts the job's GPUs in all, not per node"),
+    ("--gpus-per-node=4 -G h100:16", "-G h100:16 counts the job's GPUs in all, not per node"),
+    ("-G16", "-G16 counts the job's GPUs in all, not per node"),
 ])
 def test_pipeline_refuses_gpus_per_node_it_cannot_read(tmp_path, sbatch_args, said):
     """Where the evaluation jobs' size depends on it, GPUs per node that the pipeline cannot read are one line, not
