@@ -13,6 +13,7 @@ from megatron_ext.convert.hf_io import (
     DTYPES,
     GENERATION_CONFIG,
     TOKENIZER_FILES,
+    VOCABULARY_FILES,
     ConvertError,
     StreamingSafetensorsWriter,
     check_llama,
@@ -89,7 +90,7 @@ def _check_tokenizer(tokenizer: str | Path | None) -> None:
     if not files:
         raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); {fix}")
     # tokenizer_config.json alone (a copy without its vocabulary) was copied and the export called fine, unusable
-    if not {"tokenizer.json", "tokenizer.model"} & {f.name for f in files}:
+    if not set(VOCABULARY_FILES) & {f.name for f in files}:
         raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer.json (or sentencepiece tokenizer.model) there, "
                            f"only {', '.join(f.name for f in files)}, settings without the vocabulary (a Llama-3.1 "
                            f"folder has tokenizer.json); {fix}")
@@ -205,13 +206,17 @@ def to_hf(megatron_dir: str | Path, out: str | Path, *, iteration: int | None = 
         gen = generation_config(hf_cfg, gen)
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
         tok_dir = Path(tokenizer) if tokenizer else (Path(meta["tokenizer"]) if meta.get("tokenizer") else None)
-        copied = copy_tokenizer(tok_dir, tmp)
+        found = [f.name for f in tokenizer_files(tok_dir)]
+        # the recorded folder is not checked before the work as --tokenizer is: its settings without a vocabulary
+        # made an export that no tokenizer loads from, said to have its tokenizer
+        copied = copy_tokenizer(tok_dir, tmp) if set(VOCABULARY_FILES) & set(found) else []
         report = {"direction": "to-hf", "out": str(out), "iteration": iteration, "dtype": dtype_name(target),
                   "tensors": len(written), "bytes": writer.total, "tokenizer_files": copied}
         if rope_changed:
             report["rope_changed"] = rope_changed
-        warnings = [] if copied else [f"no tokenizer files copied (tokenizer location {tok_dir}); pass --tokenizer "
-                                      "DIR to include them"]
+        why = (f"{tok_dir} has {', '.join(found)} but no tokenizer.json or tokenizer.model, the vocabulary" if found
+               else f"tokenizer location {tok_dir}")
+        warnings = [] if copied else [f"no tokenizer files copied ({why}); pass --tokenizer DIR to include them"]
         if hf_cfg.get("eos_token_id") is None and gen.get("eos_token_id") is None:
             warnings.append("no eos_token_id recorded: transformers would take Llama-2's (2) and generate() would "
                             "not stop at the end of an answer; pass --tokenizer HF_DIR, the model folder the run "

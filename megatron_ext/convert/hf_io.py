@@ -20,6 +20,8 @@ class ConvertError(Exception):
 SUPPORTED_ROPE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "chat_template.json")
+# The files that hold a tokenizer's vocabulary: without one, the others are settings no tokenizer loads from
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model")
 GENERATION_CONFIG = "generation_config.json"
 # Size fields every Llama config.json must state (the tensor shapes follow from them).
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

@@ -513,6 +513,26 @@ def test_tokenizer_folder_without_a_tokenizer(tmp_path, mcore, toy_tokenizer, cp
     assert (tmp_path / "o" / "tokenizer.json").read_bytes() == (Path(toy_tokenizer) / "tokenizer.json").read_bytes()
 
 
+def test_recorded_tokenizer_without_a_vocabulary_is_not_copied(src, tmp_path, cpu_parallel_state, capsys):
+    """to-hf without --tokenizer copies the tokenizer folder recorded at import, which is not checked before the work
+    as --tokenizer is: one with tokenizer_config.json but no tokenizer.json was copied, and the export said it had a
+    tokenizer (`tokenizer_files` in the report, no warning), one that no tokenizer loads from. Now nothing is copied
+    and the warning names the folder and what it lacks. Control (old code): tokenizer_config.json copied, no warning."""
+    from megatron_ext.checkpoint_layout import read_metadata
+
+    hf = copy_src(src, tmp_path)
+    (hf / "tokenizer.json").unlink()
+    assert cli.main(["to-megatron", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--no-progress"]) == 0
+    assert read_metadata(tmp_path / "mc")["tokenizer"] == str(hf.resolve())  # recorded: it has tokenizer files
+    capsys.readouterr()
+    assert cli.main(["to-hf", "--megatron", str(tmp_path / "mc"), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert not (tmp_path / "o" / "tokenizer_config.json").exists()
+    assert json.loads(out)["tokenizer_files"] == []
+    assert (f"warning: no tokenizer files copied ({hf.resolve()} has tokenizer_config.json but no tokenizer.json or "
+            "tokenizer.model, the vocabulary); pass --tokenizer DIR to include them") in err, err
+
+
 def test_a_dangling_safetensors_link_is_named(src, tmp_path, cpu_parallel_state):
     """A hub cache whose blobs were pruned: model.safetensors a symlink to nothing, no index. The line named
     model.safetensors.index.json, which does not exist. Now the link and its target. Control (old code): the index."""

@@ -38,7 +38,10 @@ def make_hf_model(out: Path, seed: int = 0, tokenizer: bool = True, **overrides)
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out))
-    if tokenizer:  # a stand-in tokenizer file: the converter copies tokenizer files verbatim
+    if tokenizer:  # a stand-in tokenizer (a vocabulary and its settings): the converter copies them verbatim
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>")).save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
     return out
 

@@ -61,7 +61,7 @@ def test_round_trip_bit_exact(converted):
         LlamaConfig.from_pretrained(str(tmp / "back")).rope_parameters
     index = json.loads((tmp / "back/model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    for f in ("generation_config.json", "tokenizer_config.json"):
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp / "back" / f).is_file(), f
 
 
