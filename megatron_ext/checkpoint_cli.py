@@ -1,7 +1,8 @@
-"""`tools/checkpoint.py info DIR`: what a checkpoint holds, whether it is complete, and what a run would do
-with it (`--recipe`): resume model, optimizer and data position, the weights only, or nothing. `tools/checkpoint.py
-reshard DIR --out NEW`: its distributed-optimizer state saved again for any layout (megatron_ext.checkpoint_reshard).
-Ctrl-C / SIGTERM end either in one line and exit 130 / 143; an interrupted reshard leaves no --out."""
+"""`tools/checkpoint.py info DIR`: what a checkpoint holds, whether it is complete (and, `--verify`, undamaged), and
+what a run would do with it (`--recipe`): resume model, optimizer and data position, the weights only, or nothing.
+`tools/checkpoint.py reshard DIR --out NEW`: its distributed-optimizer state saved again for any layout
+(megatron_ext.checkpoint_reshard). Ctrl-C / SIGTERM end either in one line and exit 130 / 143; an interrupted reshard
+leaves no --out."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_ext.checkpoint_index import CheckpointError, check_complete, saved_bucket_size, saved_fully_reshardable
+from megatron_ext.checkpoint_damage import FIX as DAMAGE_FIX
+from megatron_ext.checkpoint_damage import verify_contents
+from megatron_ext.checkpoint_index import (CheckpointError, check_complete, read_dcp_index, saved_bucket_size,
+                                           saved_fully_reshardable)
 from megatron_ext.checkpoint_layout import (available_iterations, checked_metadata, latest_iteration,
                                             resolve_iteration_dir, unfinished_saves)
 from megatron_ext.cli_types import whole_number
@@ -36,22 +40,30 @@ def _buckets_of(meta: dict) -> str:
     return " (one gradient bucket)" if size is None else f" (gradient buckets of {size:,} parameters)"
 
 
-def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, dict, bool]:
+def describe(root: Path, iteration: int | None = None, verify: bool = False) -> tuple[list[str], int, dict, str | None]:
     """Printable lines about `root`'s checkpoint `iteration` (latest if None), that iteration, its metadata and
-    whether it is complete."""
+    what stops a run from loading it (None when nothing does): incomplete, or with `verify` (every stored byte read
+    and its CRC-32 checked) damaged."""
     iteration, path = resolve_iteration_dir(root, iteration, iteration_option="--iteration")
     meta = checked_metadata(path)
-    complete = True
+    unusable = None
     try:
         check_complete(path)
         files = sorted(p for p in path.iterdir() if p.is_file())
         size = sum(p.stat().st_size for p in files)
         shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
-        # a shard of the right size with damaged bytes shows only when a load reads it (checkpoint_damage.py)
-        state = f"complete ({len(files)} files, {shown}; their sizes checked, not their contents)"
+        state = f"complete ({len(files)} files, {shown}; "
+        if not verify:
+            # a damaged byte in a tensor loads without a word (torch does not check the CRC): checkpoint_damage.py
+            state += "their sizes checked, not their contents: --verify reads them)"
+        elif damaged := verify_contents(path, read_dcp_index(path)):
+            state = f"DAMAGED: {'; '.join(f'{name}: {what}' for name, what in damaged)}"
+            unusable = f"damaged (above); {DAMAGE_FIX}"
+        else:
+            state += "contents read, every stored item's CRC-32 checked)"
     except CheckpointError as e:
         state = f"INCOMPLETE: {str(e).split('incomplete checkpoint: ', 1)[-1]}"
-        complete = False
+        unusable = "incomplete (above); no run can load it"
     recipe, hf = meta.get("recipe") or {}, meta.get("hf_config") or {}
     train, versions = recipe.get("train") or {}, meta.get("versions") or {}
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -77,7 +89,7 @@ def describe(root: Path, iteration: int | None = None) -> tuple[list[str], int, 
     if train:
         lines.append(f"  recipe {recipe.get('name', '?')}: stage {train.get('stage')}, seq {train.get('seq_length')}, "
                      f"global batch {train.get('global_batch_size')}, steps {train.get('steps')}, lr {train.get('lr')}")
-    return lines, iteration, meta, complete
+    return lines, iteration, meta, unusable
 
 
 def verdict(r: Resume, steps: int) -> list[str]:
@@ -109,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/checkpoint.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="describe a checkpoint; with --recipe, what a run would do with it (exit 1 when "
-                          "the iteration is incomplete)")
+                          "the iteration is incomplete, or damaged under --verify)")
     info.add_argument("dir", help="checkpoint.dir of a run (the folder with iter_* and latest_checkpointed_iteration.txt)")
     info.add_argument("--iteration", type=_ITERATION, default=None, help="an iteration other than the latest")
     info.add_argument("--recipe", help="recipe YAML of the run that would resume from DIR")
     info.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="dotted recipe override (repeatable)")
     info.add_argument("--world-size", type=int, default=None, help="processes of that run (default: cluster size)")
+    info.add_argument("--verify", action="store_true", help="read every stored byte and check each item's CRC-32 "
+                      "(after a copy: a damaged byte in a tensor otherwise loads without a word)")
     reshard = sub.add_parser("reshard", help="save a checkpoint's distributed-optimizer state again, "
                              "fully_reshardable (any TP, PP and gradient buckets resume it); on a multiple of TP x PP "
                              "processes")
@@ -144,7 +158,7 @@ def _info(args: argparse.Namespace) -> int:
         print("error: --set and --world-size describe the run of --recipe; give --recipe FILE too", file=sys.stderr)
         return 1
     try:
-        lines, iteration, meta, complete = describe(Path(args.dir), args.iteration)
+        lines, iteration, meta, unusable = describe(Path(args.dir), args.iteration, verify=args.verify)
         if args.recipe:
             recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
             p = recipe.parallel
@@ -156,8 +170,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("\n".join(lines))
-    if not complete:  # for scripts: a checkpoint not to load
-        print(f"error: {args.dir}: iteration {iteration} is incomplete (above); no run can load it", file=sys.stderr)
+    if unusable:  # for scripts: a checkpoint not to load
+        print(f"error: {args.dir}: iteration {iteration} is {unusable}", file=sys.stderr)
         return 1
     return 0
 

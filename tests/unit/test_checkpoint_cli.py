@@ -36,7 +36,7 @@ def test_describes_a_checkpoint(ckpt, capsys):
     code, out, _ = _info(capsys, ckpt)
     assert code == 0
     assert f"checkpoint {ckpt}: iterations [2], latest 2" in out and "iter_0000002: complete" in out
-    assert "; their sizes checked, not their contents)" in out  # a damaged shard of the right size passes
+    assert "; their sizes checked, not their contents: --verify reads them)" in out  # damage of the right size passes
     assert ("layout TP 1 x PP 1 x CP 1 x DP 1, distributed optimizer True (one gradient bucket), optimizer state "
             "True") in out
     assert "position: step 2, 8 samples, 2,048 tokens" in out and "model: 2 layers, hidden 64" in out
