@@ -9,8 +9,10 @@ Outside oracles: transformers' own `generate` and loss.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -739,3 +741,77 @@ def test_needle_slots_refuse_a_gap_over_5_percent():
     with pytest.raises(EvalError, match=r"haystack essay: tokens 4,900 to 5,900 of the 10,000 a prompt takes hold no "
                                         r"sentence end"):
         hay(900).needle_slots(10_000)  # 4,900 .. 5,900: 10%
+
+
+def test_perplexity_buckets_average_the_losses_of_their_own_positions(tiny):
+    """Each bucket's mean_loss is the mean loss of the tokens at positions [start, end) of the documents that reach
+    them, and its perplexity exp(mean_loss). The tests above checked only the token counts and the overall mean, which
+    losses put in the wrong buckets (or another perplexity formula) keep. Oracle: transformers' logits and torch's
+    cross_entropy over each whole document, bucketed here by hand."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(5, TINY["vocab_size"], (n,), generator=g) for n in (40, 100)]
+    res = perplexity_by_position(model, docs, per_octave=1, chunk=None, progress=False)
+    assert [(b["start"], b["end"]) for b in res.buckets] == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64),
+                                                             (64, 100)]
+    with torch.no_grad():
+        ce = [torch.nn.functional.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="none").double()
+              for d in docs]
+    for b in res.buckets:
+        at = torch.cat([c[b["start"] - 1:b["end"] - 1] for c in ce])  # entry t-1: the token at position t
+        assert b["tokens"] == len(at)
+        assert b["mean_loss"] == pytest.approx(at.mean().item(), abs=1e-5), b
+        assert b["perplexity"] == pytest.approx(math.exp(at.mean().item()), rel=1e-5), b
+
+
+def test_perplexity_leaves_out_one_token_documents_and_warns_only_beyond_max_positions(tiny):
+    """A 1-token document has no loss: it is not counted as a document. Documents cut to max_position_embeddings
+    (the default) are not beyond it: no extrapolation warning then, one at seq_len = max_position_embeddings + 1."""
+    model, _ = tiny
+    doc = torch.randint(5, TINY["vocab_size"], (300,), generator=torch.Generator().manual_seed(12))
+    res = perplexity_by_position(model, [doc[:50], doc[:1]], chunk=None, progress=False)
+    assert (res.documents, res.doc_tokens) == (1, [50])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert perplexity_by_position(model, [doc], chunk=None, progress=False).doc_tokens == [256]
+    with pytest.warns(UserWarning, match="beyond the model's max_position_embeddings=256"):
+        perplexity_by_position(model, [doc], seq_len=257, chunk=None, progress=False)
+
+
+def test_token_losses_auto_chunk_is_at_most_4096(tiny):
+    """chunk="auto" holds one chunk's logits [c, V] at a time, c at most 4096 (`auto_prefill_chunk` alone gives one
+    pass up to 32k tokens: 16 GiB of fp32 logits at Llama-3's vocabulary). A 4,500-token document: two forward calls,
+    and the losses are still torch's cross_entropy over transformers' logits of one pass."""
+    model, _ = tiny
+    ids = torch.randint(5, TINY["vocab_size"], (4500,), generator=torch.Generator().manual_seed(13))
+    lengths: list[int] = []
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: lengths.append(kwargs["input_ids"].shape[1]),
+                                       with_kwargs=True)
+    try:
+        got = token_losses(model, ids, "auto")
+    finally:
+        hook.remove()
+    assert lengths == [4096, 404]
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(ids[None]).logits[0, :-1], ids[1:], reduction="none")
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5), (got - ref).abs().max()
+
+
+def test_indexed_documents_longest_first_by_whole_document_then_file_order(tmp_path):
+    """Documents of several sequences are ordered by their total length (Megatron's document index), ties in file
+    order. Hand numbers: sequences [5, 40], [30], [10, 10, 10], [3] are documents of 45, 30, 30 and 3 tokens."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    g = torch.Generator().manual_seed(14)
+    docs = [[torch.randint(5, 500, (n,), generator=g) for n in parts] for parts in ([5, 40], [30], [10, 10, 10], [3])]
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    for parts in docs:
+        for p in parts:
+            builder.add_item(p)
+        builder.end_document()
+    builder.finalize(str(tmp_path / "d.idx"))
+    whole = [torch.cat(parts).numpy() for parts in docs]
+    got = indexed_documents(tmp_path / "d")
+    assert [d.tolist() for d in got] == [whole[i].tolist() for i in (0, 1, 2, 3)]
+    assert [d.tolist() for d in indexed_documents(tmp_path / "d", max_documents=2)] == [whole[0].tolist(),
+                                                                                         whole[1].tolist()]

@@ -66,3 +66,10 @@ def test_number_settled():
     assert number_settled(" 4817263.")
     assert number_settled("x 12 y")
     assert not number_settled("")
+
+
+def test_no_new_tokens_asked_gives_none_and_runs_no_pass():
+    """max_new_tokens=0: nothing to decode (the cut at max_new_tokens was only checked after a token was taken)."""
+    prompt = [3, 1, 4]
+    assert speculative_greedy(predict, prompt, plain_greedy(prompt, 3), 0) == ([], 0)
+    assert speculative_greedy(predict, prompt, [], 0) == ([], 0)

@@ -121,3 +121,54 @@ def test_chat_prompts_hold_the_example_in_the_user_turn(tok):
     assert user.startswith("<s>[user]\nVariable assignments") and user.count("Variable assignments") == 2
     assert re.search(r"hold \d+ are:( [A-Z]+){5}\n\nVariable assignments", user)
     assert assistant.startswith("The variables that hold")
+
+
+class _Scripted(random.Random):
+    """A Random whose first `randrange` draws are given, then its own."""
+
+    def __init__(self, first: list[int]):
+        super().__init__(0)
+        self.first = list(first)
+
+    def randrange(self, *args, **kwargs):
+        return self.first.pop(0) if self.first else super().randrange(*args, **kwargs)
+
+
+def _words(s: str) -> int:
+    """A stand-in token count that grows faster than its parts: a word each, and one more per 50 words."""
+    n = len(s.split())
+    return n + n // 50
+
+
+def _names(n: int) -> list[str]:
+    return ["ALPHA", "BRAVO", "CHARL", "DELTA", "ECHOO", "FOXTR"][:n]
+
+
+def test_vt_example_fills_500_tokens_with_a_chain_in_order_and_another_value():
+    """Hand numbers with `_words` as the token count: the example's prompt (answer left out) is the largest within
+    RULER's 500 tokens, i.e. exactly 500 here (491 words); the per-paragraph estimate overshoots (508), so the
+    trimming is what gets it there. The chain's lines come in chain order (RULER inserts them at sorted places).
+    Its value is 5 digits (RULER's randint(10000, 99999)) and never the real task's, even when drawn twice."""
+    from megatron_ext.evaluate.ruler_oneshot import vt_example
+
+    text = vt_example(_Scripted([12345, 12345, 67890]), _names, "12345", 4, "grass.", _words)
+    asked = text.rsplit(" are:", 1)[0] + " are:"
+    assert _words(asked) == 500 and len(asked.split()) == 491
+    assert "hold the value 67890" in asked and "12345" not in text
+    at = [asked.index(f"VAR {n} = ") for n in _names(5)]
+    assert at == sorted(at), at
+    assert text.endswith(" are: ALPHA BRAVO CHARL DELTA ECHOO\n\n")
+    values = {re.search(r"hold the value (\d+)", vt_example(random.Random(seed), _names, "12345", 4, "grass.",
+                                                            _words)).group(1) for seed in range(100)}
+    assert all(len(v) == 5 for v in values) and len(values) > 90
+
+
+def test_cwe_example_list_is_shuffled():
+    """RULER shuffles the example's words: the 10 common ones are not listed first, as a block."""
+    from megatron_ext.evaluate.ruler_oneshot import cwe_example
+
+    words = [f"w{i:02d}" for i in range(40)]
+    text = cwe_example(random.Random(0), lambda n: words[:n], 4096, 10, "ten")
+    listed = re.findall(r"\d+\. (w\d\d)", text.split("\n\n")[1])
+    assert len(listed) == 10 * 10 + 30 * 3 and Counter(listed)["w00"] == 10
+    assert set(listed[:100]) != set(words[:10])
