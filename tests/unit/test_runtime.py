@@ -137,3 +137,101 @@ def test_two_ranks_never_share_a_gpu():
     with pytest.raises(DeviceError, match=r"this task sees 4 GPUs .* and 8 tasks share the node: local rank 4 would "
                                           r"share GPU 0 with another task; .*--gpus-per-task=1"):
         gpu_of_local_rank(4, 4, 8)
+
+
+def test_launcher_defaults_and_what_wins():
+    """Hand-set variables: torchrun's defaults (LOCAL_RANK 0, 127.0.0.1:29500, torch's MASTER_PORT default); under
+    Slurm the step's node list (an srun step on part of an allocation puts its task 0 on the step's first node, not
+    the job's) and a MASTER_ADDR the job exported (slurm/common.sh vets it and lets it stand); a lone process keeps
+    a MASTER_PORT it was given."""
+    e = process_env({"RANK": "0", "WORLD_SIZE": "1"})
+    assert (e.local_rank, e.master_addr, e.master_port) == (0, "127.0.0.1", 29500)
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[001-004]", "SLURM_JOB_ID": "5"}
+    assert process_env({**slurm, "SLURM_STEP_NODELIST": "gpu[003-004]"}).master_addr == "gpu003"
+    assert process_env({**slurm, "MASTER_ADDR": "10.1.2.3"}).master_addr == "10.1.2.3"
+    assert process_env({"MASTER_PORT": "23456"}).master_port == 23456
+    # consecutive job ids are the common neighbours on a shared node: job N's second step and job N+1's first
+    # must not meet on one port
+    assert (process_env({**slurm, "SLURM_JOB_ID": "123", "SLURM_STEP_ID": "1"}).master_port
+            != process_env({**slurm, "SLURM_JOB_ID": "124", "SLURM_STEP_ID": "0"}).master_port)
+
+
+@pytest.mark.parametrize("environ, tasks", [
+    # an srun step inside the allocation (1 task per node in a job of 8 per node): the step's layout, not the job's
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}, 1),
+    ({"SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "2"}, None),  # a node the list does not reach: no guess
+])
+def test_tasks_on_this_node_of_a_step(environ, tasks):
+    from megatron_ext.runtime.distributed import tasks_on_this_node
+
+    assert tasks_on_this_node(environ) == tasks
+
+
+def test_rank_zero_outcome_without_a_process_group():
+    """The caller is rank 0: a value comes back, an expected error as its message, any other error raised as it is
+    (checkpoint_space reads only the value: a message in its place would pass a failed check as no verdict)."""
+    from megatron_ext.runtime.distributed import rank_zero_outcome
+
+    def fails(error):
+        raise error
+
+    assert rank_zero_outcome(lambda: 7, KeyError) == (7, None)
+    assert rank_zero_outcome(lambda: fails(KeyError("k")), KeyError) == (None, "'k'")
+    with pytest.raises(ValueError, match="^bad$"):
+        rank_zero_outcome(lambda: fails(ValueError("bad")), KeyError)
+
+
+def test_shared_gpu_refused_before_the_device_is_taken(monkeypatch):
+    """init_distributed passes the node's task count to gpu_of_local_rank: 8 tasks on a node that each see 4 GPUs
+    (--gpu-bind=closest) is a DeviceError before any GPU is taken. No machine here has several GPUs: torch.cuda's
+    count is stood in for (the refusal comes before anything else of CUDA is touched)."""
+    import torch
+
+    from megatron_ext.runtime import DeviceError, init_distributed
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_PROCID": "4", "SLURM_NTASKS": "8", "SLURM_LOCALID": "4", "SLURM_NODEID": "0",
+                        "SLURM_STEP_TASKS_PER_NODE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(DeviceError, match="8 tasks share the node: local rank 4 would share GPU 0"):
+        init_distributed("cuda")
+
+
+def test_two_nodes_one_task_each_take_their_global_ranks(tmp_path):
+    """Slurm tasks on two nodes, one each: both have SLURM_LOCALID 0, SLURM_PROCID 0 and 1. The default group takes
+    the global rank (by the local one both would be rank 0: a rendezvous that never completes). Real gloo, two
+    processes; the all-reduce sums 1 + 2."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_ext.runtime.job_env import free_port
+
+    code = """
+import torch
+from megatron_ext.runtime import destroy_distributed, init_distributed
+penv = init_distributed("cpu", timeout_minutes=1)
+t = torch.tensor([penv.rank + 1.0])
+torch.distributed.all_reduce(t)
+print(torch.distributed.get_rank(), torch.distributed.get_world_size(), penv.local_rank, t.item())
+destroy_distributed()
+"""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") and not k.startswith("SLURM_")}
+    # this tree's megatron_ext, not whichever the interpreter has installed
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURM_NTASKS="2", SLURM_LOCALID="0",
+                SLURM_JOB_NODELIST="127.0.0.1", PYTHONPATH=os.pathsep.join(filter(None, [root, base.get("PYTHONPATH")])))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**base, "SLURM_PROCID": str(r)}, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-2000:]
+        assert out.splitlines()[-1] == f"{r} 2 0 3.0"

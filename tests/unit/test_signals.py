@@ -160,3 +160,38 @@ def test_an_interrupt_that_was_swallowed_or_wrapped_in_the_block_is_raised(monke
     for lose_it in (_swallowed, _wrapped):
         with pytest.raises(Terminated), sigterm_as_interrupt(), children_killed_on_interrupt():
             lose_it()
+
+
+def test_interrupts_held_over_a_block():
+    """interrupts_held (the tools' heavy imports): one SIGTERM waits for the block's end, then goes to the handler
+    that was installed; a second comes at once (a block that hangs); a SIGINT this process ignores (a `&` background
+    job) stays ignored and is not the first of two, so a SIGTERM after it still waits."""
+    import signal
+
+    import pytest
+
+    from megatron_ext.runtime.held_signals import interrupts_held
+    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
+
+    went_on = []
+    with sigterm_as_interrupt():
+        with pytest.raises(Terminated):
+            with interrupts_held():
+                signal.raise_signal(signal.SIGTERM)
+                went_on.append("one")
+        with pytest.raises(Terminated):
+            with interrupts_held():
+                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(signal.SIGTERM)
+                went_on.append("two")
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            with pytest.raises(Terminated):
+                with interrupts_held():
+                    signal.raise_signal(signal.SIGINT)
+                    signal.raise_signal(signal.SIGTERM)
+                    went_on.append("ignored SIGINT, then one")
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    assert went_on == ["one", "ignored SIGINT, then one"]
