@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -409,3 +410,217 @@ def test_serving_memory_llama31_8b():
     assert kv_only[2]["saved"] == 256 * GIB
     doc = (Path(__file__).resolve().parents[2] / "docs/serving.md").read_text()
     assert format_serving_table(rows) in doc  # the documented numbers are the computed ones
+
+
+# ------------------------------------------------------------------------------ pins (mutation audit)
+
+
+def test_check_numbers_are_transformers_own(quantized, hf_dir, monkeypatch):
+    """run_check's numbers against plain computations: each length's perplexity is exp of transformers' own
+    causal-LM loss (labels=input_ids: token t+1 predicted from tokens <= t) of the original model and of the
+    fake-quant one on the windows cut to that length; the logits error ||Lq - L|| / ||L|| and the top-1 agreement
+    from both models' full logits. With LOGIT_CHUNK 100 a window's logits come in several lm_head chunks."""
+    from transformers import AutoModelForCausalLM
+
+    import megatron_ext.quantize.check as check
+
+    model, held = quantized
+    ref_model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    x = torch.stack(held)  # [2, SEQ]
+    ppl = {}
+    with torch.no_grad():
+        for n in (64, 200, SEQ):
+            ppl[n] = (math.exp(float(ref_model(x[:, :n], labels=x[:, :n]).loss)),
+                      math.exp(float(model(x[:, :n], labels=x[:, :n]).loss)))
+        ref, fq = ref_model(x).logits.double(), model(x).logits.double()  # [2, SEQ, V]
+    rel = float((fq - ref).norm() / ref.norm())
+    top1 = float((fq.argmax(-1) == ref.argmax(-1)).double().mean())
+    assert 0 < rel and top1 < 1  # FP8 changed something: the checks below can fail
+    monkeypatch.setattr(check, "LOGIT_CHUNK", 100)  # 3 chunks a window (the default's one: other tests)
+    r = run_check(model, held, lengths=[200, SEQ, 64], niah=False)
+    assert [row["length"] for row in r.rows] == [64, 200, SEQ]
+    for row in r.rows:
+        p_ref, p_q = ppl[row["length"]]
+        assert row["ppl_orig"] == pytest.approx(p_ref, rel=1e-5) and row["ppl_fp8"] == pytest.approx(p_q, rel=1e-5)
+        assert row["ppl_increase"] == pytest.approx(p_q / p_ref - 1, abs=1e-6)
+    assert r.ppl_increase == pytest.approx(ppl[SEQ][1] / ppl[SEQ][0] - 1, abs=1e-6)  # the longest length's
+    assert r.logits_rel_err == pytest.approx(rel, rel=1e-4) and r.top1_agreement == pytest.approx(top1, abs=1e-9)
+
+
+def test_check_lengths_halve_down_from_the_window():
+    from megatron_ext.quantize.check import check_lengths
+
+    assert check_lengths(1 << 20) == [1 << 18, 1 << 19, 1 << 20]  # the docstring's 1M -> [256K, 512K, 1M]
+    assert check_lengths(256, 2) == [128, 256] and check_lengths(3) == [2, 3]  # never below 2 tokens
+
+
+def test_weights_none_exports_only_the_kv_cache_scales(hf_dir, token_prefix, tmp_path):
+    """--weights none --kv-cache fp8: every linear layer as stored (no FP8 weight, no weight/input scale), only the
+    k_scale/v_scale of each attention layer added. Oracle: the original safetensors."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "kv"
+    code, stdout, stderr = _cli("--hf", hf_dir, "--out", out, "--calib", token_prefix, "--weights", "none",
+                                "--calib-samples", 1, "--calib-seq-length", 32)
+    assert code == 0, stderr + stdout
+    t, orig = load_file(out / "model.safetensors"), load_file(hf_dir / "model.safetensors")
+    assert not [k for k in t if k.endswith(("weight_scale", "input_scale"))]
+    assert all(torch.equal(t[k], v) for k, v in orig.items())
+    for i in range(TINY["num_hidden_layers"]):
+        for kv in ("k", "v"):
+            assert float(t[f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"]) > 0
+    assert "quantized: 0 linear layers" in stdout
+
+
+def test_kv_cache_quantizers_that_modelopt_did_not_insert_are_an_error(hf_dir, token_prefix, monkeypatch):
+    """A ModelOpt whose KV-cache config names quantizers this model does not have (its attention not hooked) would
+    export no k_scale/v_scale while --kv-cache fp8 was asked; quantize says so."""
+    import modelopt.torch.quantization as mtq
+    from transformers import AutoModelForCausalLM
+
+    calib, _ = load_windows(token_prefix, samples=1, seq_length=32)
+    monkeypatch.setattr(mtq, "FP8_KV_CFG", {"quant_cfg": [{"quantizer_name": "*nowhere_bmm_quantizer",
+                                                           "cfg": {"num_bits": (4, 3), "axis": None}}]})
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with pytest.raises(QuantizeError, match="inserted no KV-cache quantizers"):
+        quantize(model, calib, progress=False)
+
+
+def test_export_folder_mode_and_a_failed_export_leaves_nothing(hf_dir, token_prefix, tmp_path):
+    """The export folder gets the mode a folder made the usual way gets (mkdtemp's is 0700: unreadable to the
+    serving user); an export that fails partway leaves neither the folder nor its temporary."""
+    import stat
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.quantize import export
+
+    calib, _ = load_windows(token_prefix, samples=1, seq_length=32)
+
+    def fresh():
+        return quantize(AutoModelForCausalLM.from_pretrained(hf_dir).eval(), calib, progress=False)
+
+    (tmp_path / "plain").mkdir()
+    out = export(fresh(), tmp_path / "fp8")
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(FileNotFoundError):  # after ModelOpt wrote the weights
+        export(fresh(), bad / "fp8", extra_files={"no/such/folder.txt": "x"})
+    assert list(bad.iterdir()) == []
+
+
+def test_checkpoint_bytes_counts_weight_files_only(tmp_path):
+    from megatron_ext.quantize.fp8 import checkpoint_bytes
+
+    for name, size in (("a.safetensors", 10), ("b.bin", 20), ("c.pt", 30), ("config.json", 7), ("t.model", 5)):
+        (tmp_path / name).write_bytes(b"\0" * size)
+    (tmp_path / "sub.safetensors").mkdir()
+    assert checkpoint_bytes(tmp_path) == 60
+
+
+def test_serving_memory_with_the_kv_cache_unchanged():
+    """--kv-cache none: the KV cache stays BF16 (128 KiB a token for Llama-3.1-8B: 32 layers x 8 KV heads x 128 x
+    K and V x 2 B); only the weights shrink, by one byte per linear-layer parameter."""
+    from megatron_ext.presets import LLAMA31_8B
+    from megatron_ext.quantize import format_report, serving_memory
+    from megatron_ext.quantize.report import GIB
+
+    rows = serving_memory(LLAMA31_8B, kv_cache="none")
+    assert [r["kv_fp8"] / GIB for r in rows] == [r["kv_bf16"] / GIB for r in rows] == [128, 256, 512]
+    assert [r["saved"] for r in rows] == [6_979_321_856] * 3
+    layers = {"fp8_linear": [], "fp8_kv_cache": [], "kept": []}
+    text = format_report(LLAMA31_8B, layers, 2 << 20, 1 << 20, "none", "fp8")
+    assert "KV cache per token: 131,072 B (BF16) -> 131,072 B (BF16)" in text and "(0.50x)" in text
+
+
+@pytest.mark.parametrize("top, ok", [(511, True), (512, False)])
+def test_calibration_token_ids_at_the_vocabulary_edge(tmp_path, top, ok):
+    """ids 0..vocab_size-1 are the model's; vocab_size itself is one past the embedding table."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    b.add_document(torch.tensor([5] * 40 + [top] + [7] * 23, dtype=torch.int32), [64])
+    b.finalize(str(tmp_path / "d.idx"))
+    if ok:
+        load_windows(str(tmp_path / "d"), samples=1, seq_length=32, held_out=1, vocab_size=512)
+    else:  # the id sits in the held-out window: it is run through the model too
+        with pytest.raises(QuantizeError, match="token id 512, outside the model's vocabulary of 512"):
+            load_windows(str(tmp_path / "d"), samples=1, seq_length=32, held_out=1, vocab_size=512)
+
+
+def test_negative_calibration_token_ids_are_refused(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    b.add_document(torch.tensor([5] * 20 + [-1] + [7] * 11, dtype=torch.int32), [32])
+    b.finalize(str(tmp_path / "d.idx"))
+    with pytest.raises(QuantizeError, match="outside the model's vocabulary of 512"):
+        load_windows(str(tmp_path / "d"), samples=1, seq_length=32, vocab_size=512)
+
+
+def test_windows_use_data_of_exactly_the_needed_length(tmp_path):
+    """Two documents of 40 and 88 tokens fill exactly 2 windows of 64 (packed across the boundary, in order);
+    asking one more is too short, naming all 128 tokens."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    b.add_document(torch.arange(3, 43, dtype=torch.int32), [40])
+    b.add_document(torch.arange(100, 188, dtype=torch.int32), [88])
+    b.finalize(str(tmp_path / "d.idx"))
+    calib, held = load_windows(str(tmp_path / "d"), samples=1, seq_length=64, held_out=1)
+    flat = np.concatenate([np.arange(3, 43), np.arange(100, 188)])
+    assert np.array_equal(calib[0].numpy(), flat[:64]) and np.array_equal(held[0].numpy(), flat[64:])
+    with pytest.raises(QuantizeError, match="has 128 tokens in 2 documents, i.e. 2 windows of 64"):
+        load_windows(str(tmp_path / "d"), samples=2, seq_length=64, held_out=1)
+
+
+def test_windows_stop_reading_once_full():
+    """The documents are read only until the windows are full: a Hugging Face dataset is streamed (all of it, for
+    a large corpus, otherwise)."""
+    from megatron_ext.quantize.calib import _windows
+
+    def docs():
+        for _ in range(4):
+            yield np.arange(10)
+        raise AssertionError("read past the last window")
+
+    windows, tokens, n = _windows(docs(), 15, 2)
+    assert [w.tolist() for w in windows] == [list(range(10)) + list(range(5)), list(range(5, 10)) + list(range(10))]
+    assert (tokens, n) == (30, 3)
+
+
+@pytest.mark.parametrize("orig, fp8, passed", [(1.0, 0.5, False), (0.5, 1.0, True), (1.0, 0.85, True)])
+def test_check_fails_on_a_niah_drop_only(quantized, monkeypatch, orig, fp8, passed):
+    """NIAH accuracy that falls by more than --max-niah-drop (0.2) under FP8 fails the check; one that rises does
+    not. The tiny random model finds no needle, so NIAH's scores are stood in for (the one thing stubbed): `orig`
+    with the quantizers bypassed, `fp8` with them on."""
+    from types import SimpleNamespace
+
+    import megatron_ext.evaluate
+
+    model, held = quantized
+
+    def niah(m, tokenizer, lengths, depths, **_):
+        on = any(q.is_enabled for _, q in tensor_quantizers(m))
+        return SimpleNamespace(scores=[[fp8 if on else orig]] * len(depths))
+
+    monkeypatch.setattr(megatron_ext.evaluate, "run_niah", niah)
+    r = run_check(model, held, tokenizer=object(), lengths=[SEQ], max_ppl_increase=1.0, max_logits_rel_err=1.0)
+    assert (r.rows[0]["niah_orig"], r.rows[0]["niah_fp8"]) == (orig, fp8)
+    assert r.passed is passed and r.failures == ([] if passed else [f"NIAH at {SEQ} tokens fell 1.00 -> 0.50"])
+
+
+def test_text_folder_documents_in_path_order(tmp_path, hf_dir):
+    """A folder's text files are read in sorted path order, sub-folders included (not the file system's listing
+    order), so that the same folder always gives the same windows."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    texts = {"b.txt": "The grass is green. " * 4, "a/z.jsonl": "The sky is blue. " * 4, "c.md": "Here we go. " * 4}
+    for name, text in texts.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"text": text}) + "\n" if name.endswith(".jsonl") else text)
+    expect = np.concatenate([tok(texts[n])["input_ids"] for n in ("a/z.jsonl", "b.txt", "c.md")])
+    calib, _ = load_windows(str(tmp_path), samples=1, seq_length=len(expect), tokenizer=tok)
+    assert np.array_equal(calib[0].numpy(), expect)
