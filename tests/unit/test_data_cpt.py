@@ -327,3 +327,39 @@ def test_manifest_counts_and_boundaries_hand_computed(tmp_path, tok_dir, hf_tok)
                                         f"{total + 1}"):
         prep("short", seq_length=total)
     assert not (tmp_path / "short.json").exists()
+
+
+@pytest.mark.parametrize("vocab_size", [65535, 65536, 65537, 128256])
+def test_token_dtype_holds_every_id_and_halves_when_it_can(tmp_path, vocab_size):
+    """The largest id (vocab_size - 1) written with the chosen dtype reads back through Megatron-Core's reader
+    (65,536 ids still fit uint16: 0..65535), and uint16 is chosen whenever it holds them."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    from megatron_ext.data.common import token_dtype
+
+    dtype = token_dtype(vocab_size)
+    assert (dtype is np.uint16) == (vocab_size - 1 <= np.iinfo(np.uint16).max)
+    ids = np.array([0, 1, vocab_size - 2, vocab_size - 1], dtype=np.int64)
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=dtype)
+    builder.add_document(torch.from_numpy(ids.astype(dtype)), [len(ids)])
+    builder.finalize(str(tmp_path / "d.idx"))
+    ds = IndexedDataset(str(tmp_path / "d"))  # kept alive: ds[0] is a view of its memory map
+    assert np.array_equal(np.asarray(ds[0], dtype=np.int64), ids)
+
+
+def test_atomic_outputs_cut_between_renames_leaves_no_manifest(tmp_path):
+    """--force over an older dataset, the renames cut short after the new .bin (here: the new .idx is missing, so
+    its rename fails): the older manifest is gone and the new one not in place, so the new .bin beside the old .idx
+    does not look like a complete dataset."""
+    from megatron_ext.data.common import atomic_outputs, output_paths
+
+    prefix = str(tmp_path / "d")
+    for p in output_paths(prefix):
+        p.write_text("old")
+    with pytest.raises(FileNotFoundError):
+        with atomic_outputs(prefix) as tmp:
+            Path(tmp[prefix + ".bin"]).write_text("new")
+            Path(tmp[prefix + ".json"]).write_text("new")
+    assert Path(prefix + ".bin").read_text() == "new" and Path(prefix + ".idx").read_text() == "old"
+    assert not Path(prefix + ".json").exists()
