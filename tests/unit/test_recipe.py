@@ -48,6 +48,7 @@ def test_string_floats_from_yaml_are_numbers():
     (["trian.lr=1"], r"trian: unknown key \(did you mean 'train'\?\)"),
     (["train.steps=abc"], r"train\.steps = 'abc': expected an integer"),
     (["train.steps=1.5"], r"train\.steps = 1\.5: expected an integer"),
+    (["train.steps=true"], r"train\.steps = True: expected an integer"),  # a Python bool is an int: not here
     (["train.distributed_optimizer=3"], r"train\.distributed_optimizer = 3: expected true or false"),
     (["parallel.cp_comm_type=ring"], r"parallel\.cp_comm_type = 'ring': expected one of 'p2p', 'a2a', 'all_gather', 'a2a\+p2p'"),
     (["train.lr.x=1"], r"train\.lr\.x: train\.lr is a value, not a section"),
@@ -58,6 +59,12 @@ def test_string_floats_from_yaml_are_numbers():
 def test_type_and_key_errors(override, message):
     with pytest.raises(RecipeError, match=message):
         load(override)
+
+
+def test_a_section_left_empty_takes_its_defaults(tmp_path):
+    """`checkpoint:` with every key under it commented out is YAML null: the section's defaults, as if absent."""
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(BASE) + "checkpoint:\n#  keep_last: 2\n")
+    assert load_recipe(tmp_path / "r.yaml").checkpoint == load().checkpoint
 
 
 def test_missing_required_field():
