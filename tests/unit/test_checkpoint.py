@@ -471,3 +471,71 @@ def test_carry_forward_takes_only_what_the_recipe_does_not_set(tmp_path):
     names = {"tokenizer": "meta-llama/Llama-3.1-8B-Instruct", "hf_config": {}}
     carry_forward(names, {"tokenizer": "some/other-tokenizer", "hf_config": {}})  # two hub names: the recipe's
     assert names["tokenizer"] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_checkpoint_saver_in_place_and_in_the_background(tmp_path, cpu_parallel_state):
+    """The trainer's CheckpointSaver (megatron_ext/checkpoint_saver.py) on one rank, with a distributed optimizer
+    saved fully_reshardable and keep_last 2. In place: each save is the latest at once, finalize is a no-op. In the
+    background: a save with wait=False is not the latest until a finalize puts it in place, two pending saves go in
+    place oldest first, a save with wait=True is in place when it returns, keep_last applies. Pins mutants: the
+    background flag, wait inverted or not blocking, pending saves popped newest first, keep_last and
+    optimizer_sharding not passed on, an in-place finalize touching the absent queue."""
+    from megatron_ext.checkpoint_saver import CheckpointSaver
+
+    model, ddp, opt, sched = setup(1, distributed_optimizer=True)
+    step(ddp, opt, sched, 0)  # an optimizer state to save
+
+    def saver(name, background):
+        lines: list[str] = []
+        return CheckpointSaver(tmp_path / name, keep_last=2, background=background, log=lines.append,
+                               optimizer_sharding="fully_reshardable"), lines
+
+    def save(s, iteration, wait=False):
+        s.save(iteration, [model], optimizer=opt, scheduler=sched, metadata={"hf_config": TINY}, wait=wait)
+
+    in_place, lines = saver("in_place", False)
+    for iteration in (1, 2, 3):
+        save(in_place, iteration)
+        assert latest_iteration(in_place.root) == iteration
+    in_place.finalize()
+    assert sorted(p.name for p in in_place.root.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
+    assert read_metadata(in_place.root)["optimizer_sharding"] == "fully_reshardable"
+    assert [line.split(" (")[0] for line in lines] == [f"[train] saved {in_place.root}/iter_000000{i}" for i in (1, 2, 3)]
+
+    background, lines = saver("background", True)
+    save(background, 1)
+    assert latest_iteration(background.root) is None and [w[0] for w in background.writing] == [1]
+    background.finalize(blocking=True)
+    assert latest_iteration(background.root) == 1 and not background.writing
+    save(background, 2)
+    save(background, 3)
+    background.finalize(blocking=True)
+    assert latest_iteration(background.root) == 3
+    save(background, 4, wait=True)
+    assert latest_iteration(background.root) == 4 and not background.writing
+    assert sorted(p.name for p in background.root.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert read_metadata(background.root)["optimizer_sharding"] == "fully_reshardable"
+    assert [line.split(" (")[0] for line in lines] == [f"[train] saved {background.root}/iter_000000{i}"
+                                                       for i in (1, 2, 3, 4)]
+    assert all("in the background" in line for line in lines)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in_place", "background"])
+def test_checkpoint_saver_says_a_full_disk_in_recipe_words(tmp_path, cpu_parallel_state, background):
+    """A save that runs out of space (a full disk at the latest pointer: /dev/full under its temporary name) is one
+    error naming checkpoint.dir, in place and, in the background, from the finalize that meets it. Pins mutants: the
+    rewording dropped from save or from finalize."""
+    from megatron_ext.checkpoint_saver import CheckpointSaver
+
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    root = tmp_path / "ckpt"
+    model = build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    saver = CheckpointSaver(root, keep_last=None, background=background, log=lambda line: None)
+    saver.save(1, [model], optimizer=None, scheduler=None, metadata={"hf_config": TINY}, wait=True)
+    (root / ".latest_checkpointed_iteration.txt.tmp").symlink_to("/dev/full")
+    with pytest.raises(CheckpointError) as e:
+        saver.save(2, [model], optimizer=None, scheduler=None, metadata={"hf_config": TINY}, wait=True)
+    assert str(e.value).startswith(f"checkpoint.dir {root}: no space left on device while "), e.value
+    assert str(e.value).endswith("; free space or move checkpoint.dir"), e.value
+    assert getattr(e.value, "alike_on_every_rank", False) and latest_iteration(root) == 1

@@ -72,3 +72,27 @@ def test_every_parameter_in_the_precision(cpu_parallel_state, precision, dtype):
     norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
     assert len(norms) == 2 * TINY["num_hidden_layers"] + 1
     assert {p.dtype for p in model.parameters()} == {dtype}
+    assert model.config.pipeline_dtype == dtype  # the dtype of the activations PP stages exchange
+
+
+@pytest.mark.parametrize("std", [0.02, 0.2])
+def test_initializer_range_is_the_init_std(cpu_parallel_state, std):
+    """HF's initializer_range is Megatron's init_method_std: the normal init of the QKV weights (8192 draws, so the
+    sample std is within 3%). Pins mutant: init_method_std fixed at 0.02."""
+    torch.manual_seed(0)
+    model = build_model({**TINY, "initializer_range": std}, BuildOptions(device="cpu", seq_length=32))
+    weight = model.decoder.layers[0].self_attention.linear_qkv.weight
+    assert weight.numel() == 8192 and weight.std().item() == pytest.approx(std, rel=0.03)
+
+
+@pytest.mark.parametrize("opts, message", [
+    (BuildOptions(loss_chunk_tokens=0), r"train.loss_chunk_tokens = 0: must be >= 1"),
+    (BuildOptions(loss_head="fused"), r"train.loss_head = 'fused': expected 'chunked' or 'full'"),
+])
+def test_loss_head_options_are_checked_at_build(cpu_parallel_state, opts, message):
+    """build_model is called without a recipe too (evaluation, conversion): a chunk of 0 tokens is refused there.
+    Pins mutant: the bound at < 0."""
+    from megatron_ext.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=message):
+        build_model(TINY, opts)

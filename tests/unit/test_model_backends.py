@@ -139,6 +139,12 @@ def test_gradient_accumulation_fusion_only_with_apex_kernel(pretend_te, monkeypa
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", apex)
     cfg = transformer_config(TINY, BuildOptions(device="cuda", precision="bf16"))
     assert cfg.transformer_impl == "transformer_engine" and cfg.gradient_accumulation_fusion is apex
+    # the local spec never: on the CPU of a node where Apex imports its fused kernel is CUDA's, and auto is the torch
+    # SDPA backend on a CPU even where TE imports (pins mutants: the fusion without TE; auto = TE off cuda)
+    for opts in (BuildOptions(device="cpu"), BuildOptions(device="cuda", precision="bf16", attention="sdpa")):
+        assert opts.attention_backend() == "sdpa"
+        local = transformer_config(TINY, opts)
+        assert local.transformer_impl == "local" and not local.gradient_accumulation_fusion
 
 
 def test_te_config_builds_the_output_layer_without_apex(pretend_te, cpu_parallel_state):
@@ -212,6 +218,23 @@ def test_models_of_both_attention_backends_build_in_one_process(monkeypatch, cpu
         assert [os.environ.get(k) for k in TE_BACKEND_VARIABLES] == values
 
 
+def test_a_backend_variable_changed_since_the_build_is_not_forgotten(monkeypatch, cpu_parallel_state):
+    """Only the values a build set are forgotten at the next build: one changed since (not the build's) stays, and
+    Megatron refuses it by name. Pins mutant: every variable deleted whatever its value."""
+    import os
+
+    from megatron_ext.model import build_model
+    from megatron_ext.train_setup import TE_BACKEND_VARIABLES
+
+    for key in TE_BACKEND_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    with pytest.raises(AssertionError, match="NVTE_FLASH_ATTN set to 0, but expected 1"):
+        build_model(TINY, BuildOptions(device="cpu", seq_length=32))
+    assert os.environ["NVTE_FLASH_ATTN"] == "0"
+
+
 def _attention_ops(model, tokens) -> set[str]:
     """The aten SDPA kernels a forward and backward of `model` ran (profiler op names)."""
     with torch.profiler.profile() as prof:
@@ -279,3 +302,57 @@ def test_sdpa_kernel_is_refused_where_it_cannot_apply(pretend_te):
             load_recipe(raw={**cp, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": kernel}})
     load_recipe(raw={**cp, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": "flash"}})  # controls
     load_recipe(raw={**base, "runtime": {"device": "cuda", "attention": "sdpa", "sdpa_kernel": "cudnn"}})
+
+
+def _core_attention(**kwargs) -> TorchSDPAttention:
+    """The sdpa backend's core attention of the tiny model (4 query heads, 2 KV heads, head dim 16), causal."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return TorchSDPAttention(transformer_config(TINY, BuildOptions(device="cpu")), 1, AttnMaskType.causal, "self",
+                             **kwargs)
+
+
+def _sdpa_reference(q, kv, **kwargs):
+    """Oracle: torch SDPA over `[s, b, heads, d]` tensors (torch's own GQA grouping), back to `[s, b, nh * d]`."""
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), *(kv.permute(1, 2, 0, 3),) * 2, is_causal=True,
+                                         enable_gqa=True, **kwargs)
+    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+
+def test_core_attention_takes_megatrons_softmax_scale_and_no_dropout_in_eval():
+    """Megatron's SelfAttention passes softmax_scale (config.softmax_scale) and may pass attention_dropout: the scale
+    given is the one used (default 1/sqrt(head dim)), and an eval-mode forward drops nothing. An unknown sdpa_kernel
+    is refused at build, not at the first forward. Pins mutants: the scale argument ignored, dropout in eval."""
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(16, 1, 4, 16, generator=gen), torch.randn(16, 1, 2, 16, generator=gen)
+    torch.testing.assert_close(_core_attention()(q, kv, kv), _sdpa_reference(q, kv, scale=0.25))
+    scaled = _core_attention(softmax_scale=0.7)(q, kv, kv)
+    torch.testing.assert_close(scaled, _sdpa_reference(q, kv, scale=0.7))
+    assert (scaled - _sdpa_reference(q, kv, scale=0.25)).abs().max() > 1e-3  # control: the scale shows
+    dropping = _core_attention(attention_dropout=0.5).eval()
+    torch.testing.assert_close(dropping(q, kv, kv), _sdpa_reference(q, kv, scale=0.25))
+    with pytest.raises(ValueError, match="sdpa_kernel 'fast': expected one of"):
+        _core_attention(sdpa_kernel="fast")
+
+
+def test_forced_kernel_with_kv_repeated_keeps_each_query_heads_kv_head():
+    """Where a forced kernel refuses grouped K/V (enable_gqa), K/V are repeated to every query head: query heads 0
+    and 1 keep KV head 0, heads 2 and 3 KV head 1 (torch's and HF's grouping), not 0, 1, 0, 1. `_expand_kv` is the
+    state the backend sets after such a refusal (no CPU kernel refuses enable_gqa). Pins mutant: repeat for
+    repeat_interleave."""
+    gen = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(16, 1, 4, 16, generator=gen), torch.randn(16, 1, 2, 16, generator=gen)
+    attention = _core_attention(sdpa_kernel="math")
+    attention._expand_kv = True
+    torch.testing.assert_close(attention(q, kv, kv), _sdpa_reference(q, kv))
+
+
+def test_forced_kernel_passes_on_an_error_that_is_not_a_missing_kernel():
+    """Only torch's 'no kernel' refusal becomes the runtime.sdpa_kernel error; another failure (here K/V of another
+    dtype than Q) is torch's own, not blamed on the setting. Pins mutant: every RuntimeError reworded."""
+    q, kv = torch.randn(16, 1, 4, 16), torch.randn(16, 1, 4, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="same dtype") as e:
+        _core_attention(sdpa_kernel="math")(q, kv, kv)
+    assert "runtime.sdpa_kernel" not in str(e.value)

@@ -64,3 +64,40 @@ def test_mask_kinds_the_sdpa_backend_cannot_run_are_refused(cpu_parallel_state):
             attention(q, kv, kv, attn_mask_type=kind)
     with pytest.raises(NotImplementedError, match="with an attention_mask tensor"):
         attention(q, kv, kv, attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
+
+
+def test_packed_core_attention_follows_padded_bounds_and_the_mask_kind():
+    """THD core attention against SDPA over each sample alone (the oracle): samples start at cu_seqlens_q_padded where
+    it is given (Megatron's layout when samples are padded, the pads after each sample's tokens), and a no_mask
+    layer attends both ways within each sample. Pins mutants: cu_seqlens_q read in place of the padded bounds;
+    packed attention always causal."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.attention import TorchSDPAttention
+    from megatron_ext.model import transformer_config
+
+    config = transformer_config(TINY, BuildOptions(device="cpu"))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, heads, 16, generator=gen) for heads in (4, 2, 2))
+
+    def alone(start, end, causal):
+        out = F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1)[None] for t in (q, k, v)),
+                                             is_causal=causal, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(end - start, -1)
+
+    # samples of 5 and 7 tokens, each padded to 8: rows 5-7 and 15 are padding
+    padded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
+                             cu_seqlens_kv=torch.tensor([0, 5, 12], dtype=torch.int32),
+                             cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32),
+                             cu_seqlens_kv_padded=torch.tensor([0, 8, 16], dtype=torch.int32), max_seqlen_q=8,
+                             max_seqlen_kv=8)
+    out = TorchSDPAttention(config, 1, AttnMaskType.padding_causal, "self")(q, k, v, packed_seq_params=padded)
+    assert out.shape == (16, 4 * 16)
+    torch.testing.assert_close(out[0:5], alone(0, 5, True))
+    torch.testing.assert_close(out[8:15], alone(8, 15, True))
+
+    unmasked = TorchSDPAttention(config, 1, AttnMaskType.no_mask, "self")(q, k, v,
+                                                                          packed_seq_params=packed_params([6, 10]))
+    torch.testing.assert_close(unmasked, torch.cat([alone(0, 6, False), alone(6, 16, False)]))
+    assert (unmasked - torch.cat([alone(0, 6, True), alone(6, 16, True)])).abs().max() > 1e-3  # control

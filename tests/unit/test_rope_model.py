@@ -64,7 +64,9 @@ def copy_hf_to_megatron(hf, mg, cfg: dict) -> None:
     hidden = cfg["hidden_size"]
     sd = hf.state_dict()
     out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": sd["model.norm.weight"], "output_layer.weight": sd["lm_head.weight"]}
+           "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if not cfg.get("tie_word_embeddings"):  # tied: Megatron's output layer has no weight of its own
+        out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(cfg["num_hidden_layers"]):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         q = sd[h + "self_attn.q_proj.weight"].view(ng, nh // ng, d, hidden)
@@ -112,6 +114,15 @@ def test_negative_control_yarn(change, tokens, cpu_parallel_state):
     diff = logits_diff(hf_cfg("yarn"), hf_cfg("yarn", **change), tokens)
     print(f"yarn {change}: max |logits diff| = {diff:.3g}")
     assert diff > 1e-4, diff
+
+
+def test_logits_match_transformers_with_tied_embeddings_and_another_rms_eps(tokens, cpu_parallel_state):
+    """A config's rms_norm_eps and tie_word_embeddings (Llama-3.2 1B/3B tie them) reach the model: its logits equal
+    HF's on the same weights. eps 1e-2 is large next to the hidden states' variance at init (about 4e-4), so a fixed
+    1e-5 shows. Pins mutants: layernorm_epsilon fixed at 1e-5; share_embeddings_and_output_weights fixed False."""
+    cfg = {**hf_cfg("llama3"), "rms_norm_eps": 1e-2, "tie_word_embeddings": True}
+    assert logits_diff(cfg, cfg, tokens) < BOUND
+    assert logits_diff(cfg, {**cfg, "rms_norm_eps": 1e-5}, tokens) > 1e-3  # control: the eps shows
 
 
 def test_attention_factor_reaches_every_attention_module(cpu_parallel_state):
