@@ -170,8 +170,13 @@ def atomic_outputs(prefix: str, with_lossmask: bool = False) -> Iterator[dict[st
     # An older dataset under these names (--force) loses its manifest first: killed between the renames, the new
     # .bin beside the old .idx must not look complete.
     final[-1].unlink(missing_ok=True)
-    for dst in final:  # json last
-        os.replace(tmp[str(dst)], dst)
+    try:
+        for dst in final:  # json last
+            os.replace(tmp[str(dst)], dst)
+    except BaseException:  # a rename that fails (or a Ctrl-C between two) leaves no temporary behind either
+        for t in tmp.values():
+            Path(t).unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: str, obj: dict) -> None:

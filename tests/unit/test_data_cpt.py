@@ -363,3 +363,5 @@ def test_atomic_outputs_cut_between_renames_leaves_no_manifest(tmp_path):
             Path(tmp[prefix + ".json"]).write_text("new")
     assert Path(prefix + ".bin").read_text() == "new" and Path(prefix + ".idx").read_text() == "old"
     assert not Path(prefix + ".json").exists()
+    # and the new manifest's temporary, not renamed, is removed (it was left as d.json.tmpPID)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin", "d.idx"]
