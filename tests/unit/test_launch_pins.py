@@ -1,0 +1,64 @@
+"""Pins of the launcher (megatron_ext.launch, launch_eval) from the mutation audit: the sbatch options a submission
+carries, against Slurm's own semantics (afterok dependencies, --cpus-per-task). sbatch is a stub that records the
+script submitit hands it and answers as sbatch does ('Submitted batch job N'); submitit itself runs for real."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+
+import pytest
+
+from megatron_ext import launch
+from tests.conftest import ROOT
+
+TINY = ["train.seq_length=256", "train.global_batch_size=1", "train.lr=1e-2", "runtime.device=cpu"]
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path, monkeypatch):
+    """A `sbatch` on PATH that copies each submitted script to scripts/<N>.sh and says 'Submitted batch job N'."""
+    bin_dir, scripts = tmp_path / "bin", tmp_path / "scripts"
+    bin_dir.mkdir()
+    scripts.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f"#!{sys.executable}\n"
+                      "import os, sys\n"
+                      f"folder = {str(scripts)!r}\n"
+                      "n = 1000 + len(os.listdir(folder))\n"
+                      "open(os.path.join(folder, f'{n}.sh'), 'w').write(open(sys.argv[-1]).read())\n"
+                      "print(f'Submitted batch job {n}')\n")
+    sbatch.chmod(sbatch.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(ROOT)
+    return scripts
+
+
+def sbatch_options(script) -> dict[str, str]:
+    """The `#SBATCH --key=value` lines of a submitted script."""
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", script.read_text(), re.M))
+
+
+def test_both_evaluations_wait_for_the_last_stage_only(fake_sbatch, tmp_path, token_data, capsys):
+    """--niah and --ruler each start after the last training stage (afterok on its job), not one after the other: a
+    failed NIAH job must not make Slurm cancel the RULER job (--kill-on-invalid-dep) as it would with afterok:<niah>.
+    Control: the RULER job chained on the NIAH job's id fails this."""
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(tmp_path / "sub/%j"),
+                        "--niah", "256", "--ruler", "256", *TINY, f"data.prefix={token_data}",
+                        f"checkpoint.dir={tmp_path / 'cpt'}"]) == 0, capsys.readouterr().err
+    cpt, niah, ruler = (sbatch_options(fake_sbatch / f"{n}.sh") for n in (1000, 1001, 1002))
+    assert (cpt["job-name"], niah["job-name"], ruler["job-name"]) == ("cpt", "niah", "ruler")
+    assert "dependency" not in cpt
+    assert niah["dependency"] == ruler["dependency"] == "afterok:1000"
+    assert niah["kill-on-invalid-dep"] == ruler["kill-on-invalid-dep"] == "yes"
+
+
+def test_cpus_per_task_is_the_one_asked_for(fake_sbatch, tmp_path, token_data, capsys):
+    """--cpus-per-task reaches sbatch (it replaces the default, 8 per GPU task on cuda: 1 here would give each rank
+    one CPU); control: the flag dropped leaves no --cpus-per-task for a CPU recipe."""
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(tmp_path / "sub/%j"),
+                        "--cpus-per-task", "3", *TINY, f"data.prefix={token_data}",
+                        f"checkpoint.dir={tmp_path / 'cpt'}"]) == 0, capsys.readouterr().err
+    assert sbatch_options(fake_sbatch / "1000.sh")["cpus-per-task"] == "3"
