@@ -594,3 +594,30 @@ def test_a_dangling_config_json_link_is_named(src, tmp_path, cpu_parallel_state)
     blob.mkdir(parents=True)
     fails(["to-megatron", "--hf", str(d), "--out", str(tmp_path / "o")], f"symlink to {blob}, which is not a file")
     no_leftovers(tmp_path, "o")
+
+
+# ---- which library argument each flag sets (mutation audit round 3) ----------------------------
+
+def test_flags_reach_the_library_as_given(src, mcore, tmp_path, cpu_parallel_state, capsys):
+    """--dtype, the --make-vocab-size-divisible-by default (128, Megatron's) and --max-shard-size-gb (GiB: 2**30
+    bytes) arrive in to_megatron / to_hf as the flags say; --tolerance 0 is a valid bound (">= 0"). Oracles: the
+    source model is fp32 (make_hf_model), so bf16 can only come from --dtype; the shard layout of the library
+    called directly with max_shard_bytes = GiB * 2**30."""
+    from megatron_ext.checkpoint_layout import read_metadata
+    from megatron_ext.convert import to_hf
+
+    assert read_metadata(mcore)["vocab"]["make_vocab_size_divisible_by"] == 128  # the fixture: no flag given
+    capsys.readouterr()
+    assert cli.main(["to-megatron", "--hf", str(src), "--out", str(tmp_path / "bf"), "--dtype", "bf16",
+                     "--tolerance", "0", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "bfloat16"
+
+    whole = to_hf(mcore, tmp_path / "whole", progress=False)  # one shard: the model's size
+    size = sum(p.stat().st_size for p in (tmp_path / "whole").glob("*.safetensors"))
+    gib = size / 2 / 2**30  # about half the model per shard: 2 or 3 shards
+    assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(tmp_path / "cli"),
+                     f"--max-shard-size-gb={gib!r}", "--no-progress"]) == 0
+    to_hf(mcore, tmp_path / "lib", max_shard_bytes=int(gib * 2**30), progress=False)
+    shards = {p: json.loads((tmp_path / p / "model.safetensors.index.json").read_text())["weight_map"]
+              for p in ("cli", "lib")}
+    assert shards["cli"] == shards["lib"] and len(set(shards["cli"].values())) >= 2, (whole, shards)
