@@ -115,3 +115,16 @@ def test_reshard_out_check_ignores_another_ranks_probe(tmp_path):
     (tmp_path / "new" / f"{WRITE_PROBE_PREFIX}abc").write_text("")
     path, _, overrides = reshard_plan(root, tmp_path / "new", None, 1)
     assert path == root / "iter_0000002" and f"checkpoint.dir={tmp_path / 'new'}" in overrides
+
+
+def test_whole_number_accepts_its_minimum():
+    """cli_types.whole_number(m): an integer >= m (argparse semantics: the type raises ArgumentTypeError below it).
+    The boundary itself is valid: iteration 0 (checkpoint_cli), a count of 1 (launch). Mutation audit round 3."""
+    import argparse
+
+    from megatron_ext.cli_types import whole_number
+
+    assert whole_number(0)("0") == 0 and whole_number(1)("1") == 1 and whole_number(1)("7") == 7
+    for minimum, text in ((0, "-1"), (1, "0"), (1, "x"), (1, "1.5")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            whole_number(minimum)(text)

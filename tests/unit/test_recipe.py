@@ -424,3 +424,17 @@ def test_cli_warns_of_a_sequence_beyond_the_models_positions(capsys):
                    "rope block) for the trained length, e.g. the recipe of that length\n")
     assert main(["check", "--quiet", tiny]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_cli_a_recipe_file_whose_name_has_an_equals_sign_is_a_file(tmp_path, capsys):
+    """Only a KEY=VALUE that is not an existing file is taken for an override given positionally: a recipe saved
+    as `seq=4k.yaml` is checked as the recipe it is (mutation audit round 3: dropping the exists() test refused it)."""
+    import shutil
+
+    from megatron_ext.recipe_cli import main
+
+    shutil.copytree(ROOT / "recipes/tiny", tmp_path / "tiny")  # with the base recipe it names
+    recipe = tmp_path / "tiny" / "seq=4k.yaml"
+    shutil.copy(ROOT / "recipes/tiny/cpt.yaml", recipe)
+    assert main(["check", "--quiet", str(recipe)]) == 0
+    assert capsys.readouterr().out == f"ok: {recipe}\n"
