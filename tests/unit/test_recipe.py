@@ -438,3 +438,37 @@ def test_cli_a_recipe_file_whose_name_has_an_equals_sign_is_a_file(tmp_path, cap
     shutil.copy(ROOT / "recipes/tiny/cpt.yaml", recipe)
     assert main(["check", "--quiet", str(recipe)]) == 0
     assert capsys.readouterr().out == f"ok: {recipe}\n"
+
+
+def _hf_config_dir(tmp_path, cfg: dict) -> str:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_model_source_pins(tmp_path):
+    """recipe_sources mutants (mutation audit round 4), against transformers' LlamaConfig reading the same file:
+    the file's rms_norm_eps wins over the 1e-6 default; `rope_type` wins over the old `type` when both are given;
+    a rotary fraction inside rope_parameters wins over a top-level one; `model.X: null` takes the source's value
+    (the tiny preset's 2 KV heads, not MHA); preset and hf_config together are refused."""
+    from transformers import LlamaConfig
+
+    from megatron_ext.presets import TINY
+
+    def both(cfg):
+        r = load(raw={**BASE, "model": {"hf_config": _hf_config_dir(tmp_path, cfg)}})
+        return r, LlamaConfig(**cfg)
+
+    r, hf = both({**TINY, "rms_norm_eps": 1e-5})
+    assert r.model.rms_norm_eps == hf.rms_norm_eps == 1e-5
+    r, hf = both({**TINY, "rope_scaling": {"type": "linear", "rope_type": "dynamic", "factor": 2.0}})
+    assert r.rope.rope_type == hf.rope_parameters["rope_type"] == "dynamic"
+    base = {k: v for k, v in TINY.items() if k not in ("rope_theta", "rope_scaling")}
+    r, hf = both({**base, "partial_rotary_factor": 0.25, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}})
+    assert r.rope.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"] == 0.5
+    r = load(raw={**BASE, "model": {"preset": "tiny", "num_key_value_heads": None}})
+    assert r.model.num_key_value_heads == TINY["num_key_value_heads"] == 2
+    with pytest.raises(RecipeError, match=r"^model\.preset and model\.hf_config are both set; keep one$"):
+        load(raw={**BASE, "model": {"preset": "tiny", "hf_config": _hf_config_dir(tmp_path, TINY)}})
