@@ -173,6 +173,20 @@ def test_tiny_cpt_keeps_its_intent():
     assert r.rope.factor * r.rope.original_max_position_embeddings == r.train.seq_length
 
 
+def test_demo_cpt_extends_its_base_8x_from_the_base_context():
+    """`make demo`: the tiny-demo base is trained at 256 tokens with llama3 RoPE over an original 256 (Llama-3.1's
+    factor 8, low/high 1/4) and the CPT extends it 8x to 2048 with YaRN over those 256 (hand numbers of the
+    presets' and recipe's comments; mutation audit round 4: the base's original context 32 went unnoticed)."""
+    base = load_recipe(raw={"model": {"preset": "tiny-demo"}, "train": {"seq_length": 256, "steps": 1, "lr": 1e-3},
+                            "cluster": {"gpus_per_node": 1}, "runtime": {"device": "cpu"}})
+    assert (base.max_position_embeddings, base.rope.rope_type, base.rope.original_max_position_embeddings) == (
+        256, "llama3", 256)
+    assert (base.rope.factor, base.rope.low_freq_factor, base.rope.high_freq_factor) == (8.0, 1.0, 4.0)
+    cpt = load_recipe(RECIPES / "demo/cpt.yaml")
+    assert (cpt.rope.rope_type, cpt.rope.original_max_position_embeddings, cpt.rope.factor) == ("yarn", 256, 8.0)
+    assert cpt.rope.original_max_position_embeddings == base.rope.original_max_position_embeddings
+    assert cpt.train.seq_length == cpt.max_position_embeddings == 8 * 256
+
 def test_recipe_check_cli_on_all_recipes():
     files = [str(p) for p in sorted(RECIPES.glob("*.yaml")) + sorted(RECIPES.glob("tiny/*.yaml"))
              + sorted(RECIPES.glob("base/*.yaml"))]
