@@ -607,3 +607,15 @@ def test_tool_eval_passes_the_recipes_layout_and_the_flags_to_the_planner(capsys
     assert calls[0]["vocab_rows"] == padded_vocab(shape.vocab, r.model.make_vocab_size_divisible_by, tp) != shape.vocab
     with pytest.raises(SystemExit, match=r"use --cp 4 \(tools/niah\.py --cp 4\)$"):  # 128K fits at CP 2, 4M does not
         main([path, "--eval", "128K,4M", "--gpus", "64", "--cp", "2"])
+
+
+def test_tool_counts_the_tokens_of_every_step(capsys):
+    """Tokens of a run = steps x global batch x sequence: 150 x 2 x 4,194,304 = 1.26B for cpt_4m (the recipe's own
+    comment, [MC4]); the per-1B-token hours divide by it. Mutation audit round 3 (the global batch dropped)."""
+    from megatron_ext.plan_cli import main
+
+    assert main([str(ROOT / "recipes/cpt_4m.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "(1.26B tokens)" in out
+    hours = float(out.split("total for 150 steps")[1].split()[0])
+    assert float(out.split("per 1B tokens")[1].split()[0]) == pytest.approx(hours / 1.2582912, abs=0.006)
