@@ -391,3 +391,53 @@ def test_a_save_that_fails_is_one_line(tiny_dir, tmp_path):
     assert last.startswith(f"error: --out {out}: file too large") and f"cannot write {out / 'results.json'}" in last, \
         proc.stderr
     assert [p.name for p in out.iterdir()] == []
+
+
+def test_a_mistake_on_another_rank_exits_1_without_a_line(tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank finds a mistake alike: rank 0 says it, the others exit 1 silently (a rank that
+    exits 0 is a success to torchrun and Slurm). Mutation audit round 3 (the others exited 0)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "o"), "--samples", "0", "--no-progress"])
+    assert e.value.code == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_default_dtype_and_a_tokenizer_as_large_as_the_vocabulary():
+    """resolve_dtype: bf16 on a GPU, fp32 on the CPU when --dtype is not given (--dtype's help); check_vocab: a
+    tokenizer of exactly vocab_size ids (0 .. vocab_size-1, each with an embedding row) is the model's, one more
+    id is not. Mutation audit round 3 (bf16 on the CPU; `>=` refused a tokenizer of the model's own size)."""
+    from megatron_ext.evaluate.loading import check_vocab, resolve_dtype
+
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("fp16", torch.device("cpu")) == torch.float16
+
+    class Ids:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+    check_vocab(Ids(512), 512, "t")
+    check_vocab(Ids(7), None, "t")  # no vocab_size known: nothing to compare
+    with pytest.raises(EvalError, match="t has 513 tokens but the model's vocab_size is 512"):
+        check_vocab(Ids(513), 512, "t")
+
+
+def test_atomic_outputs_get_the_permissions_of_a_plain_write(tmp_path):
+    """write_atomic's file is made by mkstemp (0600): it is given what open() would have made under this umask
+    (the oracle: a file written plainly beside it), so another user of the group can read the results. Mutation
+    audit round 3 (the chmod dropped: 0600)."""
+    from megatron_ext.evaluate.io import write_json_atomic, write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "plain").write_text("x")
+        for path in (write_json_atomic(tmp_path / "r.json", {"a": 1}), write_text_atomic(tmp_path / "r.md", "x")):
+            assert path.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}
