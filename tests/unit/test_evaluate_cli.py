@@ -25,7 +25,8 @@ def test_parse_lengths():
     assert parse_lengths("1K:4K:2,1K") == [1024, 4096]
     for bad, msg in [("abc", "not a token count"), ("0", "positive"), ("-5", "not a token count"),
                      ("1.3", "whole number"), ("4K:1K:3", "ends at or below"), ("1K:4K:1", "COUNT >= 2"),
-                     ("1K:4K", "START:END:COUNT")]:
+                     ("1K:4K", "START:END:COUNT"),
+                     ("4K:4K:3", "ends at or below")]:  # an empty range (mutation audit round 3: hi < lo allowed it)
         with pytest.raises(EvalError, match=msg):
             parse_lengths(bad)
 
@@ -35,7 +36,8 @@ def test_parse_depths():
     assert parse_depths("50,0,100") == [0.0, 50.0, 100.0]
     assert parse_depths("0:100:33.3") == [0.0, 33.3, 66.6, 99.9]
     for bad, msg in [("0,150", "outside 0..100"), ("-10:100:10", "outside 0..100"), ("a,b", "not a list"),
-                     ("0:100:0", "STEP > 0")]:
+                     ("0:100:0", "STEP > 0"),
+                     ("0,100.5", "outside 0..100")]:  # just past the end (mutation audit round 3: <= 101 took it)
         with pytest.raises(EvalError, match=msg):
             parse_depths(bad)
 
