@@ -441,3 +441,22 @@ def test_atomic_outputs_get_the_permissions_of_a_plain_write(tmp_path):
     finally:
         os.umask(old)
     assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}
+
+
+def test_the_early_tokenizer_is_the_one_the_run_uses(no_tokenizer):
+    """early_tokenizer (ruler's length checks, then the run itself) is --tokenizer's when given, also with
+    --model; data_tokenizer (ppl --indexed) raises a --megatron checkpoint's missing tokenizer for the hf engine,
+    which needs one, and compares nothing for the Megatron engine, which reads ids alone. Mutation audit round 3
+    (--tokenizer ignored with --model; the missing tokenizer raised for both engines)."""
+    from argparse import Namespace
+
+    from megatron_ext.evaluate.cli_model import data_tokenizer, early_tokenizer
+
+    d = no_tokenizer
+    given = early_tokenizer(Namespace(model=d / "hf", megatron=None, tokenizer=str(d / "big_tok")))
+    assert len(given) == TINY["vocab_size"] + 10  # big_tok's, where hf/ holds no tokenizer at all
+    args = Namespace(model=None, megatron=d / "mc", tokenizer=None, engine="hf")
+    with pytest.raises(EvalError, match="the checkpoint records no tokenizer"):
+        data_tokenizer(args)
+    args.engine = "megatron"
+    assert data_tokenizer(args) == (None, None)
