@@ -28,9 +28,26 @@ def fake_sbatch(tmp_path, monkeypatch):
                       "import os, sys\n"
                       f"folder = {str(scripts)!r}\n"
                       "n = 1000 + len(os.listdir(folder))\n"
-                      "open(os.path.join(folder, f'{n}.sh'), 'w').write(open(sys.argv[-1]).read())\n"
+                      "script = open(sys.argv[-1]).read()\n"
+                      "open(os.path.join(folder, f'{n}.sh'), 'w').write(script)\n"
+                      # the job 'ran' at once: submitit's result file where the job's would be, an error for the
+                      # jobs named in FAKE_SBATCH_FAIL
+                      "import pickle, re\n"
+                      "out = re.search(r'^#SBATCH --output=(.*)$', script, re.M)[1].replace('%j', str(n))\n"
+                      "name = re.search(r'^#SBATCH --job-name=(.*)$', script, re.M)[1]\n"
+                      "failed = name in os.environ.get('FAKE_SBATCH_FAIL', '').split(',')\n"
+                      "os.makedirs(os.path.dirname(out), exist_ok=True)\n"
+                      "tasks = 1\n"
+                      "for key in ('nodes', 'ntasks-per-node'):\n"
+                      "    tasks *= int(re.search(rf'^#SBATCH --{key}=(\\d+)$', script, re.M)[1])\n"
+                      "for t in range(tasks):\n"
+                      "    pickle.dump(('error', 'boom') if failed else ('success', name),\n"
+                      "                open(os.path.join(os.path.dirname(out), f'{n}_{t}_result.pkl'), 'wb'))\n"
                       "print(f'Submitted batch job {n}')\n")
-    sbatch.chmod(sbatch.stat().st_mode | stat.S_IXUSR)
+    scancel = bin_dir / "scancel"  # records what the launcher cancels
+    scancel.write_text(f"#!/bin/sh\necho \"$@\" >> {scripts}/scancel.log\n")
+    for tool in (sbatch, scancel):
+        tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.chdir(ROOT)
     return scripts
@@ -62,3 +79,21 @@ def test_cpus_per_task_is_the_one_asked_for(fake_sbatch, tmp_path, token_data, c
                         "--cpus-per-task", "3", *TINY, f"data.prefix={token_data}",
                         f"checkpoint.dir={tmp_path / 'cpt'}"]) == 0, capsys.readouterr().err
     assert sbatch_options(fake_sbatch / "1000.sh")["cpus-per-task"] == "3"
+
+
+def test_a_failed_evaluation_cancels_no_other(fake_sbatch, tmp_path, token_data, capsys, monkeypatch):
+    """--wait: a failed NIAH job leaves the RULER job alone (both wait on the training stage only: afterok keeps it
+    satisfiable), whose result is still printed; exit 1 for the failure. A failed training stage cancels the jobs
+    after it. Control: the eval counted among the training stages cancels the RULER job."""
+    run = ["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(tmp_path / "sub/%j"), "--wait",
+           "--niah", "256", "--ruler", "256", *TINY, f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'cpt'}"]
+    monkeypatch.setenv("FAKE_SBATCH_FAIL", "niah")
+    assert launch.main(run) == 1
+    out, err = capsys.readouterr()
+    assert "done ruler: job 1002: " in out and "error: stage niah (job 1001) failed; cancelled 0 later stage(s)" in err
+    assert not (fake_sbatch / "scancel.log").exists()
+    # the training stage failing: Slurm would cancel both (afterok never satisfied); --wait cancels them at once
+    monkeypatch.setenv("FAKE_SBATCH_FAIL", "cpt")
+    assert launch.main(run) == 1
+    assert "error: stage cpt (job 1003) failed; cancelled 2 later stage(s)" in capsys.readouterr().err
+    assert (fake_sbatch / "scancel.log").read_text().split() == ["1004", "1005"]
