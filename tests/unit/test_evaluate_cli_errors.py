@@ -460,3 +460,22 @@ def test_the_early_tokenizer_is_the_one_the_run_uses(no_tokenizer):
         data_tokenizer(args)
     args.engine = "megatron"
     assert data_tokenizer(args) == (None, None)
+
+
+def test_conversion_checks_tell_a_checkpoint_from_an_hf_folder_and_the_output_from_the_input(no_tokenizer, tmp_path):
+    """check_convertible: a folder with config.json *and* iter_* folders is a Megatron checkpoint (a config.json
+    kept beside it), not an HF folder; _about_the_output: a converter error naming the folder the copy goes into
+    gets the free-space hint, one about the checkpoint does not. Mutation audit round 3 (the iter_* test dropped;
+    the folder test dropped, leaving the errno texts alone)."""
+    import shutil
+
+    from megatron_ext.evaluate.loading import _about_the_output, check_convertible
+
+    ckpt = tmp_path / "mc"
+    shutil.copytree(no_tokenizer / "mc", ckpt)
+    (ckpt / "config.json").write_text("{}")
+    assert check_convertible(ckpt).name == "convert.py"
+    out = tmp_path / "o" / ".hf-from-megatron.x" / "hf"
+    assert _about_the_output(f"cannot write {out.parent}/.hf.staging/model.safetensors (Read-only file system)", out)
+    assert _about_the_output("No space left on device", out)
+    assert not _about_the_output(f"--megatron {ckpt}: iteration 7 is not in the checkpoint", out)
