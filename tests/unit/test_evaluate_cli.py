@@ -105,3 +105,20 @@ def test_tool_script_fails_cleanly(tiny_dir, tmp_path):
     assert bad.stderr.strip().splitlines() == ["error: --depths: [200.0] are outside 0..100 (depth is the needle's "
                                                "position in percent of the haystack)"]
     assert not (tmp_path / "o").exists()
+
+
+def test_ppl_seq_len_beyond_the_trained_positions_is_evaluated(tiny_dir, tmp_path):
+    """`ppl --seq-len N` above max_position_embeddings (256 here) measures the loss out to N tokens (the point of
+    evaluating extrapolation): the documents are cut at N, not at the model's positions. Oracle: the document's
+    token count from its tokenizer, min(that, 384). Mutation audit round 3 (the CLI cut them at
+    max_position_embeddings before the run, whatever --seq-len said)."""
+    from transformers import AutoTokenizer
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The old river passes the garden near the hill. " * 80)
+    n = len(AutoTokenizer.from_pretrained(tiny_dir)(doc.read_text())["input_ids"])
+    assert n > 384
+    assert main(["ppl", "--model", str(tiny_dir), "--text", str(doc), "--seq-len", "384", "--out",
+                 str(tmp_path / "ppl"), "--chunk", "64", "--no-progress"]) == 0
+    ppl = json.loads((tmp_path / "ppl" / "ppl.json").read_text())
+    assert ppl["doc_tokens"] == [384] and sum(b["tokens"] for b in ppl["buckets"]) == 383
