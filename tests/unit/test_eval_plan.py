@@ -180,3 +180,39 @@ def test_tool_eval_table_and_advice():
     stray = _tool("recipes/cpt_4m.yaml", "--cp", "8")
     assert stray.returncode == 1 and "plan an evaluation: add --eval LENGTHS" in stray.stderr
     assert "Traceback" not in bad.stderr + short.stderr + stray.stderr
+
+
+def test_grid_rounds_layout_rope_and_mfu_bounds_by_hand():
+    """Hand numbers (mutation audit, round 4): 11 prompts over DP 4 take ceil(11 / 4) = 3 rounds of prefill and of
+    decode steps; DP = GPUs / (TP x PP x CP); the RoPE table is fp32 cos/sin of head_dim per position on the rank's
+    length / CP positions; mfu = 1 is allowed ((0, 1]); the smallest CP may use every GPU (TP x CP = GPUs)."""
+    p = eval_plan(L8B, H100, 1 << 22, gpus=64, tensor=8, context=2)
+    assert p.data == 4
+    assert p.grid_hours(11) == pytest.approx(3 * p.prefill_s / 3600, rel=1e-12)
+    assert p.grid_hours(11, 100) - p.grid_hours(11) == pytest.approx(3 * 100 * p.decode_step_s / 3600, rel=1e-9)
+    assert p.niah_hours(L8B, 11, 100) - p.niah_hours(L8B, 11) == pytest.approx(3 * 100 * p.decode_step_s / 3600,
+                                                                               rel=1e-9)
+    assert eval_plan(L8B, H100, 1 << 20, gpus=64, tensor=8, pipeline=2, context=2).data == 2  # 64 / (8 * 2 * 2)
+    assert eval_plan(L8B, H100, 1 << 20, gpus=32, tensor=8, context=4).memory.rope == 4 * 128 * (1 << 20) / 4
+    assert eval_plan(L8B, H100, 1 << 20, gpus=8, tensor=8, mfu=1.0).prefill_s > 0
+    assert min_eval_context(L8B, H100, 1 << 22, gpus=32, tensor=8) == 4  # TP 8 x CP 4 on all 32 GPUs
+
+
+def test_a_prefix_of_exactly_an_eighth_is_reused():
+    """MIN_SHARED_PREFIX is inclusive: 9 depths over 1024 tokens share 128 j tokens with the prompt before (j = 1 ..
+    7); 128 is exactly an eighth of 1024, so that prompt too runs only its positions after the shared prefix."""
+    F = lambda c: prefill_flops(L8B, c)  # noqa: E731
+    assert niah_pass_flops(L8B, 1024, 9) == pytest.approx(9 * F(1024) - sum(F(128 * j) for j in range(1, 8)),
+                                                          rel=1e-12)
+
+
+def test_te_context_parallel_ring_holds_two_kv_chunks():
+    """TE's p2p ring under CP keeps two chunks of K/V (this rank's and the one in flight), 2 x length / CP tokens, on
+    top of the attention phase's activations; by hand for a shape where attention outweighs the MLP: h 64, ffn 64,
+    8 heads and 8 KV heads of 8, TP 1, CP 2 on 1024 tokens (512 per rank), 2-byte values."""
+    s = Shape(2, 64, 64, 8, 8, 8, 512)
+    tokens = 512
+    attention = tokens * 2 * (3 * 64 + (8 + 16) * 8 + 16 * 8 + 64)
+    ring = 2 * tokens * 2 * 8 * 8 * 2  # two chunks of K and V, kv_heads x head_dim each, bf16
+    assert attention + ring > tokens * 2 * (4 * 64 + 3 * 64)  # the MLP phase
+    assert layer_working_set_bytes(s, 1024, 1, 2) == attention + ring
