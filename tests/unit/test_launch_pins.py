@@ -97,3 +97,27 @@ def test_a_failed_evaluation_cancels_no_other(fake_sbatch, tmp_path, token_data,
     assert launch.main(run) == 1
     assert "error: stage cpt (job 1003) failed; cancelled 2 later stage(s)" in capsys.readouterr().err
     assert (fake_sbatch / "scancel.log").read_text().split() == ["1004", "1005"]
+
+
+def test_an_evaluation_job_asks_one_gpu_per_task(monkeypatch, capsys):
+    """The NIAH job of a TP 2 x CP 2 stage on 8-GPU nodes runs 4 tasks on one node and asks Slurm for 4 GPUs there
+    (one per task, as the stage's own job), not the stage's 8. Control: the stage's gpus_per_node kept."""
+    monkeypatch.chdir(ROOT)
+    assert launch.main(["--recipe", "recipes/cpt_1m.yaml", "--niah", "128K", "--dry-run", "parallel.tensor=2",
+                        "parallel.context=2", "train.global_batch_size=64"]) == 0
+    niah = capsys.readouterr().out.split("then niah: ")[1]
+    assert niah.startswith("4 processes")
+    assert "  sbatch nodes: 1\n" in niah and "  sbatch ntasks_per_node: 4\n" in niah
+    assert "  sbatch gpus_per_node: 4\n" in niah
+
+
+def test_check_sizes_the_job_from_the_cluster_block(tmp_path, token_data, capsys, monkeypatch):
+    """--check without --world-size: the job is cluster.nodes x cluster.gpus_per_node tasks (2 x 2 = 4 here), which
+    the layout line reports (DP = 4 / (TP x PP x CP)). Control: the nodes left out (2 processes)."""
+    monkeypatch.chdir(ROOT)
+    assert launch.main(["--check", "--recipe", "recipes/tiny/cpt.yaml", *TINY, "cluster.nodes=2",
+                        "cluster.gpus_per_node=2", "parallel.context=1", "train.global_batch_size=4",
+                        f"data.prefix={token_data}",
+                        f"checkpoint.dir={tmp_path / 'cpt'}"]) == 0, capsys.readouterr().err
+    ok = capsys.readouterr().out.splitlines()[0]
+    assert " TP1 PP1 CP1 DP4 on 4 processes (cpu)" in ok, ok
