@@ -408,3 +408,14 @@ def test_ctrl_c_after_a_reshard_is_complete_changes_nothing(ckpt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "run"]
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_prelaunch_check_counts_context_parallel_out_of_dp(ckpt, capsys, token_data):
+    """The resume report of `launch --check` sizes DP as world / (TP x PP x CP): 2 tasks at CP 2 are DP 1 (by hand),
+    against the checkpoint's TP 1 x PP 1 x CP 1 x DP 1. Control: CP left out of the division (DP 2)."""
+    from megatron_ext.launch import main as launch
+
+    assert launch(["--check", "--recipe", RECIPE, "--world-size", "2", *RUN, "parallel.context=2",
+                   f"data.prefix={token_data}", f"checkpoint.dir={ckpt}"]) == 0, capsys.readouterr().err
+    layout = [line for line in capsys.readouterr().out.splitlines() if "layout" in line]
+    assert layout and layout[0].endswith("TP 1 x PP 1 x CP 1 x DP 1 -> TP 1 x PP 1 x CP 2 x DP 1"), layout
