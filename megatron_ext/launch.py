@@ -271,6 +271,10 @@ def submit(args, plan: list[Stage]) -> int:
         jobs_params.append((recipe, slurm_parameters(args, recipe, stage)))
     check_stage_order([s.name for s in plan], [r for r, _ in jobs_params])
     if not args.dry_run:
+        # Before anything imports submitit (check_submit_folder does): it reads the signal once, at import. Not
+        # setdefault: the tasks get USR1 (the job setup above), so Slurm must be asked for USR1 too; another signal
+        # (submitit's default USR2, or one from the user's shell) would kill every rank unsaved at the time limit.
+        os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL
         check_setup(jobs_params[0][0])
         check_metrics_file(jobs_params[0][0].checkpoint.dir)
         check_submit_folder(args.folder)
@@ -300,9 +304,6 @@ def submit(args, plan: list[Stage]) -> int:
             print(f"  run per task: {shlex.join(['python', 'tools/niah.py', *stage.argv])}")
         return 0
 
-    # Not setdefault: the tasks get USR1 (the job setup above), so Slurm must be asked for USR1 too; another
-    # signal from the user's shell (USR2) would kill every rank unsaved at the time limit.
-    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL
     import submitit
 
     jobs, submitted = [], Submitted()

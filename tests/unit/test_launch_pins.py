@@ -121,3 +121,20 @@ def test_check_sizes_the_job_from_the_cluster_block(tmp_path, token_data, capsys
                         f"checkpoint.dir={tmp_path / 'cpt'}"]) == 0, capsys.readouterr().err
     ok = capsys.readouterr().out.splitlines()[0]
     assert " TP1 PP1 CP1 DP4 on 4 processes (cpu)" in ok, ok
+
+
+def test_slurm_is_asked_for_the_signal_the_tasks_handle(fake_sbatch, tmp_path, token_data):
+    """The job script asks Slurm for USR1 before the time limit (#SBATCH --signal=USR1@S), the signal the trainer
+    and the tasks' submitit handle (SUBMITIT_PREEMPT_SIGNAL=USR1 in the job setup). submitit reads the signal once,
+    when it is first imported, and the folder check imported it before the launcher set it: the jobs asked for
+    submitit's default USR2, which kills the ranks unsaved. In a fresh process (submitit not yet imported), as the
+    command runs. Control: the old order gives USR2@600."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "SUBMITIT_PREEMPT_SIGNAL"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--recipe", "recipes/tiny/cpt.yaml", "--time",
+                           "30", "--folder", str(tmp_path / "sub/%j"), *TINY, f"data.prefix={token_data}",
+                           f"checkpoint.dir={tmp_path / 'cpt'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sbatch_options(fake_sbatch / "1000.sh")["signal"] == "USR1@600"
