@@ -59,3 +59,18 @@ def test_selective_recompute_warned_only_under_transformer_engine_on_gpus():
 def test_out_of_memory_advice_names_the_planner_on_gpus_only():
     assert "tools/plan.py" in out_of_memory_advice(_recipe("runtime.device=cuda"), "r.yaml", [], 2)
     assert "tools/plan.py" not in out_of_memory_advice(_recipe("runtime.device=cpu"), "r.yaml", [], 2)
+
+
+def test_a_manifest_from_before_vocabulary_hashes_is_not_refused(tmp_path, token_data, toy_tokenizer):
+    """Manifests written before 2026-12 record no vocabulary_hash: nothing to compare with model.tokenizer, so the
+    data is taken (mutation audit round 4: a missing hash compared unequal and refused every older dataset)."""
+    import json
+    import shutil
+
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(token_data + suffix, tmp_path / ("old" + suffix))
+    manifest = json.loads((tmp_path / "old.json").read_text())
+    assert manifest.pop("vocabulary_hash")
+    (tmp_path / "old.json").write_text(json.dumps(manifest))
+    check_setup(_recipe(f"checkpoint.dir={tmp_path / 'run'}", f"data.prefix={tmp_path / 'old'}",
+                        f"model.tokenizer={toy_tokenizer}"))
