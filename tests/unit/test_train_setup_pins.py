@@ -74,3 +74,24 @@ def test_a_manifest_from_before_vocabulary_hashes_is_not_refused(tmp_path, token
     (tmp_path / "old.json").write_text(json.dumps(manifest))
     check_setup(_recipe(f"checkpoint.dir={tmp_path / 'run'}", f"data.prefix={tmp_path / 'old'}",
                         f"model.tokenizer={toy_tokenizer}"))
+
+
+def test_a_truncated_sft_loss_mask_is_refused_before_the_run(tmp_path, sft_data):
+    """SFT data is its tokens and PREFIX_lossmask.bin/.idx: a loss mask cut short must fail the setup check, not the
+    run (mutation audit round 4: checking the tokens alone for SFT went unnoticed)."""
+    import shutil
+
+    for name in ("", "_lossmask"):
+        for suffix in (".bin", ".idx", ".json"):
+            if Path(sft_data + name + suffix).exists():
+                shutil.copy(sft_data + name + suffix, tmp_path / ("sft" + name + suffix))
+    prefix = str(tmp_path / "sft")
+    mask = Path(prefix + "_lossmask.bin")
+    mask.write_bytes(mask.read_bytes()[:-8])
+
+    def check():
+        check_setup(load_recipe(ROOT / "recipes/tiny/sft.yaml", [f"checkpoint.dir={tmp_path / 'run'}",
+                                f"data.prefix={prefix}", "checkpoint.init_from=null"], world_size=1))
+
+    with pytest.raises(RecipeError, match=r"_lossmask"):
+        check()
