@@ -479,3 +479,20 @@ def test_conversion_checks_tell_a_checkpoint_from_an_hf_folder_and_the_output_fr
     assert _about_the_output(f"cannot write {out.parent}/.hf.staging/model.safetensors (Read-only file system)", out)
     assert _about_the_output("No space left on device", out)
     assert not _about_the_output(f"--megatron {ckpt}: iteration 7 is not in the checkpoint", out)
+
+
+def test_a_conversion_that_fails_leaves_no_out_it_made(no_tokenizer, tmp_path):
+    """A --megatron checkpoint that passes the checks before the conversion (files all there at their sizes) but
+    cannot be read by the converter: one line, and the --out this run made for the conversion's hidden folder is
+    removed again (left empty before). Mutation audit round 3 (the removal dropped: an empty --out stayed)."""
+    import shutil
+
+    ckpt = tmp_path / "mc"
+    shutil.copytree(no_tokenizer / "mc", ckpt)
+    for shard in (ckpt / "iter_0000000").glob("*.distcp"):  # same size, garbage content
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+    out = tmp_path / "out"
+    msg = _error(["--megatron", str(ckpt), "--tokenizer", str(no_tokenizer / "tok"), "--out", str(out),
+                  "--device", "cpu", "--lengths", "64", "--no-progress"])
+    assert msg.startswith(f"error: converting {ckpt} to HF failed: "), msg
+    assert not out.exists()
