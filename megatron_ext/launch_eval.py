@@ -81,13 +81,22 @@ def check_lengths(option: str, spec: str, last: Recipe | None = None) -> None:
                           f"stage's model.max_position_embeddings = {limit:,} ({last.name}); evaluate at most that")
 
 
+def tasks_per_node(ranks: int, tensor: int, slots: int) -> int:
+    """Tasks per node of an evaluation job of `ranks` (TP x CP) processes on nodes of `slots` GPUs: the most, up to
+    `slots`, that divides `ranks`, so that the job has exactly `ranks` tasks (TP 2 x CP 4 on 6-GPU nodes got 2 x 6
+    = 12 tasks for 8 ranks: a job that fails as it starts, after the training), whole TP groups on a node where
+    that can be. Slurm/pipeline.sh sizes its evaluation jobs the same way."""
+    fits = [n for n in range(min(ranks, slots), 0, -1) if ranks % n == 0]
+    return next((n for n in fits if n % tensor == 0), fits[0])
+
+
 def eval_jobs(args, recipes: list[Recipe], slurm_parameters) -> list[tuple[EvalStage, dict]]:
     """(what each task runs, submitit parameters) of the evaluations asked for (`--niah`, `--ruler`), each after the
     last stage. `slurm_parameters(args, recipe, name)` sizes a job like the stage's."""
     jobs = []
     last, longest = recipes[-1], max(recipes, key=lambda r: r.train.seq_length)
     tp, cp = longest.parallel.tensor, longest.parallel.context
-    per_node = min(tp * cp, longest.cluster.gpus_per_node)
+    per_node = tasks_per_node(tp * cp, tp, longest.cluster.gpus_per_node)
     for ev in EVALUATIONS:
         lengths = getattr(args, ev.name)
         if not lengths:

@@ -299,7 +299,14 @@ if [[ -n $NIAH || -n $RULER ]]; then
   # processes per node, which on CPU nodes (no GPUs) it is anyway.
   SLOTS=$GPN
   [[ -n $SLOTS && $SLOTS != 0 ]] || SLOTS=$(field "$CPT_RECIPE" cluster.gpus_per_node "${OVERRIDES[@]}")
-  RANKS=$((TP * CP)) PER_NODE=$((TP * CP < SLOTS ? TP * CP : SLOTS))
+  # As many tasks per node as divides TP x CP (the job has exactly that many tasks), whole TP groups where that
+  # can be (megatron_ext/launch_eval.py tasks_per_node)
+  RANKS=$((TP * CP)) PER_NODE=0
+  for ((n = (RANKS < SLOTS ? RANKS : SLOTS); n >= 1; n--)); do
+    ((RANKS % n == 0)) || continue
+    ((PER_NODE)) || PER_NODE=$n
+    if ((n % TP == 0)); then PER_NODE=$n; break; fi
+  done
   EVAL_GPUS=${GPU_TYPE:+$GPU_TYPE:}$PER_NODE # the GPU type SBATCH_ARGS named kept
   [[ $GPN != 0 ]] || EVAL_GPUS=0
 fi

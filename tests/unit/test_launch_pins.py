@@ -111,6 +111,24 @@ def test_an_evaluation_job_asks_one_gpu_per_task(monkeypatch, capsys):
     assert "  sbatch gpus_per_node: 4\n" in niah
 
 
+def test_an_evaluation_job_has_exactly_its_ranks_as_tasks(monkeypatch, capsys):
+    """TP 2 x CP 4 (8 ranks) on 6-GPU nodes: the NIAH job was 2 nodes x 6 tasks = 12 processes, which the evaluation
+    refuses as it starts (12 is no multiple of TP x CP), after the whole training. Now 2 nodes x 4. Control: the old
+    sizing gives 12 processes."""
+    monkeypatch.chdir(ROOT)
+    assert launch.main(["--recipe", "recipes/cpt_1m.yaml", "--niah", "128K", "--dry-run", "cluster.gpus_per_node=6",
+                        "cluster.nodes=4", "parallel.tensor=2", "parallel.context=4",
+                        "train.global_batch_size=96"]) == 0
+    niah = capsys.readouterr().out.split("then niah: ")[1]
+    assert niah.startswith("8 processes"), niah
+    assert "  sbatch nodes: 2\n" in niah and "  sbatch ntasks_per_node: 4\n" in niah
+    from megatron_ext.launch_eval import tasks_per_node
+
+    # by hand: the most tasks per node that divides the ranks, whole TP groups first
+    assert [tasks_per_node(*case) for case in [(8, 2, 8), (8, 2, 6), (12, 4, 8), (32, 8, 8), (32, 8, 4), (3, 1, 2)]] \
+        == [8, 4, 4, 8, 4, 1]
+
+
 def test_check_sizes_the_job_from_the_cluster_block(tmp_path, token_data, capsys, monkeypatch):
     """--check without --world-size: the job is cluster.nodes x cluster.gpus_per_node tasks (2 x 2 = 4 here), which
     the layout line reports (DP = 4 / (TP x PP x CP)). Control: the nodes left out (2 processes)."""

@@ -312,6 +312,8 @@ def _pipeline_dry_run(tmp_path, sbatch_args: str, *args: str) -> subprocess.Comp
     ("--gres=gpu:4", [], 4, 8, "4"),
     ("--gres gpu:h100:4,nvme:1", [], 4, 8, "h100:4"),
     ("--gres=gpu:h100", [], 1, 32, "h100:1"),  # count 1 by default
+    # TP 2 x CP 4 on 6-GPU nodes: 2 nodes x 6 = 12 tasks for 8 ranks, a job that failed as it started
+    ("--gpus-per-node=6", ["parallel.tensor=2", "parallel.context=4", "train.global_batch_size=96"], 4, 2, "4"),
 ])
 def test_pipeline_evaluation_jobs_fit_the_nodes(tmp_path, sbatch_args, overrides, per_node, nodes, gpus):
     proc = _pipeline_dry_run(tmp_path, sbatch_args, "--no-sft", "--hf", "/m", "--niah", "128K:1M:4", *overrides)
