@@ -85,7 +85,7 @@ def tasks_per_node(ranks: int, tensor: int, slots: int) -> int:
     """Tasks per node of an evaluation job of `ranks` (TP x CP) processes on nodes of `slots` GPUs: the most, up to
     `slots`, that divides `ranks`, so that the job has exactly `ranks` tasks (TP 2 x CP 4 on 6-GPU nodes got 2 x 6
     = 12 tasks for 8 ranks: a job that fails as it starts, after the training), whole TP groups on a node where
-    that can be. Slurm/pipeline.sh sizes its evaluation jobs the same way."""
+    that can be. slurm/pipeline.sh sizes its evaluation jobs the same way."""
     fits = [n for n in range(min(ranks, slots), 0, -1) if ranks % n == 0]
     return next((n for n in fits if n % tensor == 0), fits[0])
 
