@@ -525,18 +525,25 @@ def test_perplexity_progress_bar_ends_at_every_document(tiny, capsys, n_docs):
     assert f"{n_docs}/{n_docs}" in err, err
 
 
-def test_perplexity_on_a_megatron_indexed_dataset(tiny, tmp_path):
+def write_indexed_dataset(prefix, sizes: list[list[int]], seed: int) -> list[list[torch.Tensor]]:
+    """A Megatron indexed dataset at `prefix` (.bin/.idx, int32) of random token documents, each of sequences of the
+    given sizes (Megatron-Core's own builder); returns the documents' sequences."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    model, _ = tiny
-    g = torch.Generator().manual_seed(4)
-    docs = [[torch.randint(5, 500, (n,), generator=g) for n in parts] for parts in ([30, 20], [120], [7, 8, 9])]
-    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    g = torch.Generator().manual_seed(seed)
+    docs = [[torch.randint(5, 500, (n,), generator=g) for n in parts] for parts in sizes]
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
     for parts in docs:
         for p in parts:
             builder.add_item(p)
         builder.end_document()
-    builder.finalize(str(tmp_path / "d.idx"))
+    builder.finalize(f"{prefix}.idx")
+    return docs
+
+
+def test_perplexity_on_a_megatron_indexed_dataset(tiny, tmp_path):
+    model, _ = tiny
+    docs = write_indexed_dataset(tmp_path / "d", [[30, 20], [120], [7, 8, 9]], seed=4)
     got = indexed_documents(tmp_path / "d", max_documents=2)  # the two longest: 120, then 30+20
     assert [len(d) for d in got] == [120, 50]
     assert np.array_equal(got[1], torch.cat(docs[0]).numpy())
@@ -800,16 +807,7 @@ def test_token_losses_auto_chunk_is_at_most_4096(tiny):
 def test_indexed_documents_longest_first_by_whole_document_then_file_order(tmp_path):
     """Documents of several sequences are ordered by their total length (Megatron's document index), ties in file
     order. Hand numbers: sequences [5, 40], [30], [10, 10, 10], [3] are documents of 45, 30, 30 and 3 tokens."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    g = torch.Generator().manual_seed(14)
-    docs = [[torch.randint(5, 500, (n,), generator=g) for n in parts] for parts in ([5, 40], [30], [10, 10, 10], [3])]
-    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
-    for parts in docs:
-        for p in parts:
-            builder.add_item(p)
-        builder.end_document()
-    builder.finalize(str(tmp_path / "d.idx"))
+    docs = write_indexed_dataset(tmp_path / "d", [[5, 40], [30], [10, 10, 10], [3]], seed=14)
     whole = [torch.cat(parts).numpy() for parts in docs]
     got = indexed_documents(tmp_path / "d")
     assert [d.tolist() for d in got] == [whole[i].tolist() for i in (0, 1, 2, 3)]
