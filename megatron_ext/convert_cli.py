@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_library_warnings()  # before the imports below: Megatron-Core warns as it is imported
     from megatron_ext.runtime.held_signals import interrupts_held  # these two: the standard library only, no wait
-    from megatron_ext.runtime.signals import sigterm_as_interrupt
+    from megatron_ext.runtime.signals import interrupt_behind, sigterm_as_interrupt
 
     nothing = f"nothing was written (--out {args.out} is replaced only by a complete conversion)"
     removed = f"the unfinished output was removed (--out {args.out} is replaced only by a complete conversion)"
@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             # (and has removed its temporary folder; --out is the old one, or the new one if the signal came after
             # it was complete). No traceback.
             outcome = removed if imported and stagings_begun() > staged else nothing
-            if isinstance(e, KeyboardInterrupt):
-                return _interrupted(e, outcome)
+            interrupt = e if isinstance(e, KeyboardInterrupt) else interrupt_behind(e)
+            if interrupt is not None:  # also one wrapped on the way (an import's class body, a checkpoint read)
+                return _interrupted(interrupt, outcome)
             said = _error_line(e, args.out, outcome) if imported else None
             if said is None:
                 raise

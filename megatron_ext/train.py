@@ -36,6 +36,7 @@ import torch
 
 from megatron_ext.recipe import Recipe, RecipeError, load_recipe
 from megatron_ext.runtime.distributed import rank_device
+from megatron_ext.runtime.signals import interrupt_behind
 from megatron_ext.train_metrics import LogWindow, MetricsLog, format_duration, log, memory_gib
 from megatron_ext.train_setup import check_setup, out_of_memory, out_of_memory_advice, setup_warnings
 from megatron_ext.train_step import forward_step, reduce_loss, validation_loss
@@ -292,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()  # before anything slow: a Slurm warning during start-up still ends in a save
     try:
         code = _run(args, stop)
-    except KeyboardInterrupt:  # before the loop, or a second Ctrl-C (StopFlag): nothing saved now
+    except (KeyboardInterrupt, Exception) as e:  # before the loop, or a second Ctrl-C (StopFlag): nothing saved now
+        if not isinstance(e, KeyboardInterrupt) and interrupt_behind(e) is None:
+            raise  # an error, not a Ctrl-C that an import's class body (Python 3.11) wrapped in a RuntimeError
         stop.settle()
         say_stopped_unsaved(stop.in_loop)
         return EXIT_INTERRUPTED

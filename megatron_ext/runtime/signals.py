@@ -49,6 +49,10 @@ def sigterm_as_interrupt() -> Iterator[None]:
     installed stays (submitit's, when the launcher runs a tool in-process), and the previous dispositions come
     back after the block (tests call the tools' `main` in-process), unless the block set its own
     (`ignore_interrupts_from_now`). Off the main thread nothing changes (Python delivers signals there only).
+
+    An interrupt that something in the block turned into another exception leaves it as the interrupt again
+    (`_interrupt_within`): Python 3.11 wraps one raised in a class body's `__set_name__` in a RuntimeError, so a
+    Ctrl-C during a first `import matplotlib` (niah's heatmap, after a length was saved) was a traceback, exit 1.
     """
     global _owner_pid
     if threading.current_thread() is not threading.main_thread():
@@ -57,10 +61,16 @@ def sigterm_as_interrupt() -> Iterator[None]:
     defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
     ours = [s for s, default in defaults.items() if signal.getsignal(s) is default]
     previous_owner, _owner_pid = _owner_pid, os.getpid()
+    seen = len(_received)
     for s in ours:
         signal.signal(s, _interrupt)
     try:
         yield
+    except Exception as e:  # not SystemExit: a tool's `sys.exit` after an interrupt it reported stays itself
+        interrupt = _interrupt_within(e, seen)
+        if interrupt is None:
+            raise
+        raise interrupt from e
     finally:
         for s in ours:
             if signal.getsignal(s) is _interrupt:
@@ -118,12 +128,24 @@ def interrupts_unwrapped(on_interrupt: Callable[[], None] | None = None) -> Iter
 
 def _interrupt_within(e: BaseException, seen: int) -> KeyboardInterrupt | None:
     """The interrupt that `e` is or stands for (None if none): `e` itself, the one our handler raised since
-    `len(_received) == seen`, or one that torch.distributed.checkpoint's CheckpointException holds (its `failures`:
-    rank -> (exception, traceback); not imported here, so that the tools import no torch for their --help)."""
+    `len(_received) == seen`, or `interrupt_behind(e)`."""
     if isinstance(e, KeyboardInterrupt):
         return e
     if len(_received) > seen:
         return _interrupt_for(_received[-1])
+    return interrupt_behind(e)
+
+
+def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt (Ctrl-C, SIGTERM) that exception `e` wraps, None if none: one in the chain of its causes
+    (`raise ... from`; Python 3.11's RuntimeError for an exception in a class's `__set_name__`), or one that
+    torch.distributed.checkpoint's CheckpointException holds (its `failures`: rank -> (exception, traceback); not
+    imported here, so that the tools import no torch for their --help)."""
+    cause = e.__cause__
+    while cause is not None:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        cause = cause.__cause__
     failures = getattr(e, "failures", None)
     for failure in failures.values() if isinstance(failures, dict) else ():
         inner = failure[0] if isinstance(failure, tuple) and failure else failure

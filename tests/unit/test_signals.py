@@ -195,3 +195,56 @@ def test_interrupts_held_over_a_block():
         finally:
             signal.signal(signal.SIGINT, previous)
     assert went_on == ["one", "ignored SIGINT, then one"]
+
+
+def _in_set_name(interrupt) -> None:
+    """`interrupt()` inside a class body's `__set_name__`, as in a first `import matplotlib` (its ticker module's
+    descriptors): Python 3.11 turns whatever that raises into a RuntimeError whose cause it is."""
+
+    class Descriptor:
+        def __set_name__(self, owner, name):
+            interrupt()
+
+    class Owner:  # noqa: F841 (defining it runs __set_name__)
+        attribute = Descriptor()
+
+
+def test_an_interrupt_wrapped_on_its_way_out_leaves_the_block_as_itself():
+    """A Ctrl-C during niah's first heatmap (matplotlib's import) ended in a RuntimeError traceback, exit 1, after a
+    length was saved. Our handler's interrupt, and one Python's own SIGINT handler raised (a bare KeyboardInterrupt),
+    leave `sigterm_as_interrupt` as themselves; a real error, and a tool's `sys.exit` after an interrupt, do not."""
+    import signal
+
+    import pytest
+
+    from megatron_ext.runtime.signals import Terminated, interrupt_behind, sigterm_as_interrupt
+
+    bare = KeyboardInterrupt()
+
+    def python_sigint_handler():  # what Python's own SIGINT handler raises
+        raise bare
+
+    try:
+        _in_set_name(python_sigint_handler)
+    except BaseException as e:
+        wrapped = e
+    if sys.version_info < (3, 12):  # 3.12 adds a note and lets the exception through as it is
+        assert type(wrapped) is RuntimeError and wrapped.__cause__ is bare and interrupt_behind(wrapped) is bare
+    with pytest.raises(Terminated), sigterm_as_interrupt():
+        _in_set_name(lambda: signal.raise_signal(signal.SIGTERM))
+    with pytest.raises(KeyboardInterrupt) as raised, sigterm_as_interrupt():
+        _in_set_name(python_sigint_handler)
+    assert raised.value is bare
+
+    def error():
+        raise ValueError("not an interrupt")
+
+    with pytest.raises(RuntimeError if sys.version_info < (3, 12) else ValueError), sigterm_as_interrupt():
+        _in_set_name(error)  # the negative control: an error stays an error
+    assert interrupt_behind(RuntimeError("x")) is None
+    with pytest.raises(SystemExit) as exited, sigterm_as_interrupt():
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except KeyboardInterrupt:
+            sys.exit(143)  # a tool that reported its interrupt
+    assert exited.value.code == 143
