@@ -279,7 +279,9 @@ def test_to_megatron_without_room_is_one_line(src, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
 def test_to_megatron_onto_a_full_disk(src, tmp_path):
-    """The same on a real full disk (ENOSPC): a 64 kB tmpfs."""
+    """The same on a real full disk (ENOSPC): a 64 kB tmpfs. Which write fails first varies from run to run (the
+    writer's threads): a shard's, whose errno torch's zip writer hides (judged by the test write), or a small file's,
+    whose ENOSPC is seen as it is (no basis said; about one run in five here, and once in CI)."""
     full = tmp_path / "full"
     full.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True).returncode:
@@ -289,8 +291,10 @@ def test_to_megatron_onto_a_full_disk(src, tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         said = f"error: --out {full / 'out'}: no space left on device while saving iteration 0 ("
-        assert re.fullmatch(re.escape(said) + r"0\.\d MB free there now; the save needs at least 0\.\d MB; judged by .*"
-                            + re.escape("; free space or choose another --out"), last), last
+        removed = f"; the unfinished output was removed (--out {full / 'out'} is replaced only by a complete conversion)"
+        assert re.fullmatch(re.escape(said) + r"0\.\d MB free there now; the save needs at least 0\.\d MB"
+                            r"(; judged by a 1\.0 MB test write there: torch's shard writer said only '[^']+')?\)"
+                            + re.escape(f"{removed}; free space or choose another --out"), last), last
         assert list(full.iterdir()) == []
     finally:
         subprocess.run(["umount", str(full)], capture_output=True)
