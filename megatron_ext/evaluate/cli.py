@@ -333,6 +333,9 @@ def _interrupted_at_start(e: KeyboardInterrupt) -> int:
     return 143 if isinstance(e, Terminated) else 130
 
 
+PLOTTED = ("niah", "ppl")  # the commands that draw: matplotlib is imported with the others, the signals held
+
+
 def _main(command: str, args) -> int:
     run = {"niah": _run_niah, "ppl": _run_ppl, "generate": _run_generate, "ruler": _run_ruler}[command]
     # SIGTERM (scancel, a time limit) removes the temporary HF copy of a --megatron checkpoint, as Ctrl-C does; both
@@ -347,10 +350,15 @@ def _main(command: str, args) -> int:
             validate_args(command, args)
             check_writable_folder(args.out, "--out")  # here, not at the first save after the model load and a length
             # torch after the argument checks, a signal held until it is imported: one inside its C++ set-up was a
-            # bare traceback, or pybind11's abort (runtime/held_signals.py). Not Megatron-Core (Python on top of
-            # torch): on the CPU path Transformer Engine must be kept out before it is imported (cpu_backend, P0)
+            # bare traceback, or pybind11's abort (runtime/held_signals.py); matplotlib's the same (its first import
+            # was at the first heatmap). Not Megatron-Core (Python on top of torch): on the CPU path Transformer
+            # Engine must be kept out before it is imported (cpu_backend, P0)
             with interrupts_held():
                 from megatron_ext.evaluate.loading import check_device
+                if command in PLOTTED:
+                    from megatron_ext.evaluate.plots import load_matplotlib
+
+                    load_matplotlib()
             check_device(args.device, megatron_engine=args.engine == "megatron")
             run(args)
         except (EvalError, DeviceError) as e:  # every rank of a job finds it alike: one line, from rank 0

@@ -27,6 +27,17 @@ def format_tokens(n: int) -> str:
     return str(n)
 
 
+def load_matplotlib() -> None:
+    """Import the matplotlib modules the plots use. tools/niah.py does it before its work, its signals held
+    (`interrupts_held`): the first heatmap imported them after a length was saved, and a Ctrl-C there once ended in a
+    crash in Python's exit ('Fatal Python error: PyThreadState_Get', SIGABRT, status -6) after the run's
+    `error: interrupted` line; a pybind11 extension of matplotlib's left half set up is the likely cause (as torch's)."""
+    import importlib
+
+    for name in ("matplotlib.backends.backend_agg", "matplotlib.colors", "matplotlib.figure"):
+        importlib.import_module(name)
+
+
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -173,14 +173,18 @@ STARTED = "as the command started; nothing was written: run it again"
     ("torch", "niah", signal.SIGINT, "Ctrl-C", 130, "no length was finished"),
     ("torch", "ruler", signal.SIGTERM, "SIGTERM", 143, "no length was finished"),
     ("torch", "ppl", signal.SIGINT, "Ctrl-C", 130, "nothing was written"),
-    ("torch", "generate", signal.SIGINT, "Ctrl-C", 130, "no answer")])
+    ("torch", "generate", signal.SIGINT, "Ctrl-C", 130, "no answer"),
+    ("matplotlib", "niah", signal.SIGINT, "Ctrl-C", 130, "no length was finished"),
+    ("matplotlib", "ppl", signal.SIGTERM, "SIGTERM", 143, "nothing was written")])
 def test_an_interrupt_while_the_heavy_imports_run_is_one_line(at, command, sig, how, code, says, tiny_dir, tmp_path,
                                                               tmp_path_factory):
     """Ctrl-C (to the terminal's process group) or SIGTERM in tools/niah.py's first moments: numpy was imported before
     any handling (with the command's module, and by the parsers): a bare KeyboardInterrupt traceback, exit -2, and a
     silent -15; torch's import ran with the handler that raises (pybind11 can abort on that). Now the handling starts
     first and the signal is held until those imports are done: one line, 130 / 143, and no interrupt inside an
-    import. Control (old cli.py, cli_args.py): numpy -2 with the traceback, -15; torch: raised inside the import."""
+    import. matplotlib (its pybind11 extensions) was first imported at the first plot, after a length was saved: a
+    Ctrl-C there once crashed Python's exit (-6); it is imported with torch now. Control (old cli.py, cli_args.py):
+    numpy -2 with the traceback, -15; torch, matplotlib: raised inside the import."""
     out = tmp_path / "out"
     book = _text(tmp_path)
     argv = {"niah": ["--lengths", "256", "--depths", "50", "--out", out], "ppl": ["--text", book, "--out", out],
