@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megatron_ext.checkpoint_cli import main  # noqa: E402
+from megatron_ext.runtime.signals import exit_after_main, main_imported  # noqa: E402 (the standard library only)
 
 if __name__ == "__main__":
     import signal
 
-    from megatron_ext.runtime.signals import exit_after_main
+    main = main_imported("megatron_ext.checkpoint_cli")  # it imports numpy: a Ctrl-C there is one line
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `checkpoint.py info ... | head` ends quietly, as a Unix filter does
     exit_after_main(main())  # a Ctrl-C while Python exits (torch's teardown, a second) changes the outcome no more

@@ -81,9 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     # Megatron-Core warns at import about optional GPU libraries; irrelevant to data preparation.
     warnings.filterwarnings("ignore", module=r"megatron\.")
-    from megatron_ext.data import DataError, prepare_cpt, prepare_sft
-    from megatron_ext.disk_space import no_space_message
-    from megatron_ext.runtime.signals import Terminated, sigterm_as_interrupt
+    from megatron_ext.runtime.held_signals import interrupts_held
+    from megatron_ext.runtime.signals import Terminated, interrupted_as_it_started, sigterm_as_interrupt
+
+    try:  # numpy, the tokenizers, Megatron-Core: a signal in their imports was a bare traceback (-2) or a silent -15
+        with sigterm_as_interrupt(), interrupts_held():
+            from megatron_ext.data import DataError, prepare_cpt, prepare_sft
+            from megatron_ext.disk_space import no_space_message
+    except KeyboardInterrupt as e:
+        return interrupted_as_it_started(e, "nothing was written")
 
     common = dict(seed=args.seed, force=args.force, progress=not args.quiet)
     try:

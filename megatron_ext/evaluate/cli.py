@@ -25,7 +25,7 @@ from megatron_ext.evaluate.interrupts import interrupts_reported
 from megatron_ext.evaluate.io import OutputWriteError, check_writable_folder, not_there, read_utf8
 from megatron_ext.log_lines import log_line
 from megatron_ext.runtime.held_signals import interrupts_held
-from megatron_ext.runtime.signals import sigterm_as_interrupt
+from megatron_ext.runtime.signals import interrupted_as_it_started, sigterm_as_interrupt
 
 
 def _print_memory_note(model, length: int, batch: int, tag: str = "niah") -> None:
@@ -317,20 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             command = argv.pop(0) if argv and argv[0] in by_command else "niah"
             args = by_command[command].parse_args(argv)
         except KeyboardInterrupt as e:
-            return _interrupted_at_start(e)
+            return interrupted_as_it_started(e, "nothing was written")
         return _main(command, args)
-
-
-def _interrupted_at_start(e: KeyboardInterrupt) -> int:
-    """The one line of a run stopped before its arguments were read; the exit status (143 SIGTERM, 130 Ctrl-C)."""
-    from megatron_ext.runtime import process_env
-    from megatron_ext.runtime.signals import Terminated
-
-    if process_env().rank == 0:
-        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
-        print(f"error: interrupted ({how}) as the command started; nothing was written: run it again",
-              file=sys.stderr, flush=True)
-    return 143 if isinstance(e, Terminated) else 130
 
 
 PLOTTED = ("niah", "ppl")  # the commands that draw: matplotlib is imported with the others, the signals held

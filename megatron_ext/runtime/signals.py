@@ -92,6 +92,32 @@ def ignore_interrupts_from_now() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
+def interrupted_as_it_started(e: KeyboardInterrupt, nothing: str = "nothing was done") -> int:
+    """Print the one line of a command stopped before its work began (rank 0 of a torchrun / srun job only: every
+    rank gets the signal); the exit status a shell gives it (143 SIGTERM, 130 Ctrl-C)."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"error: interrupted ({how}) as the command started; {nothing}: run it again", file=sys.stderr,
+              flush=True)
+    return 143 if isinstance(e, Terminated) else 130
+
+
+def main_imported(module: str) -> Callable[..., int]:
+    """`module`.main for a tool's script (tools/*.py), imported with Ctrl-C and SIGTERM held
+    (`held_signals.interrupts_held`): a module that imports numpy or torch as it loads was a bare KeyboardInterrupt
+    traceback (exit -2), or a silent -15, for a signal in its first moments. One that comes in the import now ends
+    the process with `interrupted_as_it_started`'s line."""
+    import importlib
+
+    from megatron_ext.runtime.held_signals import interrupts_held
+
+    try:
+        with sigterm_as_interrupt(), interrupts_held():
+            return importlib.import_module(module).main
+    except KeyboardInterrupt as e:
+        sys.exit(interrupted_as_it_started(e))
+
+
 def exit_after_main(code: int) -> NoReturn:
     """sys.exit(code) from a tool's script once its main() returned (the outcome said): Ctrl-C and SIGTERM ignored
     from then on (`ignore_interrupts_from_now`), there and not in main(), which tests call in-process."""

@@ -1,8 +1,11 @@
 """SIGTERM reaches a tool's cleanup as on Ctrl-C (megatron_ext.runtime.signals)."""
 
+import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -248,3 +251,24 @@ def test_an_interrupt_wrapped_on_its_way_out_leaves_the_block_as_itself():
         except KeyboardInterrupt:
             sys.exit(143)  # a tool that reported its interrupt
     assert exited.value.code == 143
+
+
+@pytest.mark.parametrize("tool, argv, says", [
+    ("checkpoint.py", ["info", "CKPT"], "nothing was done"),
+    ("prepare_data.py", ["cpt", "--input", "CKPT/a.jsonl", "--tokenizer", "CKPT", "--output", "CKPT/out"],
+     "nothing was written")])
+@pytest.mark.parametrize("sig, how, code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
+def test_a_signal_in_a_tools_first_imports_is_one_line(tool, argv, says, sig, how, code, tmp_path):
+    """tools/checkpoint.py imports numpy as it loads its module, prepare_data as main begins: a Ctrl-C then was a bare
+    KeyboardInterrupt traceback (exit -2), a SIGTERM a silent -15. Now the signal is held through those imports and
+    ends the tool in one line (niah, convert and quantize did so already). Control (old scripts): -2 with the
+    traceback, the interrupt raised inside numpy's import."""
+    from tests.held_tool import signalled_at_import
+
+    argv = [str(tmp_path) if a == "CKPT" else a.replace("CKPT", str(tmp_path)) for a in argv]
+    (tmp_path / "flags").mkdir()
+    status, err, raised = signalled_at_import(tool, "numpy", argv, sig, tmp_path / "flags")
+    assert status == code and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"error: interrupted ({how}) as the command started; {says}: run it again"
+    assert not raised, "the interrupt was raised inside numpy's import"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flags"]
