@@ -1,14 +1,21 @@
 """Submitting a chain's jobs to Slurm through submitit: `--folder` checked before anything is submitted, each
 job made to wait for the one before it (`afterok`), and a submission that fails half-way (sbatch refused a job,
-submitit's files not writable) said in one line that names the jobs submitted before it."""
+submitit's files not writable) said in one line that names the jobs submitted before it, and the files submitit
+left for the refused job removed."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
+import re
+from pathlib import Path
 
 from megatron_ext.recipe import RecipeError
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SubmissionError(RuntimeError):
@@ -37,21 +44,55 @@ class Submitted:
         """`executor.submit(function)`, recorded; a refusal of sbatch or a folder it cannot write raises
         SubmissionError (submitit's FailedJobError carried a 30-line traceback, and left the jobs submitted before
         it unsaid)."""
-        from submitit.core.utils import FailedJobError
+        from submitit.core.utils import FailedJobError, JobPaths
 
+        base = JobPaths.get_first_id_independent_folder(folder).absolute()
+        before = _unsubmitted_files(base)
+        made_from = base
+        while not made_from.exists() and made_from.parent != made_from:
+            made_from = made_from.parent
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr itself before it raises
                 job = executor.submit(function)
         except FailedJobError as e:
+            _remove_unsubmitted(base, before, made_from)
             code = getattr(e.__cause__, "returncode", None)
             lines = [line.strip().removeprefix("sbatch: error: ") for line in str(e).splitlines()]
             why = "; ".join(line for line in lines if line)
             raise self.failed(f"sbatch refused the {name} job ({why or f'exit {code}'})") from None
         except OSError as e:
+            _remove_unsubmitted(base, before, made_from)
+            fix = "free space there or give another folder" if e.errno in FULL else "give a writable folder"
             raise self.failed(f"--folder {folder}: cannot write submitit's files for the {name} job there "
-                              f"({e.strerror or e}); give a writable folder") from None
+                              f"({e.strerror or e}); {fix}") from None
         self.add(name, job.job_id)
         return job
+
+
+# submitit writes a job's pickle and sbatch script under a uuid in --folder's id-independent part, and moves them
+# (the script leaving a symlink) into the job's folder once sbatch answered with a job id.
+_UNSUBMITTED = re.compile(r"[0-9a-f]{32}\.pkl|\.submission_file_[0-9a-f]{32}\.sh")
+
+
+def _unsubmitted_files(base: Path) -> set[Path]:
+    """submitit's files in `base` of jobs sbatch never took: plain files under a uuid name (not yet moved)."""
+    if not base.is_dir():
+        return set()
+    return {p for p in base.iterdir() if _UNSUBMITTED.fullmatch(p.name) and not p.is_symlink()}
+
+
+def _remove_unsubmitted(base: Path, before: set[Path], made_from: Path) -> None:
+    """Remove the files submitit left in `base` for a job sbatch refused (they named no job and piled up with each
+    retry), then the folders it made for them (`base` up to `made_from`, the part that existed), where empty."""
+    for path in _unsubmitted_files(base) - before:
+        path.unlink(missing_ok=True)
+    here = base
+    while here != made_from and here.is_relative_to(made_from):
+        try:
+            here.rmdir()
+        except OSError:  # not empty (another writer), or gone
+            return
+        here = here.parent
 
 
 def check_submit_folder(folder: str) -> None:
