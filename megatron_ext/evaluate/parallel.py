@@ -295,16 +295,25 @@ def run_ppl_megatron(checkpoint, *, texts=None, documents=None, tensor: int = 1,
             log_line(f"[ppl] {engine.describe()}")
         source = documents if documents is not None else engine.tokenizer
         losses = MegatronTokenLosses(engine.model, engine.device)
+        shares: list[int] = []
+
+        def documents_losses(docs: list[torch.Tensor]) -> list[torch.Tensor]:
+            merged, shares[:] = _replica_losses(losses, docs, progress)
+            return merged
+
         result = perplexity_by_position(None, source, texts=texts, progress=False,
-                                        documents_losses_fn=lambda docs: _replica_losses(losses, docs, progress),
+                                        documents_losses_fn=documents_losses,
                                         max_position_embeddings=engine.hf_config.get("max_position_embeddings"),
                                         chunk=None, **ppl_kwargs)
-        result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision)
+        result.settings.update(engine="megatron", layout=engine.layout, dtype=engine.precision,
+                               documents_per_replica=shares)
         return result
 
 
-def _replica_losses(losses: MegatronTokenLosses, docs: list[torch.Tensor], progress: bool) -> list[torch.Tensor]:
-    """Every document's token losses on every rank, each document run by one data-parallel replica."""
+def _replica_losses(losses: MegatronTokenLosses, docs: list[torch.Tensor],
+                    progress: bool) -> tuple[list[torch.Tensor], list[int]]:
+    """Every document's token losses on every rank, each document run by one data-parallel replica; and how many
+    documents each replica ran (the record that they shared the work rather than each doing all of it)."""
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -312,9 +321,9 @@ def _replica_losses(losses: MegatronTokenLosses, docs: list[torch.Tensor], progr
     if progress and dist.get_rank() == 0:
         mine = progress_bar(mine, desc="ppl", unit="doc")
     done = {i: losses(docs[i]) for i in mine}
-    if dp == 1:
-        return [done[i] for i in range(len(docs))]
-    everyone: list[dict] = [{} for _ in range(dp)]
-    dist.all_gather_object(everyone, done, group=ps.get_data_parallel_group())
+    everyone: list[dict] = [done]
+    if dp > 1:
+        everyone = [{} for _ in range(dp)]
+        dist.all_gather_object(everyone, done, group=ps.get_data_parallel_group())
     merged = {i: t for part in everyone for i, t in part.items()}
-    return [merged[i] for i in range(len(docs))]
+    return [merged[i] for i in range(len(docs))], [len(part) for part in everyone]

@@ -163,6 +163,8 @@ def test_cli_ppl_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_pat
         assert abs(a["mean_loss"] - b["mean_loss"]) < 1e-4
     assert mg["settings"]["engine"] == "megatron" and (tmp_path / "mg/ppl.png").is_file()
     assert mg["settings"]["layout"]["data"] == (2 if not layout else 1)
+    # DP 2: replica 0 ran documents 0 and 2, replica 1 document 1 (control: each replica running all gives [3, 3])
+    assert mg["settings"]["documents_per_replica"] == ([2, 1] if not layout else [3])
 
 
 def test_cli_generate_megatron_engine_equals_hf_engine(checkpoints, torchrun, tmp_path):
