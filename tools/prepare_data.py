@@ -7,7 +7,9 @@ See `megatron_ext/data/__init__.py` for usage and the output layout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import shutil
 import sys
 import traceback
 import warnings
@@ -123,20 +125,49 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_toy(args: argparse.Namespace) -> int:
+    """The offline toy inputs, written into a staging folder beside --out and renamed into place when complete: an
+    interrupt or a failure leaves no half-written --out (which a rerun then refused as not empty)."""
     if args.documents < 1 or args.chats < 1:
         sys.exit(f"error: --documents {args.documents} / --chats {args.chats}: both must be positive")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"error: --out {out}: {'not empty' if out.is_dir() else 'not a folder'}; give a new folder")
-    from megatron_ext.data import toy
     from megatron_ext.cli_types import folder_write_problem
+    from megatron_ext.runtime.held_signals import interrupts_held
+    from megatron_ext.runtime.signals import Terminated, interrupted_as_it_started, sigterm_as_interrupt
 
     problem = folder_write_problem(out)  # before the tokenizer is trained, not as a traceback from its save
     if problem:
         sys.exit(f"error: --out {out}: {problem}")
+    try:  # numpy, tokenizers, transformers: a signal in their imports was a bare traceback (-2) or a silent -15
+        with sigterm_as_interrupt(), interrupts_held():
+            for heavy in ("tokenizers", "transformers"):  # build_toy_tokenizer's, imported with the signals held
+                importlib.import_module(heavy)
+            from megatron_ext.data import toy
+            from megatron_ext.disk_space import no_space_message
+    except KeyboardInterrupt as e:
+        return interrupted_as_it_started(e, "nothing was written")
 
-    written = toy.write_toy_inputs(out, documents=args.documents, chats=args.chats, seed=args.seed)
-    print("wrote " + ", ".join(map(str, written.values())), file=sys.stderr)
+    stage = out.absolute().parent / f".{out.name}.partial"
+    try:
+        with sigterm_as_interrupt():
+            shutil.rmtree(stage, ignore_errors=True)  # a killed run's
+            written = toy.write_toy_inputs(stage, documents=args.documents, chats=args.chats, seed=args.seed)
+            os.replace(stage, out)  # onto nothing, or the empty folder accepted above
+    except KeyboardInterrupt as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"error: interrupted ({how}); nothing was written (--out {out} is made only by a complete run)",
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except OSError as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        said = no_space_message(e, f"--out {out}", out, "the unfinished output was removed", "free space or "
+                                "choose another --out")
+        if said is None:
+            raise
+        sys.exit(f"error: {said}")
+    print("wrote " + ", ".join(str(out / p.relative_to(stage)) for p in written.values()), file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -640,6 +642,67 @@ def test_toy_inputs_need_a_new_folder(tmp_path):
     assert "not empty" in _fail(["toy", "--out", str(tmp_path / "toy")])
     (tmp_path / "f").write_text("x")
     assert "not a folder" in _fail(["toy", "--out", str(tmp_path / "f")])
+
+
+# prepare_data.py toy, sent SIG (real, to the process) as the chats are drawn once the tokenizer is saved (the
+# tokenizer's training draws 40); in a process of its own: the old code let SIGTERM end the process it ran in
+_TOY_SIGNALLED = """
+import signal, sys
+sys.path.insert(0, sys.argv.pop(1))
+import prepare_data
+from megatron_ext.data import toy
+
+sig, drawn = getattr(signal, sys.argv.pop(1)), toy.synthetic_chats
+
+
+def chats_signalled(n, *args, **kwargs):
+    if n == 2:
+        signal.raise_signal(sig)
+    return drawn(n, *args, **kwargs)
+
+
+toy.synthetic_chats = chats_signalled
+sys.exit(prepare_data.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig, how, code", [("SIGINT", "Ctrl-C", 130), ("SIGTERM", "SIGTERM", 143)])
+def test_an_interrupted_toy_leaves_no_half_folder(tmp_path, capsys, sig, how, code):
+    """A signal while the toy inputs were written (here once the tokenizer is saved, as the chats are drawn) ended in
+    a traceback (Ctrl-C; SIGTERM silently) and left --out half written, which the rerun refused as 'not empty'. Now
+    the inputs are written beside --out and renamed into place when complete: one line, 130 / 143, nothing left,
+    and the rerun writes them. Control (old _write_toy): -2 with a traceback / -15, toy/tokenizer left."""
+    import signal
+
+    argv = ["toy", "--out", str(tmp_path / "toy"), "--documents", "3", "--chats", "2"]
+    proc = subprocess.run([sys.executable, "-c", _TOY_SIGNALLED, str(ROOT / "tools"), sig, *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # CI's background ignores it
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: interrupted ({how}); nothing was written (--out {tmp_path / 'toy'} is made only by a complete run)"]
+    assert list(tmp_path.iterdir()) == []
+    assert prepare_data.main(argv) == 0
+    assert capsys.readouterr().err == (f"wrote {tmp_path / 'toy/tokenizer'}, {tmp_path / 'toy/corpus.jsonl'}, "
+                                       f"{tmp_path / 'toy/chats.jsonl'}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
+def test_toy_onto_a_full_disk_is_one_line(tmp_path):
+    """The toy inputs (~0.5 MB) onto a 64 kB tmpfs: the corpus's write fails (ENOSPC). It was an OSError traceback
+    that left the tokenizer in --out; now one line naming --out, and nothing left there."""
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        said = _fail(["toy", "--out", str(full / "toy")])
+        assert re.fullmatch(re.escape(f"error: --out {full / 'toy'}: no space left on device (") + r"0\.\d MB free "
+                            r"there\); the unfinished output was removed; free space or choose another --out", said), said
+        assert list(full.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(full)], capture_output=True)
 
 
 def test_output_without_room_is_one_line(tmp_path, tok_dir, corpus):

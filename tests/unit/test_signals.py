@@ -256,13 +256,14 @@ def test_an_interrupt_wrapped_on_its_way_out_leaves_the_block_as_itself():
 @pytest.mark.parametrize("tool, argv, says", [
     ("checkpoint.py", ["info", "CKPT"], "nothing was done"),
     ("prepare_data.py", ["cpt", "--input", "CKPT/a.jsonl", "--tokenizer", "CKPT", "--output", "CKPT/out"],
-     "nothing was written")])
+     "nothing was written"),
+    ("prepare_data.py", ["toy", "--out", "CKPT/toy"], "nothing was written")])
 @pytest.mark.parametrize("sig, how, code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
 def test_a_signal_in_a_tools_first_imports_is_one_line(tool, argv, says, sig, how, code, tmp_path):
-    """tools/checkpoint.py imports numpy as it loads its module, prepare_data as main begins: a Ctrl-C then was a bare
-    KeyboardInterrupt traceback (exit -2), a SIGTERM a silent -15. Now the signal is held through those imports and
-    ends the tool in one line (niah, convert and quantize did so already). Control (old scripts): -2 with the
-    traceback, the interrupt raised inside numpy's import."""
+    """tools/checkpoint.py imports numpy as it loads its module, prepare_data as main begins (`toy` as it began to
+    write): a Ctrl-C then was a bare KeyboardInterrupt traceback (exit -2), a SIGTERM a silent -15. Now the signal is
+    held through those imports and ends the tool in one line (niah, convert and quantize did so already). Control
+    (old scripts): -2 with the traceback, the interrupt raised inside numpy's import."""
     from tests.held_tool import signalled_at_import
 
     argv = [str(tmp_path) if a == "CKPT" else a.replace("CKPT", str(tmp_path)) for a in argv]
