@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import re
+import uuid
 from pathlib import Path
 
 from megatron_ext.recipe import RecipeError
@@ -43,11 +44,17 @@ class Submitted:
     def submit(self, executor, name: str, folder: str, function):
         """`executor.submit(function)`, recorded; a refusal of sbatch or a folder it cannot write raises
         SubmissionError (submitit's FailedJobError carried a 30-line traceback, and left the jobs submitted before
-        it unsaid)."""
+        it unsaid), and the files submitit left for the job are removed (`_remove_unsubmitted`)."""
         from submitit.core.utils import FailedJobError, JobPaths
 
+        # The job's pickle and script carry a mark of this submission, so that a refusal removes them and no other
+        # launch's (the default --folder is shared, and another may be between its sbatch and its renames).
+        mark = f"megatron_ext submission {uuid.uuid4().hex}"
+        function.submission_mark = mark
+        setup = executor.parameters.get("setup") or []
+        executor.update_parameters(setup=[*setup, f"# {mark}"])
         base = JobPaths.get_first_id_independent_folder(folder).absolute()
-        before = _unsubmitted_files(base)
+        before = set(base.iterdir()) if base.is_dir() else set()
         made_from = base
         while not made_from.exists() and made_from.parent != made_from:
             made_from = made_from.parent
@@ -55,13 +62,13 @@ class Submitted:
             with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr itself before it raises
                 job = executor.submit(function)
         except FailedJobError as e:
-            _remove_unsubmitted(base, before, made_from)
+            _remove_unsubmitted(base, mark, made_from)
             code = getattr(e.__cause__, "returncode", None)
             lines = [line.strip().removeprefix("sbatch: error: ") for line in str(e).splitlines()]
             why = "; ".join(line for line in lines if line)
             raise self.failed(f"sbatch refused the {name} job ({why or f'exit {code}'})") from None
-        except OSError as e:
-            _remove_unsubmitted(base, before, made_from)
+        except OSError as e:  # a full or read-only disk: the pickle may be there, empty (its write failed)
+            _remove_unsubmitted(base, mark, made_from, empty_since=before)
             fix = "free space there or give another folder" if e.errno in FULL else "give a writable folder"
             raise self.failed(f"--folder {folder}: cannot write submitit's files for the {name} job there "
                               f"({e.strerror or e}); {fix}") from None
@@ -74,18 +81,20 @@ class Submitted:
 _UNSUBMITTED = re.compile(r"[0-9a-f]{32}\.pkl|\.submission_file_[0-9a-f]{32}\.sh")
 
 
-def _unsubmitted_files(base: Path) -> set[Path]:
-    """submitit's files in `base` of jobs sbatch never took: plain files under a uuid name (not yet moved)."""
-    if not base.is_dir():
-        return set()
-    return {p for p in base.iterdir() if _UNSUBMITTED.fullmatch(p.name) and not p.is_symlink()}
-
-
-def _remove_unsubmitted(base: Path, before: set[Path], made_from: Path) -> None:
-    """Remove the files submitit left in `base` for a job sbatch refused (they named no job and piled up with each
-    retry), then the folders it made for them (`base` up to `made_from`, the part that existed), where empty."""
-    for path in _unsubmitted_files(base) - before:
-        path.unlink(missing_ok=True)
+def _remove_unsubmitted(base: Path, mark: str, made_from: Path, empty_since: set[Path] | None = None) -> None:
+    """Remove the files submitit left in `base` for a job sbatch refused or it could not write (they named no job,
+    and piled up with each retry): those under a uuid name, not yet moved, that hold `mark`, or, with
+    `empty_since`, that are empty and were not there before. Then the folders made for them (`base` up to
+    `made_from`, the part that existed), where empty."""
+    if base.is_dir():
+        for path in base.iterdir():
+            if _UNSUBMITTED.fullmatch(path.name) and not path.is_symlink():
+                try:
+                    data = path.read_bytes()  # the bytes only: nothing is unpickled
+                    if mark.encode() in data or (empty_since is not None and not data and path not in empty_since):
+                        path.unlink()
+                except OSError:
+                    pass  # gone (another launch's, renamed), or unreadable: not ours to judge
     here = base
     while here != made_from and here.is_relative_to(made_from):
         try:

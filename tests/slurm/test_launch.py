@@ -179,7 +179,7 @@ def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, tmp_path, token
     after the first stage left that stage's job queued without a word. Now one line in slurm/pipeline.sh's words. On
     the local cluster: the first job refused (no such partition); then the SFT job's GPU (the cluster has none) after
     the CPT job, held (SBATCH_HOLD) and cancelled. The refused job's files (submitit's pickle and sbatch script,
-under a uuid, piling up with each retry) are removed."""
+    under a uuid, piling up with each retry) are removed; another launch's in the same folder are not."""
     args = [*chain_args(tmp_path, token_data, sft_data), "--folder", str(tmp_path / "submitit/%j")]
     proc = launch(*args, "--partition", "nosuch")
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-3000:]
@@ -187,6 +187,11 @@ under a uuid, piling up with each retry) are removed."""
         "error: sbatch refused the cpt job (invalid partition specified: nosuch; Batch job submission failed: Invalid "
         "partition name specified); nothing launched"]
     assert not (tmp_path / "submitit").exists()  # submitit's pickle and sbatch script of the refused job: removed
+    # another launch's files in the shared folder, between its sbatch and its renames: not the refused job's to remove
+    others = {f"{'a' * 32}.pkl", f".submission_file_{'b' * 32}.sh"}
+    (tmp_path / "submitit").mkdir()
+    for name in others:
+        (tmp_path / "submitit" / name).write_bytes(b"another launch's")
     proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", *args, "sft:runtime.device=cuda"],
                           capture_output=True, text=True, cwd=ROOT, env=job_env(SBATCH_HOLD="1"), timeout=600)
     cpt = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("submitted cpt: job ")]
@@ -199,7 +204,7 @@ under a uuid, piling up with each retry) are removed."""
         assert queued.strip() == "PENDING", queued  # what the line says: the CPT job is in the queue
         # the CPT job's folder and the link to its script stay; the refused SFT job's pickle and script do not
         left = {p.name for p in (tmp_path / "submitit").iterdir() if not p.is_symlink()}
-        assert left == {cpt[0]}, left
+        assert left == {cpt[0], *others}, left
     finally:
         for job in cpt:
             subprocess.run(["scancel", job], check=False)
