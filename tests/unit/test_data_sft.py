@@ -53,6 +53,42 @@ def test_masks_cover_exactly_assistant_spans(hf_tok):
     assert "What is the code" not in hf_tok.decode([t for t, m in zip(ids, mask) if m])
 
 
+def test_llama31_rendering_is_metas_prompt_format(hf_tok):
+    """The built-in template against Meta's Llama-3.1 prompt format written out by hand (the toy tokenizer's own
+    chat_template is the built-in one, so apply_chat_template is no oracle for the text): <|begin_of_text|>, the
+    system block with the knowledge date always there (empty without a system message), the contents trimmed,
+    '<|end_header_id|>\\n\\n' before each, the generation prompt a served model gets. Only the reply and its
+    <|eot_id|> are trained."""
+    head = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n" \
+           "Today Date: 26 Jul 2024\n\n"
+    messages = [{"role": "system", "content": " Be brief.\n"}, {"role": "user", "content": "\nWhat is two and two? "},
+                {"role": "assistant", "content": "  Four.\n"}]
+    prompt = head + "Be brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is two and two?<|eot_id|>" \
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ids, mask = tokenize_chat(hf_tok, messages, LLAMA31_CHAT_TEMPLATE)
+    assert hf_tok.decode(ids) == prompt + "Four.<|eot_id|>"
+    assert [hf_tok.decode(ids[a:b]) for a, b in _runs(mask)] == ["Four.<|eot_id|>"]
+    assert hf_tok.apply_chat_template(messages[:2], chat_template=LLAMA31_CHAT_TEMPLATE, tokenize=False,
+                                      add_generation_prompt=True) == prompt
+    ids, _ = tokenize_chat(hf_tok, messages[1:], LLAMA31_CHAT_TEMPLATE)
+    assert hf_tok.decode(ids) == head + prompt[prompt.index("<|eot_id|>"):] + "Four.<|eot_id|>"
+
+
+def test_custom_template_spans(hf_tok):
+    """A template that renders a prefix of the conversation differently from the whole (here: a marker before the
+    last message) has no well-defined assistant spans: DataError, not a silently wrong mask. Replies rendered
+    back to back (a headerless template) are both trained, the second from its first token."""
+    unstable = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "r"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(DataError, match="not prefix-stable"):
+        tokenize_chat(hf_tok, chat, unstable)
+    bare = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    ids, mask = tokenize_chat(hf_tok, [chat[0], chat[1], {"role": "assistant", "content": "b"}], bare)
+    assert [hf_tok.decode(ids[a:b]) for a, b in _runs(mask)] == ["a<|eot_id|>b<|eot_id|>"]
+    assert hf_tok.decode([t for t, m in zip(ids, mask) if not m]) == "q<|eot_id|>"
+
+
 def test_prepare_sft_drops_and_counts(tmp_path, tok_dir, hf_tok):
     chats = list(toy.synthetic_chats(30, seed=2, no_assistant_every=5))
     chats.append({"messages": "not a list"})
@@ -70,10 +106,33 @@ def test_prepare_sft_drops_and_counts(tmp_path, tok_dir, hf_tok):
     assert np.array_equal(toks.sequence_lengths, masks.sequence_lengths)
     assert int(toks.sequence_lengths.max()) <= S
     assert man["trained_tokens"] == sum(int(masks[i].sum()) for i in range(len(masks)))
+    # the manifest's counts against the written files and the tokenizer (mutants of each survived before)
+    assert man["documents"] == len(toks) == man["samples"] and man["tokens"] == int(toks.sequence_lengths.sum())
+    assert man["max_token_id"] == max(int(toks[i].max()) for i in range(len(toks)))  # not the last token's (eot)
+    assert man["pad_id"] == hf_tok.pad_token_id != hf_tok.eos_token_id  # the pad token, not EOS
+    n_packs = len(pack_samples(toks.sequence_lengths, S))
+    assert man["packs"] == n_packs and man["pack_fill"] == round(man["tokens"] / (n_packs * S), 6)
     again = prepare_sft([str(path)], str(tok_dir), str(tmp_path / "sft2"), S, progress=False)
     assert again == man
     for suffix in (".bin", ".idx", "_lossmask.bin", "_lossmask.idx", ".json"):
         assert (tmp_path / f"sft{suffix}").read_bytes() == (tmp_path / f"sft2{suffix}").read_bytes()  # byte-identical
+
+
+def test_max_token_id_covers_the_pad_id(tmp_path, tok_dir, hf_tok):
+    """The loader pads packs with pad_id, so the manifest's max_token_id (which the trainer checks against the
+    model's vocabulary) covers it when it is above every id in the data: here a pad token of id 511."""
+    hf_tok.save_pretrained(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    tok.pad_token = tok.convert_ids_to_tokens(len(tok) - 1)
+    tok.save_pretrained(tmp_path / "tok")
+    path = toy.write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "hello"}]}])
+    man = prepare_sft([str(path)], str(tmp_path / "tok"), str(tmp_path / "sft"), 256, progress=False)
+    ids = tokenize_chat(hf_tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                        LLAMA31_CHAT_TEMPLATE)[0]
+    assert man["pad_id"] == len(tok) - 1 > max(ids) and man["max_token_id"] == man["pad_id"]
 
 
 def test_pack_samples_never_splits():
@@ -258,7 +317,17 @@ def test_answer_field_becomes_the_last_assistant_turn(tmp_path, tok_dir, hf_tok,
     toy.write_jsonl(bad, [answered, {**rows[1], "answer": None}, rows[2]])
     man = prepare_sft([str(bad)], str(tok_dir), str(tmp_path / "bad"), 4096, answer_field="answer", progress=False)
     assert man["dropped"]["bad_messages"] == 2 and man["samples"] == 1
-    assert "two replies in a row" in capsys.readouterr().err  # the first skip is named
+    err = capsys.readouterr().err
+    assert "two replies in a row" in err and err.count("sample skipped") == 1  # the first skip is named, only it
+    from megatron_ext.data.sft import _row_turns
+
+    assert _row_turns({**rows[1], "answer": None}, "x:2", None, "answer").problem == \
+        "'answer' is a NoneType, not a string"
+    # rows that end with their reply and also hold an 'answer' (all too long here): no --answer-field advice
+    with pytest.raises(DataError, match="too long") as e:
+        prepare_sft([str(toy.write_jsonl(tmp_path / "answered.jsonl", [answered]))], str(tok_dir),
+                    str(tmp_path / "none"), 8, progress=False)
+    assert "--answer-field" not in str(e.value)
     long_prompt = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                                 {"role": "user", "content": "word " * 3000}]}
     man = prepare_sft([str(toy.write_jsonl(tmp_path / "long.jsonl", [long_prompt, rows[1] | {"messages":
@@ -280,6 +349,9 @@ def test_max_samples_draws_rows_uniformly(tmp_path, tok_dir):
         counts[picked] += 1
     assert counts.min() > 60 and counts.max() < 140, counts  # expected 100 each; binomial sd 8.7
     assert [r["i"] for _, _, r in _sample_rows(iter(items), 50, 0, progress=False)[0]] == list(range(20))
+    # one of two rows: each about half the time (an off-by-one draw, j in [0, i), always took the second)
+    firsts = sum(_sample_rows(iter(items[:2]), 1, seed, progress=False)[0][0][2]["i"] == 0 for seed in range(200))
+    assert 70 < firsts < 130, firsts  # expected 100; sd 7
 
     chats = list(toy.synthetic_chats(30, seed=5))
     path = toy.write_jsonl(tmp_path / "c.jsonl", chats)
@@ -332,3 +404,22 @@ def test_sharegpt_rows_read_as_messages(tmp_path, tok_dir, capsys):
                     progress=False)
     assert c["dropped"]["bad_messages"] == 2 and "role 'bing' is not one of" in capsys.readouterr().err
     assert c["messages_fields_read"] == {"conversations": 20} and a["messages_fields_read"] == {"messages": 20}
+    # tool results under ShareGPT's names are `tool` turns (Llama-3.1's ipython header); a row with both fields is
+    # read from `messages`; turns that have a role are {role, content} ones, whatever else they carry
+    msgs = [{"role": "user", "content": "Look up the cat."}, {"role": "assistant", "content": "Looking."},
+            {"role": "tool", "content": "cat: 42"}, {"role": "assistant", "content": "It is 42."}]
+    rows = [{"messages": msgs}, {"messages": msgs}]
+    share = [{"conversations": [{"from": name, "value": m["content"]} for name, m in
+                                zip(["human", "gpt", tool, "gpt"], msgs)]} for tool in ("observation", "function_response")]
+    share.append({"messages": msgs, "conversations": [{"from": "human", "value": "other"}, {"from": "gpt", "value": "x"}]})
+    rows.append({"messages": msgs})
+    share.append({"messages": [{**m, "from": "gpt", "value": "other"} for m in msgs]})
+    rows.append({"messages": msgs})
+    a = prepare_sft([str(toy.write_jsonl(tmp_path / "m2.jsonl", rows))], str(tok_dir), str(tmp_path / "m2"), 4096,
+                    progress=False)
+    b = prepare_sft([str(toy.write_jsonl(tmp_path / "s2.jsonl", share))], str(tok_dir), str(tmp_path / "s2"), 4096,
+                    progress=False)
+    assert b["samples"] == 4 and b["sharegpt_rows"] == 2
+    assert b["messages_fields_read"] == {"conversations": 2, "messages": 2}
+    for suffix in (".bin", "_lossmask.bin"):
+        assert (tmp_path / f"m2{suffix}").read_bytes() == (tmp_path / f"s2{suffix}").read_bytes()
