@@ -621,3 +621,33 @@ def test_flags_reach_the_library_as_given(src, mcore, tmp_path, cpu_parallel_sta
     shards = {p: json.loads((tmp_path / p / "model.safetensors.index.json").read_text())["weight_map"]
               for p in ("cli", "lib")}
     assert shards["cli"] == shards["lib"] and len(set(shards["cli"].values())) >= 2, (whole, shards)
+
+
+def test_every_tokenizer_file_is_copied_verbatim(src, mcore, tmp_path, cpu_parallel_state):
+    """A Llama tokenizer folder's special_tokens_map.json and chat template travel with tokenizer.json and
+    tokenizer_config.json, byte for byte (a file left out of TOKENIZER_FILES was silently dropped: mutation audit
+    round 5). Oracle: the files as written."""
+    from megatron_ext.convert import to_hf
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tok / name)
+    (tok / "special_tokens_map.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    (tok / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    r = to_hf(mcore, tmp_path / "out", tokenizer=tok, progress=False)
+    names = sorted(p.name for p in tok.iterdir())
+    assert sorted(r["tokenizer_files"]) == names
+    assert all((tmp_path / "out" / n).read_bytes() == (tok / n).read_bytes() for n in names)
+
+
+def test_a_shard_one_byte_short_is_refused_as_it_is_indexed(src, tmp_path):
+    """A download one byte short is named when the shard's header is read, before any conversion work (the bound is
+    the file's own size, not a few bytes past it: mutation audit round 5)."""
+    from megatron_ext.convert.hf_io import ConvertError, SafetensorsReader
+
+    d = copy_src(src, tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-1])
+    with pytest.raises(ConvertError, match=r"extends past the end of the file \((\d+) > \d+ bytes\); the file is trunc"):
+        SafetensorsReader(d)

@@ -63,6 +63,10 @@ def test_round_trip_bit_exact(converted):
     assert len(set(index["weight_map"].values())) > 1
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp / "back" / f).is_file(), f
+    # the source's generation_config.json (transformers' own) comes back verbatim, not one made from config.json's
+    # token ids (mutation audit round 5)
+    assert json.loads((tmp / "back/generation_config.json").read_text()) == \
+        json.loads((src / "generation_config.json").read_text())
 
 
 def test_megatron_logits_equal_hf(converted):
@@ -301,3 +305,54 @@ def test_stored_rotary_inv_freq_is_ignored(tmp_path, cpu_parallel_state):
     back = read_all(tmp_path / "back")
     assert not [k for k in back if "inv_freq" in k]
     assert all(torch.equal(back[k], v) for k, v in tensors.items() if "inv_freq" not in k)
+
+
+# ---- pins of the mutation audit (round 5) -------------------------------------------------------
+
+def test_vocab_divisor_is_what_pads_and_what_is_recorded(tmp_path, cpu_parallel_state):
+    """make_vocab_size_divisible_by=100 pads 500 to 500 rows (128 would give 512) and is recorded, so the model
+    --verify builds from the metadata loads the 500 stored rows. Oracle: transformers' logits."""
+    from megatron_ext.convert.dist_reader import TorchDistReader
+
+    src = make_hf_model(tmp_path / "hf", vocab_size=500)
+    r = to_megatron(src, tmp_path / "m", make_vocab_size_divisible_by=100, verify=True, progress=False)
+    assert r["max_abs_logit_diff"] <= TOL
+    assert read_metadata(tmp_path / "m")["vocab"] == {"size": 500, "padded": 500, "make_vocab_size_divisible_by": 100}
+    assert TorchDistReader(tmp_path / "m/iter_0000000").shape("embedding.word_embeddings.weight") == (500, 64)
+
+
+def test_shard_writer_limit_numbering_and_index(tmp_path):
+    """StreamingSafetensorsWriter: a shard takes tensors up to exactly max_shard_bytes (64 + 64 = 128 is one shard);
+    a larger tensor gets a shard of its own; shards are named 1..n of n; the index's total_size is the tensors'
+    bytes; each shard's data starts 8-byte aligned (as safetensors' own writer pads the header). Oracle: safetensors
+    reads every tensor back from the shard the index names."""
+    from megatron_ext.convert.hf_io import StreamingSafetensorsWriter
+
+    tensors = {"a": torch.arange(16.0), "b": torch.arange(16.0) + 100, "c": torch.randn(40),
+               "d": torch.ones(3, dtype=torch.bfloat16)}
+    writer = StreamingSafetensorsWriter(tmp_path, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()],
+                                        max_shard_bytes=128)
+    for k, t in tensors.items():
+        writer.add(k, t)
+    writer.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = "model-0000{}-of-00003.safetensors".format
+    assert index["weight_map"] == {"a": shard(1), "b": shard(1), "c": shard(2), "d": shard(3)}
+    assert index["metadata"]["total_size"] == 64 + 64 + 160 + 6
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [shard(i) for i in (1, 2, 3)]
+    for name, f in index["weight_map"].items():
+        with safe_open(str(tmp_path / f), framework="pt") as h:
+            assert torch.equal(h.get_tensor(name), tensors[name])
+    for i in (1, 2, 3):
+        assert int.from_bytes((tmp_path / shard(i)).read_bytes()[:8], "little") % 8 == 0
+
+
+def test_three_layers_round_trip_bit_exact(tmp_path, cpu_parallel_state):
+    """Every fixture above has 2 layers, where reading layer min(i, 1) of the stack is the same as layer i: with 3,
+    each exported layer must be its own. Oracle: the safetensors transformers wrote."""
+    src = make_hf_model(tmp_path / "hf", num_hidden_layers=3)
+    to_megatron(src, tmp_path / "m", progress=False)
+    to_hf(tmp_path / "m", tmp_path / "back", progress=False)
+    a, b = read_all(src), read_all(tmp_path / "back")
+    assert a.keys() == b.keys() and "model.layers.2.mlp.down_proj.weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)

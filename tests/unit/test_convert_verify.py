@@ -33,6 +33,19 @@ def fp32_ckpt(fp32_src, tmp_path_factory, cpu_parallel_state):
 def test_import_to_bf16_of_fp32_source_verifies(fp32_src, tmp_path, cpu_parallel_state):
     r = to_megatron(fp32_src, tmp_path / "m", dtype="bf16", verify=True, progress=False)
     assert r["dtype"] == "bfloat16" and r["max_abs_logit_diff"] <= TOL
+    # the weights are stored as bf16, not only reported so (mutation audit round 5: an fp32 checkpoint passed)
+    from megatron_ext.convert.dist_reader import TorchDistReader
+
+    reader = TorchDistReader(tmp_path / "m/iter_0000000")
+    for key in ("embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight",
+                "decoder.layers.mlp.linear_fc1.weight", "output_layer.weight"):
+        assert reader.dtype(key) == torch.bfloat16, key
+    # --tolerance is the bound: below this conversion's own difference (float32 noise) --verify refuses it
+    diff = r["max_abs_logit_diff"]
+    assert diff > 0
+    with pytest.raises(ConvertError, match="--verify: max"):
+        to_megatron(fp32_src, tmp_path / "m2", dtype="bf16", verify=True, tolerance=diff / 2, progress=False)
+    assert not (tmp_path / "m2").exists()
 
 
 def test_import_config_declares_bf16_but_weights_are_fp32(fp32_src, tmp_path, cpu_parallel_state):
@@ -52,6 +65,12 @@ def test_export_to_narrower_dtype_verifies(dtype, name, fp32_ckpt, tmp_path, cpu
     assert r["max_abs_logit_diff"] <= TOL
     assert r["dtype"] == name  # same form as to-megatron's report ("float32", not "torch.float32")
     assert json.loads((tmp_path / "h/config.json").read_text())["torch_dtype"] == name
+    if dtype == "bf16":  # --tolerance is the bound: below this export's own difference --verify refuses it
+        diff = r["max_abs_logit_diff"]
+        assert diff > 0
+        with pytest.raises(ConvertError, match="--verify: max"):
+            to_hf(fp32_ckpt, tmp_path / "h2", dtype=dtype, verify=True, tolerance=diff / 2, progress=False)
+        assert not (tmp_path / "h2").exists()
 
 
 # ---- negative controls: rounding the oracle does not hide a wrong mapping -----------------------
@@ -130,3 +149,51 @@ def test_export_refuses_weights_beyond_the_dtype(fp32_src, tmp_path, cpu_paralle
         to_hf(tmp_path / "m", tmp_path / "h", dtype="fp16", progress=False)
     assert not (tmp_path / "h").exists()
     to_hf(tmp_path / "m", tmp_path / "h", dtype="bf16", progress=False)  # control: bf16 has fp32's range
+
+
+# ---- pins of the mutation audit (round 5) -------------------------------------------------------
+
+def test_compare_logits_is_the_largest_difference(fp32_src, fp32_ckpt, tmp_path, cpu_parallel_state):
+    """compare_logits reports the largest |logit difference|, not an average: one output row changed (token 7's
+    lm_head row + 1) moves one column of the vocabulary, and the check reports that column's change. Oracle:
+    transformers' logits of the two HF folders (the checkpoint is the unchanged one)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_ext.convert.verify import compare_logits, hf_logits, random_tokens
+
+    d = tmp_path / "hf"
+    shutil.copytree(fp32_src, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["lm_head.weight"][7] += 1.0
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    tokens = random_tokens(json.loads((d / "config.json").read_text())["vocab_size"], 2, 32, 0)  # compare_logits' own
+    moved = (hf_logits(d, tokens) - hf_logits(fp32_src, tokens)).abs().max().item()
+    assert moved > 10 * TOL
+    assert compare_logits(d, fp32_ckpt) == pytest.approx(moved, rel=1e-3, abs=TOL)
+
+
+def test_rope_check_sees_a_small_theta_change(fp32_src):
+    """check_rope_far_out refuses a rope whose inverse frequencies are up to 9e-4 apart (theta 0.1% off): tighter
+    than the 1e-2 that would let it through. Oracle: transformers' rope of the HF folder."""
+    from megatron_ext.convert.verify import check_rope_far_out
+    from megatron_ext.hf_config import normalize_hf_config
+
+    cfg = normalize_hf_config(json.loads((fp32_src / "config.json").read_text()))
+    assert check_rope_far_out(fp32_src, cfg, "the folder") == 2 * cfg["max_position_embeddings"]
+    with pytest.raises(ConvertError, match="inverse frequencies .* apart"):
+        check_rope_far_out(fp32_src, dict(cfg, rope_theta=cfg["rope_theta"] * 1.001), "the folder")
+
+
+def test_rope_check_sees_another_attention_factor(tmp_path):
+    """yarn with attention_factor 1.5 has the same inverse frequencies as yarn without it (factor 8: 1 + 0.1 ln 8 =
+    1.21), only another attention scale: check_rope_far_out compares the factor too. Oracle: transformers' yarn."""
+    from megatron_ext.convert.verify import check_rope_far_out
+    from megatron_ext.hf_config import normalize_hf_config
+    from tests.unit.test_convert_fixtures import VARIANTS
+
+    src = make_hf_model(tmp_path / "hf", tokenizer=False, **VARIANTS["yarn-gqa2"])
+    cfg = normalize_hf_config(json.loads((src / "config.json").read_text()))
+    check_rope_far_out(src, cfg, "the folder")
+    other = dict(cfg, rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.5))
+    with pytest.raises(ConvertError, match=r"inverse frequencies 0\.0e\+00 apart, attention factor 1\.208 vs 1\.5;"):
+        check_rope_far_out(src, other, "the folder")
