@@ -187,6 +187,7 @@ def test_force_replaces_only_a_previous_conversion(src, mcore, tmp_path, cpu_par
           "Hugging Face model folder", "not one of to-megatron")
     # the same direction's is: a Megatron root replaced by to-megatron, an HF folder by to-hf
     (mc_out / "iter_0000007").mkdir()
+    (mc_out / ".iter_0000008.partial").mkdir()  # a save interrupted there (checkpoint.py's staging name)
     assert cli.main(["to-megatron", "--hf", str(src), "--out", str(mc_out), "--force", "--no-progress"]) == 0
     assert sorted(p.name for p in mc_out.iterdir()) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
     assert cli.main(["to-hf", "--megatron", str(mcore), "--out", str(hf_out), "--force", "--no-progress"]) == 0
