@@ -65,6 +65,7 @@ def test_missing_hf_dir(tmp_path, cpu_parallel_state):
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only LlamaForCausalLM"),
     ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "rope_type='mrope' is not supported"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),  # named, not as tensors with no place (audit round 5)
     ({"intermediate_size": 200}, "mlp.gate_proj.weight has shape [176, 64] but config.json implies [200, 64]"),
     ({"num_hidden_layers": 1}, "no place in a Llama model"),
     ({"num_hidden_layers": 3}, "tensors missing"),
@@ -652,3 +653,31 @@ def test_a_shard_one_byte_short_is_refused_as_it_is_indexed(src, tmp_path):
     (d / "model.safetensors").write_bytes(data[:-1])
     with pytest.raises(ConvertError, match=r"extends past the end of the file \((\d+) > \d+ bytes\); the file is trunc"):
         SafetensorsReader(d)
+
+
+def test_an_index_naming_the_wrong_shard_is_an_incomplete_download(src, tmp_path):
+    """model.safetensors.index.json that places a tensor in a shard without it: named as an incomplete download
+    (which tensor, which shard), not as tensors missing from the model."""
+    from megatron_ext.convert.hf_io import ConvertError, SafetensorsReader
+
+    d = copy_src(src, tmp_path)
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    shutil.copy(d / "model-00001-of-00002.safetensors", d / "model-00002-of-00002.safetensors")
+    names = list(SafetensorsReader(src).names())
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
+    weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"  # it is there: the control below
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert SafetensorsReader(d).file_of["model.norm.weight"] == "model-00002-of-00002.safetensors"
+    (d / "model-00002-of-00002.safetensors").write_bytes(_safetensors_without(d / "model-00002-of-00002.safetensors",
+                                                                             "model.norm.weight"))
+    with pytest.raises(ConvertError, match=r"1 tensors listed but not in their shard, e\.g\. model\.norm\.weight in "
+                                           r"model-00002-of-00002\.safetensors; the download is incomplete"):
+        SafetensorsReader(d)
+
+
+def _safetensors_without(path, drop):
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(path))
+    del tensors[drop]
+    return save(tensors, metadata={"format": "pt"})

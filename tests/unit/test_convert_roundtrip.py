@@ -349,9 +349,11 @@ def test_shard_writer_limit_numbering_and_index(tmp_path):
 
 def test_three_layers_round_trip_bit_exact(tmp_path, cpu_parallel_state):
     """Every fixture above has 2 layers, where reading layer min(i, 1) of the stack is the same as layer i: with 3,
-    each exported layer must be its own. Oracle: the safetensors transformers wrote."""
-    src = make_hf_model(tmp_path / "hf", num_hidden_layers=3)
+    each exported layer must be its own. Oracle: the safetensors transformers wrote. The folder has no tokenizer: the
+    metadata records none (not the folder, where no tokenizer loads from)."""
+    src = make_hf_model(tmp_path / "hf", num_hidden_layers=3, tokenizer=False)
     to_megatron(src, tmp_path / "m", progress=False)
+    assert read_metadata(tmp_path / "m")["tokenizer"] is None
     to_hf(tmp_path / "m", tmp_path / "back", progress=False)
     a, b = read_all(src), read_all(tmp_path / "back")
     assert a.keys() == b.keys() and "model.layers.2.mlp.down_proj.weight" in a
