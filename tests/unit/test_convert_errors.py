@@ -681,3 +681,17 @@ def _safetensors_without(path, drop):
     tensors = load_file(str(path))
     del tensors[drop]
     return save(tensors, metadata={"format": "pt"})
+
+
+def test_tokenizer_folder_ids_fill_only_what_the_checkpoint_lacks(src, mcore, tmp_path, cpu_parallel_state):
+    """--tokenizer DIR's config.json token ids fill in only the ids the checkpoint's hf_config lacks (pad here): the
+    checkpoint's own eos stays when that folder's config.json says another (mutation audit round 5)."""
+    from megatron_ext.convert import to_hf
+
+    ours = json.loads((src / "config.json").read_text())
+    assert ours["eos_token_id"] == 2 and ours.get("pad_token_id") is None
+    tok = copy_src(src, tmp_path)  # the model folder a run started from: config.json and the tokenizer files
+    edit_config(tok, eos_token_id=9, pad_token_id=5)
+    to_hf(mcore, tmp_path / "out", tokenizer=tok, progress=False)
+    out = json.loads((tmp_path / "out/config.json").read_text())
+    assert (out["eos_token_id"], out["pad_token_id"]) == (2, 5)

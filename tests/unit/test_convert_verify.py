@@ -65,6 +65,10 @@ def test_export_to_narrower_dtype_verifies(dtype, name, fp32_ckpt, tmp_path, cpu
     assert r["max_abs_logit_diff"] <= TOL
     assert r["dtype"] == name  # same form as to-megatron's report ("float32", not "torch.float32")
     assert json.loads((tmp_path / "h/config.json").read_text())["torch_dtype"] == name
+    from transformers import LlamaConfig
+
+    # what transformers reads: the source's "dtype" (float32, transformers 5's key) left beside it won (audit round 5)
+    assert LlamaConfig.from_pretrained(str(tmp_path / "h")).dtype == getattr(torch, name)
     if dtype == "bf16":  # --tolerance is the bound: below this export's own difference --verify refuses it
         diff = r["max_abs_logit_diff"]
         assert diff > 0
