@@ -124,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_TOY_STAGE = ".partial"  # where `toy` writes before its --out is complete
+
+
 def _write_toy(args: argparse.Namespace) -> int:
-    """The offline toy inputs, written into a staging folder beside --out and renamed into place when complete: an
-    interrupt or a failure leaves no half-written --out (which a rerun then refused as not empty)."""
+    """The offline toy inputs, written into a staging folder (beside --out, or inside it where it is an empty
+    folder) and renamed into place when complete: an interrupt or a failure leaves no half-written --out (which a
+    rerun then refused as not empty)."""
     if args.documents < 1 or args.chats < 1:
         sys.exit(f"error: --documents {args.documents} / --chats {args.chats}: both must be positive")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or any(p.name != _TOY_STAGE for p in out.iterdir())):
         sys.exit(f"error: --out {out}: {'not empty' if out.is_dir() else 'not a folder'}; give a new folder")
     from megatron_ext.cli_types import folder_write_problem
     from megatron_ext.runtime.held_signals import interrupts_held
@@ -148,12 +152,20 @@ def _write_toy(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         return interrupted_as_it_started(e, "nothing was written")
 
-    stage = out.absolute().parent / f".{out.name}.partial"
+    # An existing (empty) --out stays, e.g. `--out .`: a folder renamed over it would leave the shell there in a
+    # deleted folder; its parent may not be writable either.
+    target = out.absolute()
+    stage = target / _TOY_STAGE if target.is_dir() else target.parent / f".{target.name}{_TOY_STAGE}"
     try:
         with sigterm_as_interrupt():
             shutil.rmtree(stage, ignore_errors=True)  # a killed run's
             written = toy.write_toy_inputs(stage, documents=args.documents, chats=args.chats, seed=args.seed)
-            os.replace(stage, out)  # onto nothing, or the empty folder accepted above
+            if stage.parent == target:
+                for part in stage.iterdir():
+                    os.replace(part, target / part.name)
+                stage.rmdir()
+            else:
+                os.replace(stage, target)
     except KeyboardInterrupt as e:
         shutil.rmtree(stage, ignore_errors=True)
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"

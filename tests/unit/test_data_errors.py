@@ -688,6 +688,22 @@ def test_an_interrupted_toy_leaves_no_half_folder(tmp_path, capsys, sig, how, co
     assert sorted(p.name for p in tmp_path.iterdir()) == ["toy"]
 
 
+def test_toy_into_an_existing_empty_folder(tmp_path, monkeypatch, capsys):
+    """`--out .` in an empty folder, and --out an empty folder holding a killed run's staging folder: the inputs are
+    written inside it (the folder stays: a shell there is not left in a deleted folder), nothing else is left.
+    Control (the staging folder always beside --out): '.' has no name, the rename onto the working folder fails."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert prepare_data.main(["toy", "--out", ".", "--documents", "3", "--chats", "2"]) == 0
+    assert sorted(p.name for p in here.iterdir()) == ["chats.jsonl", "corpus.jsonl", "tokenizer"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    (tmp_path / "again" / ".partial" / "tokenizer").mkdir(parents=True)  # a killed (SIGKILL) run's
+    assert prepare_data.main(["toy", "--out", str(tmp_path / "again"), "--documents", "3", "--chats", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["chats.jsonl", "corpus.jsonl", "tokenizer"]
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"wrote {tmp_path / 'again/tokenizer'}, ")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
 def test_toy_onto_a_full_disk_is_one_line(tmp_path):
     """The toy inputs (~0.5 MB) onto a 64 kB tmpfs: the corpus's write fails (ENOSPC). It was an OSError traceback
