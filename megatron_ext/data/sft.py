@@ -128,7 +128,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
                           "at the end)", file=sys.stderr)
                 dropped["bad_messages"] += 1
                 continue
-            unanswered = bool(messages) and messages[-1]["role"] == "user"  # the last reply elsewhere, or missing
+            # the last reply elsewhere, or missing: after a prompt, or after a tool's result (the reply that uses it)
+            unanswered = bool(messages) and messages[-1]["role"] in PROMPT_ROLES
             if unanswered:
                 reply_fields.update(k for k in REPLY_FIELDS if isinstance(row.get(k), str))
             if not any(m["role"] == "assistant" for m in messages):
@@ -187,8 +188,8 @@ def prepare_sft(inputs: list[str], tokenizer: str, output: str, seq_length: int,
     elif odd_roles:
         print(f"warning: kept samples with roles Llama-3.1 does not know{_roles_note(odd_roles)}", file=sys.stderr)
     if ends_with_prompt:
-        print(f"warning: {ends_with_prompt} kept samples end with a user turn: their last prompt has no reply to "
-              f"learn{_reply_hint(reply_fields, answer_field)}", file=sys.stderr)
+        print(f"warning: {ends_with_prompt} kept samples end with a user or tool turn: their last prompt has no "
+              f"reply to learn{_reply_hint(reply_fields, answer_field)}", file=sys.stderr)
     if progress:
         print(f"wrote {output}(.bin/.idx, _lossmask.bin/.idx, .json): {len(lengths)} samples from "
               f"{stats.inputs_read()}, {n_tokens} tokens, {len(packs)} packs of {seq_length} in "
@@ -223,6 +224,9 @@ def _messages_problem(messages: Any, field: str, chat_template: str) -> str | No
 
 # ShareGPT's speaker names ({"from": ..., "value": ...} turns: ShareGPT, SlimOrca, many SFT sets) -> chat roles;
 # other names are kept as they are, and the role check below names them.
+PROMPT_ROLES = ("user", "tool", "ipython")  # a turn that asks for a reply
+
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system", "tool": "tool", "function_response": "tool",
                   "observation": "tool"}

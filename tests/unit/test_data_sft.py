@@ -301,7 +301,14 @@ def test_answer_field_becomes_the_last_assistant_turn(tmp_path, tok_dir, hf_tok,
     assert 4 <= sum(multi) < 12  # every third row at least, not all
     assert man["dropped"]["no_assistant_turn"] == 12 - sum(multi) and man["samples"] == man["ends_with_prompt"] == sum(multi)
     err = capsys.readouterr().err
-    assert f"{sum(multi)} kept samples end with a user turn" in err and "pass --answer-field answer" in err
+    assert f"{sum(multi)} kept samples end with a user or tool turn" in err and "pass --answer-field answer" in err
+    # a tool's result as the last turn: the reply that uses it is missing too (it was kept without a word)
+    tool_last = [{"role": "user", "content": "Look up the cat."}, {"role": "assistant", "content": "Looking."},
+                 {"role": "tool", "content": "cat: 42"}]
+    man = prepare_sft([str(toy.write_jsonl(tmp_path / "tool.jsonl", [{"messages": tool_last}]))], str(tok_dir),
+                      str(tmp_path / "tool"), 4096, progress=False)
+    assert man["samples"] == man["ends_with_prompt"] == 1
+    assert "1 kept samples end with a user or tool turn" in capsys.readouterr().err
 
     only_single = tmp_path / "single.jsonl"
     toy.write_jsonl(only_single, [r for r, m in zip(rows, multi) if not m])
