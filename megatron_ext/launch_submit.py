@@ -13,6 +13,7 @@ import re
 import uuid
 from pathlib import Path
 
+from megatron_ext.cli_types import nearest_existing
 from megatron_ext.recipe import RecipeError
 
 
@@ -55,9 +56,7 @@ class Submitted:
         executor.update_parameters(setup=[*setup, f"# {mark}"])
         base = JobPaths.get_first_id_independent_folder(folder).absolute()
         before = set(base.iterdir()) if base.is_dir() else set()
-        made_from = base
-        while not made_from.exists() and made_from.parent != made_from:
-            made_from = made_from.parent
+        made_from = nearest_existing(base)
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr itself before it raises
                 job = executor.submit(function)

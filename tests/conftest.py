@@ -138,6 +138,19 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 kB file system (tmpfs) at tmp_path/full, for the out-of-space paths (ENOSPC); unmounted after.
+    Skips where it cannot be mounted (not root, no mount permission)."""
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (root only)")
+    yield full
+    subprocess.run(["umount", str(full)], capture_output=True)
+
+
 @pytest.fixture(scope="session")
 def torchrun():
     return run_torchrun

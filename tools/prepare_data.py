@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron-Core warns at import about optional GPU libraries; irrelevant to data preparation.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     from megatron_ext.runtime.held_signals import interrupts_held
-    from megatron_ext.runtime.signals import Terminated, interrupted_as_it_started, sigterm_as_interrupt
+    from megatron_ext.runtime.signals import interrupted_as_it_started, sigterm_as_interrupt
 
     try:  # numpy, the tokenizers, Megatron-Core: a signal in their imports was a bare traceback (-2) or a silent -15
         with sigterm_as_interrupt(), interrupts_held():
@@ -117,11 +117,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sys.exit(f"error: {said}")
     except KeyboardInterrupt as e:
-        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
-        print(f"error: interrupted ({how}); the unfinished output was removed (--output {args.output} is written "
-              "only by a complete run)", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        return _interrupted(e, f"the unfinished output was removed (--output {args.output} is written only by a "
+                               "complete run)")
     return 0
+
+
+def _interrupted(e: KeyboardInterrupt, outcome: str) -> int:
+    """The one line of a run stopped by Ctrl-C or SIGTERM (`outcome`: what became of its output); its exit status."""
+    from megatron_ext.runtime.signals import Terminated
+
+    print(f"error: interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}); {outcome}", file=sys.stderr)
+    return 143 if isinstance(e, Terminated) else 130
 
 
 _TOY_STAGE = ".partial"  # where `toy` writes before its --out is complete
@@ -138,7 +144,7 @@ def _write_toy(args: argparse.Namespace) -> int:
         sys.exit(f"error: --out {out}: {'not empty' if out.is_dir() else 'not a folder'}; give a new folder")
     from megatron_ext.cli_types import folder_write_problem
     from megatron_ext.runtime.held_signals import interrupts_held
-    from megatron_ext.runtime.signals import Terminated, interrupted_as_it_started, sigterm_as_interrupt
+    from megatron_ext.runtime.signals import interrupted_as_it_started, sigterm_as_interrupt
 
     problem = folder_write_problem(out)  # before the tokenizer is trained, not as a traceback from its save
     if problem:
@@ -168,10 +174,7 @@ def _write_toy(args: argparse.Namespace) -> int:
                 os.replace(stage, target)
     except KeyboardInterrupt as e:
         shutil.rmtree(stage, ignore_errors=True)
-        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
-        print(f"error: interrupted ({how}); nothing was written (--out {out} is made only by a complete run)",
-              file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        return _interrupted(e, f"nothing was written (--out {out} is made only by a complete run)")
     except OSError as e:
         shutil.rmtree(stage, ignore_errors=True)
         said = no_space_message(e, f"--out {out}", out, "the unfinished output was removed", "free space or "

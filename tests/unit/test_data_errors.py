@@ -704,21 +704,13 @@ def test_toy_into_an_existing_empty_folder(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"wrote {tmp_path / 'again/tokenizer'}, ")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
-def test_toy_onto_a_full_disk_is_one_line(tmp_path):
+def test_toy_onto_a_full_disk_is_one_line(small_disk):
     """The toy inputs (~0.5 MB) onto a 64 kB tmpfs: the corpus's write fails (ENOSPC). It was an OSError traceback
     that left the tokenizer in --out; now one line naming --out, and nothing left there."""
-    full = tmp_path / "full"
-    full.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        said = _fail(["toy", "--out", str(full / "toy")])
-        assert re.fullmatch(re.escape(f"error: --out {full / 'toy'}: no space left on device (") + r"0\.\d MB free "
-                            r"there\); the unfinished output was removed; free space or choose another --out", said), said
-        assert list(full.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(full)], capture_output=True)
+    said = _fail(["toy", "--out", str(small_disk / "toy")])
+    assert re.fullmatch(re.escape(f"error: --out {small_disk / 'toy'}: no space left on device (") + r"0\.\d MB free "
+                        r"there\); the unfinished output was removed; free space or choose another --out", said), said
+    assert list(small_disk.iterdir()) == []
 
 
 def test_output_without_room_is_one_line(tmp_path, tok_dir, corpus):

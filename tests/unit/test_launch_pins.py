@@ -158,28 +158,18 @@ def test_slurm_is_asked_for_the_signal_the_tasks_handle(fake_sbatch, tmp_path, t
     assert sbatch_options(fake_sbatch / "1000.sh")["signal"] == "USR1@600"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
-def test_a_full_submit_folder_is_one_line_and_leaves_nothing(fake_sbatch, tmp_path, token_data, capsys):
+def test_a_full_submit_folder_is_one_line_and_leaves_nothing(fake_sbatch, small_disk, tmp_path, token_data, capsys):
     """--folder on a full disk: submitit's pickle of the job cannot be written (before any sbatch). One line naming
     --folder, the cause and the fix, and the half-written pickle and the folders submitit made for it removed (they
     named no job, and each retry added one). Control: without the removal, sub/ and a 0-byte <uuid>.pkl stay."""
-    import subprocess
-
-    full = tmp_path / "full"
-    full.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        with open(full / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
-            while True:
-                f.write(b"\0" * 4096)
-        folder = full / "sub" / "logs" / "%j"
-        assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(folder), *TINY,
-                            f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'cpt'}"]) == 1
-        assert capsys.readouterr().err.splitlines() == [
-            f"error: --folder {folder}: cannot write submitit's files for the cpt job there (No space left on device); "
-            "free space there or give another folder; nothing launched"]
-        assert [p.name for p in full.iterdir()] == ["filler"]
-        assert not list(fake_sbatch.iterdir())  # sbatch was never called
-    finally:
-        subprocess.run(["umount", str(full)], capture_output=True)
+    with open(small_disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    folder = small_disk / "sub" / "logs" / "%j"
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(folder), *TINY,
+                        f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'cpt'}"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --folder {folder}: cannot write submitit's files for the cpt job there (No space left on device); "
+        "free space there or give another folder; nothing launched"]
+    assert [p.name for p in small_disk.iterdir()] == ["filler"]
+    assert not list(fake_sbatch.iterdir())  # sbatch was never called
