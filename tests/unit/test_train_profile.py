@@ -99,3 +99,13 @@ def test_profile_rules(override, message):
 def test_profile_steps_load():
     recipe = load_recipe(RECIPE, ["train.steps=10", "parallel.context=1", "train.global_batch_size=2", "profile.steps=[4,5]"], world_size=2)
     assert recipe.profile.steps == (4, 5) and recipe.profile.ranks == (0,) and recipe.profile.tool == "torch"
+
+
+def test_memory_records_allocations_into_a_folder_not_yet_there(tmp_path):
+    """`profile.memory` reaches torch.profiler (profile_memory: '[memory]' allocation events in the trace, none
+    without it), and the trace folder is created with its missing parents (`profile.dir` may name a new tree).
+    Pins of the mutation audit (round 6): both were dropped without a test failing."""
+    for memory in (True, False):
+        folder = tmp_path / f"memory-{memory}" / "profile"
+        train_steps(StepProfiler(ProfileConfig(steps=(1, 1), memory=memory), 0, folder, "cpu", log=lambda _: None), 1)
+        assert ("[memory]" in trace_events(folder / "rank0.steps1-1.pt.trace.json.gz")) == memory
