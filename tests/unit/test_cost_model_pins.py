@@ -43,3 +43,23 @@ def test_memory_fits_in_marketed_decimal_gb():
     need = {cp: C.hand_need_bytes(LLAMA31_8B, 1 << 22, cp, "none") / 1e9 for cp in (16, 32)}
     assert need[16] == pytest.approx(186, abs=1) and need[32] == pytest.approx(100, abs=1)
     assert C.min_context_hand(LLAMA31_8B, 1 << 22, C.GPUS["b200-180gb"], "none") == 32
+
+
+def test_local_kernels_activation_hand_count():
+    """The local (CPU) path's saved tensors of one Llama-3.1-8B layer per token at TP 1, itemised as the docstring
+    lists them: 2 RMSNorms x (input, normalised input, output: 3 x 2h B + 4 B fp32 rstd); fused QKV (2 x 6144 B),
+    rotated Q and K (2 x 5120 B), SDPA output (2 x 4096 B) and an fp32 log-sum-exp per head (4 x 32 B); RoPE cos/sin
+    for Q and K (2 x 4 x 128 B); the MLP's 5 ffn-wide bf16 tensors (2 x 5 x 14336 B)."""
+    norms = 2 * (3 * 2 * 4096 + 4)
+    attn = 2 * 6144 + 2 * 5120 + 2 * 4096 + 4 * 32
+    assert C.activation_bytes_per_token_layer(LLAMA31_8B, 1, kernels="local") == \
+        norms + attn + 2 * 4 * 128 + 2 * 5 * 14336 == 224_392
+
+
+def test_block_recompute_of_every_layer_or_more_is_full_recompute():
+    """perf.md §5b/§6 full recompute at TP 8 with SP: 1 KB/token/layer of inputs + two layers' working set
+    (17,408 B each); recompute_layers at or above the layer count is that, 0 is no recompute (557,056 B/token)."""
+    full = 32 * 1024 + 2 * 17_408
+    for n in (None, 32, 40):
+        assert C.activation_bytes(LLAMA31_8B, 1, 32, "full", 8, recompute_layers=n) == full, n
+    assert C.activation_bytes(LLAMA31_8B, 1, 32, "full", 8, recompute_layers=0) == 557_056
