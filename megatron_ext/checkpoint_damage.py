@@ -82,6 +82,22 @@ def _archive_problem(f, offset: int, length: int, advance=None) -> str | None:
     return None
 
 
+def _checked(f, offset: int, length: int, bar) -> str | None:
+    """`_archive_problem` of an item that moves the progress `bar` by the item's whole `length`: the member data as it
+    is read, then the rest (zip headers and padding, a damaged item's unread bytes), so that a bar whose total is the
+    stored bytes ends at 100% (it ended near 96% on a sound checkpoint)."""
+    read = 0
+
+    def advance(n: int) -> None:
+        nonlocal read
+        read += n
+        bar.update(n)
+
+    problem = _archive_problem(f, offset, length, advance)
+    bar.update(max(0, length - read))
+    return problem
+
+
 def _key(fqn: str) -> str:
     return fqn.split("/shard_")[0]  # an object's shards are stored as KEY/shard_I_N
 
@@ -144,7 +160,7 @@ def verify_contents(path: str | Path, index, progress: bool = True) -> list[tupl
             try:
                 with open(path / name, "rb") as f:
                     bad = [(info, problem) for _, info in files[name]
-                           if (problem := _archive_problem(f, info.offset, info.length, bar.update))]
+                           if (problem := _checked(f, info.offset, info.length, bar))]
             except OSError as e:
                 found.append((name, f"it cannot be read ({e.strerror or e})"))
                 continue
@@ -153,7 +169,7 @@ def verify_contents(path: str | Path, index, progress: bool = True) -> list[tupl
         if common.is_file():
             try:
                 with open(common, "rb") as f:
-                    problem = _archive_problem(f, 0, common.stat().st_size, bar.update)
+                    problem = _checked(f, 0, common.stat().st_size, bar)
             except OSError as e:
                 problem = f"it cannot be read ({e.strerror or e})"
             if problem:
