@@ -67,6 +67,9 @@ class MetricsLog:
                     # every resume. The steps after the checkpoint are written again anyway.
                     broken.append(number)
                     continue
+                if not isinstance(step, int) or isinstance(step, bool):  # {"step": null}: no line the trainer wrote
+                    broken.append(number)
+                    continue
                 if step <= start_step:
                     kept.append(line)
                 else:

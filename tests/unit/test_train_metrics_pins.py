@@ -126,3 +126,14 @@ def test_a_failed_rewrite_beside_a_damaged_tracker_is_still_one_line(tmp_path):
     assert "rewriting it to the 1 line(s) up to step 1 failed (it is as it was); training did not start" in log.problem
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
+
+
+def test_a_line_whose_step_is_not_a_number_is_unreadable_not_a_traceback(tmp_path, capsys):
+    """`{"step": null}` or `{"step": "2"}` (a hand edit, another program's line) ended every resume in a TypeError
+    traceback ('<=' not supported between NoneType and int); such a line is unreadable: dropped, with the warning.
+    Control (old code): the TypeError."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": null}\n{"step": "2"}\n{"step": 2}\n')
+    log = MetricsLog(path, start_step=2, enabled=True)
+    assert log.problem is None and _steps(path) == [1, 2]
+    assert "dropped 2 unreadable line(s) (line 2, 3;" in capsys.readouterr().out
