@@ -41,3 +41,14 @@ def test_tp2_chunked_model_equals_tp1_megatron_head(tmp_path, torchrun):
     assert abs(full["loss"] - chunked["loss"]) < 1e-5, (full, chunked)
     # Every split weight counts once at TP=1 and once (its two halves) at TP=2.
     assert abs(full["split_grad_norm"] - chunked["split_grad_norm"]) < 1e-5 * full["split_grad_norm"], (full, chunked)
+
+
+def test_tp2_logits_in_the_hundreds_match_the_oracle(tmp_path, torchrun):
+    """Logits up to ~450 (output weight x 60): each token's logits are shifted by the maximum over the TP ranks
+    before exp, so no rank's exp underflows to a sum of 0 (mutant, the ranks' maxima summed: shifted by ~2 x the
+    maximum, an infinite loss and NaN gradients). Errors relative to the largest logit (fp32 of values ~450)."""
+    torchrun(WORKER, 2, "--out", str(tmp_path / "out.json"), "--logit-scale", "60")
+    out = read_json(tmp_path / "out.json")
+    assert out["max_logit"] > 200, out
+    for errors in out["ranks"]:
+        assert all(e < 1e-5 * out["max_logit"] for e in errors.values()), errors

@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--wrong-slice", action="store_true", help="negative control: every rank takes rank 0's rows")
+    ap.add_argument("--logit-scale", type=float, default=1.0, help="output weight x this: logits in the hundreds")
     args = ap.parse_args()
 
     init_distributed("cpu", tensor=int(os.environ["WORLD_SIZE"]), seed=3)
@@ -36,7 +37,7 @@ def main() -> None:
     s, b, h, vocab = 24, 2, 16, 64
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64)
-    weight = torch.randn(vocab, h, generator=gen, dtype=torch.float64) * 0.5
+    weight = torch.randn(vocab, h, generator=gen, dtype=torch.float64) * 0.5 * args.logit_scale
     labels = torch.randint(0, vocab, (b, s), generator=gen)
     # Each vocabulary slice's first and last rows: a label on a slice boundary must count on one rank only.
     boundaries = sorted({e for r in range(tp) for e in (r * vocab // tp, (r + 1) * vocab // tp - 1)})
@@ -77,7 +78,8 @@ def main() -> None:
     torch.distributed.all_gather_object(rows_seen, gathered_rows)
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"tp": tp, "ranks": gathered, "chunk_tokens": CHUNK_TOKENS, "gathered_rows": rows_seen}, f)
+            json.dump({"tp": tp, "ranks": gathered, "chunk_tokens": CHUNK_TOKENS, "gathered_rows": rows_seen,
+                       "max_logit": (hidden @ weight.t()).abs().max().item()}, f)
     destroy_distributed()
 
 
