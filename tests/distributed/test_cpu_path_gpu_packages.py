@@ -17,12 +17,16 @@ RAISES = 'raise RuntimeError("{name} imported on the CPU path")\n'
 
 @pytest.fixture(scope="module")
 def gpu_packages(tmp_path_factory):
-    """A folder that makes `import transformer_engine` and `import apex` fail loudly (not with ImportError, which
-    Megatron takes for 'not installed')."""
+    """A folder that makes `import transformer_engine`, `import apex` and their extensions fail loudly (not with
+    ImportError, which Megatron takes for 'not installed')."""
     folder = tmp_path_factory.mktemp("gpu_packages")
     for name in ("transformer_engine", "apex"):
         (folder / name).mkdir()
         (folder / name / "__init__.py").write_text(RAISES.format(name=name))
+    # and the compiled extensions that come with them, which Megatron-Core imports on their own (amp_C before
+    # apex in its optimizer and clip_grads, fused_weight_gradient_mlp_cuda in its linear layers)
+    for name in ("transformer_engine_torch", "amp_C", "fused_weight_gradient_mlp_cuda"):
+        (folder / f"{name}.py").write_text(RAISES.format(name=name))
     return folder
 
 
