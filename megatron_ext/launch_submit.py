@@ -113,7 +113,9 @@ def check_submit_folder(folder: str) -> None:
     while not os.path.lexists(there):
         there = there.parent
     if not there.is_dir():
-        where = "is a file" if there == base else f"lies under {there}, which is a file"
+        # a link to nowhere is no file: said as such (it was 'is a file'), with what it points to
+        what = f"a link to {os.readlink(there)}, which does not exist" if there.is_symlink() else "a file"
+        where = f"is {what}" if there == base else f"lies under {there}, which is {what}"
         raise RecipeError(f"--folder {folder}: {where}, not a folder; give a folder for submitit's logs and pickles")
 
 

@@ -86,9 +86,10 @@ def test_sbatch_refusing_the_first_job_leaves_no_folder_it_made(refusing_sbatch,
 
 
 def test_a_submit_folder_at_or_under_a_file(tmp_path):
-    """--folder on a file, under a file or on a link to nowhere: refused before anything is submitted, naming what
-    is there (LS16: the check dropped; LS10: 'is a file' and 'lies under' swapped; LS11: a dangling link passed, and
-    submitit's makedirs ended in a FileExistsError traceback)."""
+    """--folder on a file, under a file or under a link to nowhere: refused before anything is submitted, naming
+    what is there (LS16: the check dropped; LS10: 'is a file' and 'lies under' swapped; LS11: a dangling link
+    passed, and submitit's makedirs ended in a FileExistsError traceback). The link is said to be one, with its
+    target (it was called 'a file')."""
     (tmp_path / "f").write_text("")
     (tmp_path / "link").symlink_to(tmp_path / "gone")
     with pytest.raises(RecipeError) as e:
@@ -97,8 +98,10 @@ def test_a_submit_folder_at_or_under_a_file(tmp_path):
                             "submitit's logs and pickles")
     with pytest.raises(RecipeError, match=rf"/sub/%j: lies under {tmp_path / 'f'}, which is a file, not a folder; "):
         check_submit_folder(str(tmp_path / "f" / "sub" / "%j"))
-    with pytest.raises(RecipeError, match="not a folder"):
-        check_submit_folder(str(tmp_path / "link" / "%j"))
+    with pytest.raises(RecipeError) as e:
+        check_submit_folder(str(tmp_path / "link" / "sub" / "%j"))
+    assert str(e.value).startswith(f"--folder {tmp_path / 'link' / 'sub' / '%j'}: lies under {tmp_path / 'link'}, "
+                                   f"which is a link to {tmp_path / 'gone'}, which does not exist, not a folder; ")
     check_submit_folder(str(tmp_path / "new" / "%j"))  # a folder to be made: fine
 
 
