@@ -29,6 +29,10 @@ def stamped(msg: str) -> str:
 def log_line(msg: str, file: TextIO | None = None) -> None:
     """Print `stamped(msg)` to `file` (default: stdout at the time of the call) and flush it.
 
-    Flushed at once: under Slurm stdout is a file, and a line held in a buffer for an hour dates nothing.
+    Flushed at once: under Slurm stdout is a file, and a line held in a buffer for an hour dates nothing. Written
+    in one call, newline included: unbuffered (`python -u`, PYTHONUNBUFFERED) `print` writes a line and its newline
+    apart, and another rank appending to the same file could land between them.
     """
-    print(stamped(msg), file=sys.stdout if file is None else file, flush=True)
+    out = sys.stdout if file is None else file
+    out.write(stamped(msg) + "\n")
+    out.flush()

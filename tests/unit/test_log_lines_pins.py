@@ -41,3 +41,26 @@ def test_the_message_keeps_its_own_spaces():
     """Aligned and indented lines (a table row under its tag) keep every space: only the stamp is added."""
     msg = "  [niah]   length        80: accuracy 1.00  "
     assert stamped(msg)[22:] == msg and stamped(msg)[20:22] == "] "
+
+
+class _Writes(io.RawIOBase):
+    """An unbuffered file that keeps each write apart, as each reaches a file shared by several ranks."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.writes.append(bytes(b))
+        return len(b)
+
+
+def test_a_line_is_one_write_under_python_u():
+    """`python -u` (as the tests' ranks run, PYTHONUNBUFFERED as some clusters set): print writes the text and
+    its newline apart, and two ranks appending to one stdout interleaved 'rank 1 ...Falserank 0 ...' in CI.
+    log_line hands the whole line, newline included, to one write."""
+    raw = _Writes()
+    log_line("[train] step 1", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+    assert len(raw.writes) == 1 and raw.writes[0].endswith(b"] [train] step 1\n"), raw.writes

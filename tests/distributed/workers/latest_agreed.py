@@ -19,7 +19,8 @@ from megatron_ext.runtime import destroy_distributed, init_distributed
 init_distributed("cpu")
 rank = torch.distributed.get_rank()
 mine = Path(sys.argv[1]) / f"rank{rank}"
-print(f"rank {rank} agreed {agreed_latest_iteration(mine)}", flush=True)
+# one write per line (see stop_agreed.py)
+print(f"rank {rank} agreed {agreed_latest_iteration(mine)}\n", end="", flush=True)
 torch.distributed.barrier()
 if rank == 0:
     (mine / "latest_checkpointed_iteration.txt").write_text("garbage")
@@ -27,5 +28,5 @@ torch.distributed.barrier()
 try:
     agreed_latest_iteration(mine)
 except CheckpointError as e:
-    print(f"rank {rank} error {'expected an iteration number' in str(e)}", flush=True)
+    print(f"rank {rank} error {'expected an iteration number' in str(e)}\n", end="", flush=True)
 destroy_distributed()

@@ -30,6 +30,8 @@ for name, signals in CASES.items():
     for sig in signals[rank]:
         stop._handle(sig, None)
     stopping = stop.agreed()
-    print(f"rank {rank} {name} stop {stopping} interrupted {stop.interrupted_anywhere}", flush=True)
+    # one write per line: under `python -u` print writes the text and its newline apart, and two ranks
+    # appending to one stdout could put the other rank's line between them
+    print(f"rank {rank} {name} stop {stopping} interrupted {stop.interrupted_anywhere}\n", end="", flush=True)
     stop.settle()
 destroy_distributed()
