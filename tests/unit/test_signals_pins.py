@@ -190,9 +190,19 @@ class _Swallows:
 def test_a_lost_interrupt_is_the_latest_signal_not_an_earlier_one(earlier, now, expected, monkeypatch):
     """A wrapped or swallowed interrupt is raised as the signal that caused it (its exit status, 143 or 130), not as
     one the process got and handled before."""
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    # Python's own Ctrl-C handler, which a Python started with SIGINT ignored (any `cmd &` in a script, as a CI
+    # runner may start pytest) never installs: SIGINT would then raise nothing
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _lose_each_way(earlier, now, expected)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _lose_each_way(earlier: int, now: int, expected: type) -> None:
     from megatron_ext.runtime.signals import interrupts_unwrapped
 
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
     for lose_it in (lambda: _raise_wrapped(now), lambda: _Swallows(now)):
         with sigterm_as_interrupt():
             with pytest.raises(KeyboardInterrupt):
