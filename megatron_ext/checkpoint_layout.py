@@ -31,7 +31,9 @@ def latest_iteration(root: str | Path) -> int | None:
     path = Path(root) / LATEST_FILE
     if not path.is_file():
         return None
-    text = path.read_text().strip()
+    # bytes that are not UTF-8 (a torn write, a disk fault) are the same mistake as 'abc': one CheckpointError
+    # naming the file, not a UnicodeDecodeError traceback
+    text = path.read_bytes().decode("utf-8", errors="replace").strip()
     try:
         return int(text)
     except ValueError:
