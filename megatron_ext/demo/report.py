@@ -114,9 +114,12 @@ def _stage_sentences(at8x: dict[str, float | None], needles: dict[str, Scored], 
         return text + "The SFT step failed (sft.log): there is no SFT model to score."
     sft_n = n("after CPT + SFT", "after YaRN CPT", "base")
     # "does" only where the numbers say so: above the CPT model and the base by more than a needle or two
-    if _clearly_above(sft, cpt, sft_n) and _clearly_above(sft, base, sft_n):
+    above_cpt = _clearly_above(sft, cpt, sft_n)
+    if above_cpt and _clearly_above(sft, base, sft_n):
         return text + f"{sft_what} {'raises it to' if cpt_rebuilds else 'does:'} {_cell(sft)} at {length:,} tokens."
-    text += f"{sft_what} scores {_cell(sft)} there, not clearly above the CPT model ({sft_n} each)"
+    # name the model it does not beat: above the CPT model but not the base, "not above the CPT model" was false
+    behind = "the base" if above_cpt else "the CPT model"
+    text += f"{sft_what} scores {_cell(sft)} there, not clearly above {behind} ({sft_n} each)"
     if not any(_clearly_above(v, base, sft_n) for v in (cpt, sft)):
         return text + ": the run is too small or too short to show what either stage adds."
     return text + "."
