@@ -67,3 +67,80 @@ def test_host_squeue_without_claim_is_refused() -> None:
                               world_size=2, tasks_per_node=None, gpus_per_node=None)
     with pytest.raises(RecipeError, match=r"^--owner-state and --host-squeue go with --claim"):
         run_check(args)
+
+
+def test_a_claim_held_by_a_non_numeric_owner_is_refused_not_handed_to_the_host(tmp_path: Path, token_data: Path,
+                                                                                monkeypatch, capsys) -> None:
+    """A `.slurm_job` naming no numeric job (hand-edited) whose state squeue cannot give: the preflight with
+    `--host-squeue` stops with the one error line (the batch host's squeue could not answer for it either), not
+    `claim-owner-unknown` and exit 5; a numeric owner is handed over (the control). (LC26: the non-numeric owner was
+    handed to the host.) squeue is stood in for: it cannot be asked here."""
+    from megatron_ext import launch, slurm_jobs
+    from megatron_ext.slurm_jobs import OWNER_FILE
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)  # the recipe path is relative to the repository
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(slurm_jobs, "job_state", lambda job: "UNKNOWN (squeue: No such file or directory)")
+    args = ["--check", "--claim", "--host-squeue", "--recipe", RECIPE, "--world-size", "2", f"data.prefix={token_data}",
+            f"checkpoint.dir={run}"]
+    (run / OWNER_FILE).write_text("41\n")
+    assert launch.main(args) == 5
+    assert capsys.readouterr().out.splitlines()[-1] == "claim-owner-unknown: 41"
+    (run / OWNER_FILE).write_text("mine\n")
+    assert launch.main(args) == 1
+    captured = capsys.readouterr()
+    assert "claim-owner-unknown" not in captured.out
+    assert "is held by Slurm job mine" in captured.err and captured.err.count("\n") == 1
+
+
+def test_the_preflight_refuses_a_cuda_job_given_fewer_gpus_than_tasks(tmp_path: Path, token_data: Path, monkeypatch,
+                                                                       capsys) -> None:
+    """`launch --check --tasks-per-node 2 --gpus-per-node 1` of a cuda recipe (what slurm/common.sh passes from
+    Slurm's allocation): the one line naming `--gpus-per-node=2`, before the workers queue; 2 GPUs pass (the control).
+    (LC28: run_check dropped the GPU count, and the job failed on its nodes instead.)"""
+    from megatron_ext import launch
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    args = ["--check", "--recipe", RECIPE, "--world-size", "2", "--tasks-per-node", "2", f"data.prefix={token_data}",
+            f"checkpoint.dir={tmp_path / 'run'}", "runtime.device=cuda"]
+    assert launch.main([*args, "--gpus-per-node", "1"]) == 1
+    assert "2 tasks per node but 1 GPUs per node allocated; submit with --gpus-per-node=2" in capsys.readouterr().err
+    assert launch.main([*args, "--gpus-per-node", "2"]) == 0, capsys.readouterr().err
+
+
+def test_an_sft_run_is_not_refused_for_a_cpt_cache_file_it_never_reads(tmp_path: Path, sft_data: Path,
+                                                                         monkeypatch, capsys) -> None:
+    """data.cache_dir holds the CPT sample-index caches; an SFT run reads none, so a junk file there does not stop its
+    preflight (LC11: the cache check ran for every stage and refused the SFT job)."""
+    from megatron_ext import launch
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "0123456789abcdef0123456789abcdef-GPTDataset-train-shuffle_index.npy").write_bytes(b"not an array")
+    args = ["--check", "--recipe", "recipes/tiny/sft.yaml", "--world-size", "1", f"data.prefix={sft_data}",
+            f"data.cache_dir={cache}", f"checkpoint.dir={tmp_path / 'run'}", "checkpoint.init_from=null"]
+    assert launch.main(args) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("ok: ")
+
+
+def test_an_unreadable_checkpoint_is_named_as_the_checkpoint_dir(tmp_path: Path) -> None:
+    """A checkpoint.dir whose latest iteration has no torch_dist index (a save cut short): the error starts with
+    `checkpoint.dir = '<dir>':`, the recipe field to change, before the file it could not read (LC30: only the
+    file's message, which names no recipe field)."""
+    from megatron_ext.launch_check import resume_report
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000004").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("4\n")
+    recipe = check(RECIPE, TINY + ["runtime.device=cpu", f"checkpoint.dir={root}"], world_size=2, paths=False)
+    with pytest.raises(RecipeError) as e:
+        resume_report(recipe, 2)
+    assert str(e.value).startswith(f"checkpoint.dir = '{root}': {root}/iter_0000004/.metadata: not a readable")
+    assert resume_report(check(RECIPE, TINY + ["runtime.device=cpu", f"checkpoint.dir={tmp_path / 'new'}"],
+                               world_size=2, paths=False), 2) == []  # nothing there yet: nothing to report
