@@ -4,6 +4,7 @@ errors a user gets before a job queues, and the layout line it prints."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,37 @@ def test_an_unreadable_checkpoint_is_named_as_the_checkpoint_dir(tmp_path: Path)
     assert str(e.value).startswith(f"checkpoint.dir = '{root}': {root}/iter_0000004/.metadata: not a readable")
     assert resume_report(check(RECIPE, TINY + ["runtime.device=cpu", f"checkpoint.dir={tmp_path / 'new'}"],
                                world_size=2, paths=False), 2) == []  # nothing there yet: nothing to report
+
+
+
+def test_a_python_without_megatron_core_is_named(tmp_path: Path) -> None:
+    """A python where `megatron` is not the Megatron-Core package (here a stray megatron.py shadows it, as a missing
+    package would leave find_spec("megatron.core") raising): the one line naming megatron.core, no traceback
+    (LC10: ModuleNotFoundError no longer caught; LC2: looking for `megatron` found the stray module and passed)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "megatron.py").write_text("")
+    code = ("from megatron_ext.launch_check import check\nfrom megatron_ext.recipe import RecipeError\n"
+            "try:\n    check('recipes/tiny/cpt.yaml', [], world_size=2, paths=False)\n    print('ok')\n"
+            "except RecipeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert done.stdout.startswith(f"python {sys.executable} cannot import megatron.core, which the trainer needs; "
+                                  "use the python of the environment"), done.stdout + done.stderr
+
+
+def test_a_python_without_both_names_both(monkeypatch) -> None:
+    """Neither torch nor megatron.core importable (a login node's system python): one line naming both, so one fix
+    serves (LC3: only the first was named). find_spec stands in for the python: this one has both."""
+    import importlib.util
+    import sys
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("torch", "megatron.core") else find_spec(name, *a))
+    with pytest.raises(RecipeError) as e:
+        check(RECIPE, [], world_size=2, paths=False)
+    assert str(e.value).startswith(f"python {sys.executable} cannot import torch and megatron.core, which the trainer")
