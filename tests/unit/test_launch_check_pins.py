@@ -147,7 +147,6 @@ def test_an_unreadable_checkpoint_is_named_as_the_checkpoint_dir(tmp_path: Path)
                                world_size=2, paths=False), 2) == []  # nothing there yet: nothing to report
 
 
-
 def test_a_python_without_megatron_core_is_named(tmp_path: Path) -> None:
     """A python where `megatron` is not the Megatron-Core package (here a stray megatron.py shadows it, as a missing
     package would leave find_spec("megatron.core") raising): the one line naming megatron.core, no traceback
@@ -161,7 +160,7 @@ def test_a_python_without_megatron_core_is_named(tmp_path: Path) -> None:
     code = ("from megatron_ext.launch_check import check\nfrom megatron_ext.recipe import RecipeError\n"
             "try:\n    check('recipes/tiny/cpt.yaml', [], world_size=2, paths=False)\n    print('ok')\n"
             "except RecipeError as e:\n    print(e)\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
     assert done.stdout.startswith(f"python {sys.executable} cannot import megatron.core, which the trainer needs; "
                                   "use the python of the environment"), done.stdout + done.stderr

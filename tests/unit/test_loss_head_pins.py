@@ -81,4 +81,3 @@ def test_a_mask_of_all_ones_hands_the_head_the_hidden_states_uncopied(monkeypatc
     loss = vocab_parallel_linear_cross_entropy(hidden, weight, labels, chunk_tokens=4, loss_mask=torch.ones(2, 6))
     assert len(handed) == 1 and handed[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
     torch.testing.assert_close(loss, vocab_parallel_linear_cross_entropy(hidden, weight, labels, chunk_tokens=4))
-

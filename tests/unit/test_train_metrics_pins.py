@@ -112,6 +112,7 @@ os._exit(0)  # killed right after the write
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 4.0), (2, 3.0)]
     assert "Exception in thread reader" in proc.stderr and "OSError: the reader's disk is gone" in proc.stderr
 
+
 def test_a_failed_rewrite_beside_a_damaged_tracker_is_still_one_line(tmp_path):
     """The resume's rewrite of metrics.jsonl fails (here its copy cannot be made: metrics.jsonl.tmp is a link into
     a missing folder) where latest_checkpointed_iteration.txt holds no number: the one line about the log is still
@@ -125,7 +126,6 @@ def test_a_failed_rewrite_beside_a_damaged_tracker_is_still_one_line(tmp_path):
     assert log.problem is not None and log.problem.startswith(f"metrics log {path}: cannot be written (")
     assert "rewriting it to the 1 line(s) up to step 1 failed (it is as it was); training did not start" in log.problem
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
-
 
 
 def test_a_line_whose_step_is_not_a_number_is_unreadable_not_a_traceback(tmp_path, capsys):
