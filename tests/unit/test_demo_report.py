@@ -13,16 +13,23 @@ SFT_DOES = "with the CPT's YaRN RoPE, does"
 SFT_NOT_YARN = "the SFT, not the YaRN extension, brings retrieval"
 
 
+def model_folders(out: Path, labels: tuple[str, ...]) -> dict[str, Path]:
+    """Each model's folder under demo_out, by label, as the pipeline names them; only the base's config.json is
+    written (the report reads the model's shape from it)."""
+    models = {label: out / f"model{i}" for i, label in enumerate(labels)}
+    models["base"].mkdir(parents=True)
+    (models["base"] / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return models
+
+
 def _report(tmp_path: Path, settings: DemoSettings, hits: dict[str, list[int]]) -> str:
     """REPORT.md for a demo whose NIAH grids found `hits[label][j]` needles at length j (the first ones of the
     grid's cells), from a folder laid out as the pipeline leaves it."""
     depths = [0.0, 100.0] if settings.depths == "0,100" else [float(d) for d in range(0, 101, 10)]  # quick, full
     lengths, samples = list(settings.lengths), settings.samples
     out = tmp_path / "demo_out"
-    models = {label: out / f"model{i}" for i, label in enumerate(LABELS)}
-    models["base"].mkdir(parents=True)
-    (models["base"] / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    models = model_folders(out, LABELS)
     for i, label in enumerate(LABELS):
         cells = [{"length": n, "depth": d, "sample": s, "score": float(k < hits[label][j])}
                  for j, n in enumerate(lengths)

@@ -14,11 +14,9 @@ from safetensors.torch import save_file
 
 from megatron_ext.demo.pipeline import ABLATION, DemoSettings, StepLog
 from megatron_ext.demo.report import Scored, _ablation_sentence, _clearly_above, write_report
+from tests.unit.test_demo_report import LABELS, SFT_DOES, SFT_NOT_YARN, model_folders
 
-LABELS = ("base", "base + YaRN, no training", "after YaRN CPT", "after CPT + SFT", ABLATION)
 FULL_DEPTHS = [float(d) for d in range(0, 101, 10)]
-SFT_DOES = "with the CPT's YaRN RoPE, does"
-SFT_NOT_YARN = "the SFT, not the YaRN extension, brings retrieval"
 Score = Callable[[str, int, int, int], "float | None"]  # (label, length, depth index, sample) -> score, None: not run
 
 
@@ -55,10 +53,7 @@ def _demo(tmp_path: Path, score: Score, *, labels=LABELS, lengths=(256, 512, 102
           samples: int = 2) -> tuple[Path, dict[str, Path], DemoSettings]:
     """demo_out as the pipeline leaves it before the report: the base model's config and each model's NIAH grid."""
     out = tmp_path / "demo_out"
-    models = {label: out / f"model{i}" for i, label in enumerate(labels)}
-    models["base"].mkdir(parents=True)
-    (models["base"] / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    models = model_folders(out, labels)
     for i, label in enumerate(labels):
         (out / "eval" / f"niah{i}").mkdir(parents=True)
         grid = _grid(list(lengths), depths, samples, lambda n, d, s, label=label: score(label, n, d, s))
