@@ -8,6 +8,7 @@ script says Slurm cannot run here (exit 2: not root, no apt); any other failure 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -53,6 +54,27 @@ def slurm_cluster():
     if code != 0:
         pytest.fail(f"local Slurm cluster failed to start (exit {code}):\n{output[-3000:]}")
     return output
+
+
+@contextlib.contextmanager
+def cluster_busy():
+    """Every node taken by one exclusive job, so that a job submitted meanwhile stays PENDING (reason Resources).
+
+    Slurm 22.05's sbatch ignores SBATCH_HOLD (only -H/--hold holds a job): a job meant to wait unseen ran when the
+    scheduler got to it first, within ~40 ms of its submission."""
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True, check=True).stdout.split()
+    job = subprocess.run(["sbatch", "--parsable", f"--nodes={sum(map(int, nodes))}", "--exclusive", "--time=10",
+                          "--output=/dev/null", "--wrap", "sleep 600"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        deadline = time.time() + 60
+        while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                             text=True).stdout.strip() != "RUNNING":
+            assert time.time() < deadline, f"job {job} holding the whole cluster did not start in 60 s"
+            time.sleep(0.2)
+        yield job
+    finally:
+        subprocess.run(["scancel", job], check=False)
 
 
 def job_env(**extra: str) -> dict:

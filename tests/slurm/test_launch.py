@@ -13,7 +13,7 @@ import pytest
 from megatron_ext.launch import check, parse_time, plan_stages
 from megatron_ext.recipe import RecipeError
 from tests.conftest import ROOT
-from tests.slurm.conftest import TINY_OVERRIDES, RequeueNow, job_env, metrics, wait_job
+from tests.slurm.conftest import TINY_OVERRIDES, RequeueNow, cluster_busy, job_env, metrics, wait_job
 
 EXPECTED = ROOT / "tests/slurm/expected/launch_dry_run.txt"
 DRY_RUN_ARGS = ["--recipe", "recipes/cpt_1m.yaml", "--stages", "cpt_1m,sft", "--partition", "batch",
@@ -178,8 +178,8 @@ def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, tmp_path, token
     """sbatch refusing a job ended the launcher in submitit's ~30-line FailedJobError traceback, and one refused
     after the first stage left that stage's job queued without a word. Now one line in slurm/pipeline.sh's words. On
     the local cluster: the first job refused (no such partition); then the SFT job's GPU (the cluster has none) after
-    the CPT job, held (SBATCH_HOLD) and cancelled. The refused job's files (submitit's pickle and sbatch script,
-    under a uuid, piling up with each retry) are removed; another launch's in the same folder are not."""
+    the CPT job, kept waiting (cluster_busy) and cancelled. The refused job's files (submitit's pickle and sbatch
+    script, under a uuid, piling up with each retry) are removed; another launch's in the same folder are not."""
     args = [*chain_args(tmp_path, token_data, sft_data), "--folder", str(tmp_path / "submitit/%j")]
     proc = launch(*args, "--partition", "nosuch")
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-3000:]
@@ -192,22 +192,23 @@ def test_a_refused_sbatch_says_what_was_submitted(slurm_cluster, tmp_path, token
     (tmp_path / "submitit").mkdir()
     for name in others:
         (tmp_path / "submitit" / name).write_bytes(b"another launch's")
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", *args, "sft:runtime.device=cuda"],
-                          capture_output=True, text=True, cwd=ROOT, env=job_env(SBATCH_HOLD="1"), timeout=600)
-    cpt = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("submitted cpt: job ")]
-    try:
-        assert proc.returncode == 1 and len(cpt) == 1, proc.stdout + proc.stderr[-3000:]
-        assert proc.stderr.splitlines() == [
-            "error: sbatch refused the sft job (Invalid generic resource (gres) specification); submitted before it: "
-            f"cpt (job {cpt[0]}), which Slurm runs as submitted: scancel {cpt[0]} to cancel them"], proc.stderr
-        queued = subprocess.run(["squeue", "-h", "-j", cpt[0], "-o", "%T"], capture_output=True, text=True).stdout
-        assert queued.strip() == "PENDING", queued  # what the line says: the CPT job is in the queue
-        # the CPT job's folder and the link to its script stay; the refused SFT job's pickle and script do not
-        left = {p.name for p in (tmp_path / "submitit").iterdir() if not p.is_symlink()}
-        assert left == {cpt[0], *others}, left
-    finally:
-        for job in cpt:
-            subprocess.run(["scancel", job], check=False)
+    with cluster_busy():  # the CPT job waits in the queue, not run
+        proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", *args, "sft:runtime.device=cuda"],
+                              capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=600)
+        cpt = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("submitted cpt: job ")]
+        try:
+            assert proc.returncode == 1 and len(cpt) == 1, proc.stdout + proc.stderr[-3000:]
+            assert proc.stderr.splitlines() == [
+                "error: sbatch refused the sft job (Invalid generic resource (gres) specification); submitted before "
+                f"it: cpt (job {cpt[0]}), which Slurm runs as submitted: scancel {cpt[0]} to cancel them"], proc.stderr
+            queued = subprocess.run(["squeue", "-h", "-j", cpt[0], "-o", "%T"], capture_output=True, text=True).stdout
+            assert queued.strip() == "PENDING", queued  # what the line says: the CPT job is in the queue
+            # the CPT job's folder and the link to its script stay; the refused SFT job's pickle and script do not
+            left = {p.name for p in (tmp_path / "submitit").iterdir() if not p.is_symlink()}
+            assert left == {cpt[0], *others}, left
+        finally:
+            for job in cpt:
+                subprocess.run(["scancel", job], check=False)
 
 
 @pytest.mark.parametrize("folder, said", [
