@@ -98,6 +98,20 @@ install_packages() {
   say "installed in $((SECONDS - t0)) s"
 }
 
+# The shellcheck linter for tests/slurm/test_shell.py (the batch scripts' quoting): best effort, as its tests skip
+# without it; a failed install is only said, never the cluster's failure.
+install_shellcheck() {
+  command -v shellcheck >/dev/null && return 0
+  local apt=(apt-get install -y -q --no-install-recommends shellcheck) t0=$SECONDS
+  if DEBIAN_FRONTEND=noninteractive "${apt[@]}" >>"$DIR/log/apt.log" 2>&1 \
+    || { DEBIAN_FRONTEND=noninteractive apt-get update -q >>"$DIR/log/apt.log" 2>&1 \
+         && DEBIAN_FRONTEND=noninteractive "${apt[@]}" >>"$DIR/log/apt.log" 2>&1; }; then
+    say "installed shellcheck in $((SECONDS - t0)) s"
+  else
+    say "shellcheck not installed (log: $DIR/log/apt.log): tests/slurm/test_shell.py's shellcheck tests skip"
+  fi
+}
+
 write_configs() {
   local host mem cpus_line
   host=$(hostname -s)
@@ -231,6 +245,7 @@ start() {
   flock 9
   local t0=$SECONDS i restarted=0
   install_packages
+  command -v apt-get >/dev/null && install_shellcheck
   if write_configs; then
     say "configuration changed: restarting the Slurm daemons"
     stop_slurm
