@@ -299,9 +299,10 @@ def _generate_or_none(generate: RulerGenerate, prompts: list[list[int]], new_tok
 # Settings that decide the prompts and the outputs: an earlier run's cells count only if they agree.
 # The form of the prompts: bumped whenever a task's text changes (2: vt and cwe open with a solved example, as
 # RULER's do; 3: a needle reads alike at every place, as NIAH's since its prompt_version 2: the retrieval and vt
-# instructions end in "Text:" and the filler and noise haystacks start with a space), so --resume never mixes cells
-# of two forms in one score.
-PROMPT_VERSION = 3
+# instructions end in "Text:" and the filler and noise haystacks start with a space; 4: so do cwe's and fwe's, in
+# "List:" and "Text:", whose word lists followed a blank line with a space), so --resume never mixes cells of two
+# forms in one score.
+PROMPT_VERSION = 4
 _RESUME_SETTINGS = ("haystack", "seed", "chat", "max_new_tokens", "prompt_version")
 
 

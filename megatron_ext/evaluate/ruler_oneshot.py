@@ -39,7 +39,7 @@ def vt_wording(value: str) -> tuple[str, str, str]:
 
 def cwe_wording(top: str) -> tuple[str, str, str]:
     """(instruction, question, answer prefix) of a cwe prompt asking for the `top` (a number word) most common."""
-    return ("Below is a numbered list of words. A few words appear far more often than the others.\n\n",
+    return ("Below is a numbered list of words. A few words appear far more often than the others.\n\nList:",
             f"\n\nWhat are the {top} most common words in the list above?",
             f" The {top} most common words in the list are:")
 

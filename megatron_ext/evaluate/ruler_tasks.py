@@ -22,6 +22,8 @@ noise haystacks start with a space, so the first place is no different (it read 
 4817263.Nobody knows": a stray space, and the first sentence glued to the needle's full stop). The cut that ends the
 haystack part, mid-sentence, is never a place (a needle there would follow half a sentence), nor is the sentence start
 before it where the cut leaves only that sentence's space (a needle there was followed by " \n\n" and the question).
+The word lists of cwe and fwe, put together from " word" tokens, follow "List:" and "Text:" in the same way (they
+read "others.\n\n 1. word" before `ruler.PROMPT_VERSION` 4).
 """
 
 from __future__ import annotations
@@ -323,7 +325,7 @@ class SampleBuilder:
             return list(zip(vocab, counts))
 
         head, tail = self._parts(
-            "Below is a text of coded words. Keep count of how often each coded word appears.\n\n",
+            "Below is a text of coded words. Keep count of how often each coded word appears.\n\nText:",
             f"\n\nWhat are the {_NUMBER_WORDS[FWE_TOP]} most frequent coded words in the text above? Ignore the "
             f"dots '{FWE_NOISE}'.",
             f" The {_NUMBER_WORDS[FWE_TOP]} most frequent coded words are:")

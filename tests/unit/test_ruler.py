@@ -65,7 +65,7 @@ def read_answer(text: str, broken: bool = False) -> str:
     if "numbered list" in body:
         words, top = re.findall(r"\d+\. (\w+)", body), 10
     else:
-        words, top = re.findall(r"[a-z]+", body.split("\n\n", 1)[1]), 3
+        words, top = re.findall(r"[a-z]+", body.split("\n\n", 1)[1].removeprefix("Text:")), 3
     if broken:  # the first distinct words of the list
         return ", ".join(list(dict.fromkeys(words))[:top])
     ranked = Counter(words).most_common(top + 1)
@@ -88,6 +88,23 @@ def test_every_prompt_holds_its_answer_and_no_other(tok, builder, name, length):
             assert re.match(r" ?(The secret|VAR )", tok.decode(sample.ids[at:at + 8])), at
         needles = task.keys - task.queries + task.queries * task.values  # distractors + the asked keys' values
         assert len(sample.needle_tokens) == {"niah": needles, "variable_tracking": 5}.get(task.kind, 0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name, label, first", [("cwe", "List:", r" 1\. [a-z]+ 2\. "), ("fwe", "Text:", r" [a-z.]+ ")])
+def test_a_word_list_follows_its_label_and_one_space(tok, name, label, first, chat):
+    """The cwe and fwe lists are put together from " word" tokens; they read "others.\n\n 1. word" (a blank line,
+    then a stray space) until they followed "List:" / "Text:" as the retrieval haystacks follow "Text:". Also in the
+    solved cwe example, which repeats the instruction, and in the chat form."""
+    builder = SampleBuilder(tok, run_haystacks(tok, 4096), chat=chat)
+    for length in (1536, 4096):
+        sample = builder.build(TASKS[name], length, random.Random(f"list:{name}:{length}"))
+        text = tok.decode(sample.ids, skip_special_tokens=True)
+        assert "\n " not in text, (name, length, text[:300])
+        starts = [m.end() for m in re.finditer(re.escape(label), text)]
+        assert len(starts) == (2 if sample.details.get("solved_example") else 1), (name, length)
+        for at in starts:
+            assert re.match(first, text[at:]), text[at - 40:at + 40]
 
 
 class PlacedRandom(random.Random):
@@ -277,19 +294,20 @@ def test_run_ruler_scores_the_reader_100_and_resumes(tok):
                   max_position_embeddings=4096, previous=again, progress=False, log=None)
     older = json.loads(json.dumps(result.to_dict()))
     del older["settings"]["prompt_version"]  # results of the prompts before vt and cwe had their solved example
-    with pytest.raises(EvalError, match="prompt_version = None, this run has 3"):
+    with pytest.raises(EvalError, match="prompt_version = None, this run has 4"):
         run_ruler(None, tok, tasks, [1536, 3000], samples=2, generate=counting, max_position_embeddings=4096,
                   previous=RulerResult.from_dict(older), progress=False, log=None)
 
 
 def test_results_of_the_older_prompt_form_are_not_extended(tok):
-    """The needles' edges changed (prompt_version 3): results of the older prompts are refused, not extended."""
+    """The needles' edges changed (prompt_version 3), the word lists' (4): results of the older prompts are refused,
+    not extended."""
     common = dict(samples=1, generate=oracle_generate(tok), max_position_embeddings=4096, progress=False, log=None)
     earlier = run_ruler(None, tok, ["niah_single_2", "vt"], [1536], **common)
-    assert earlier.settings["prompt_version"] == 3
+    assert earlier.settings["prompt_version"] == 4
     older = json.loads(json.dumps(earlier.to_dict()))
-    older["settings"]["prompt_version"] = 2
-    with pytest.raises(EvalError, match="made with prompt_version = 2, this run has 3: use another --out"):
+    older["settings"]["prompt_version"] = 3
+    with pytest.raises(EvalError, match="made with prompt_version = 3, this run has 4: use another --out"):
         run_ruler(None, tok, ["niah_single_2", "vt"], [1536, 2048], previous=RulerResult.from_dict(older), **common)
 
 
