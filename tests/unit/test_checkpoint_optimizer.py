@@ -72,3 +72,25 @@ def test_the_trainers_chained_optimizer_is_completed(cpu_parallel_state):
         del group["eps"]
     fit_loaded_optimizer_state(opt)
     assert all(group["eps"] == eps for group in inner.param_groups)
+
+
+def test_a_resumed_torch_adam_steps_each_parameter_from_the_saved_step(tmp_path, cpu_parallel_state):
+    """The torch fallback (no TE/Apex here) resumed after two steps: every parameter's Adam `step` is its own tensor
+    holding 2, of the dtype torch's AdamW gives it itself (mutation audit round 9, CO6: float64)."""
+    from megatron_ext.checkpoint import load_checkpoint, save_checkpoint
+    from tests.unit.test_checkpoint import TINY, setup, step
+
+    model, ddp, opt, sched = setup(1, True)
+    step(ddp, opt, sched, 0)
+    step(ddp, opt, sched, 1)
+    save_checkpoint(tmp_path, 2, [model], optimizer=opt, scheduler=sched, metadata={"hf_config": TINY})
+    model2, _, opt2, sched2 = setup(2, True)
+    load_checkpoint(tmp_path, [model2], optimizer=opt2, scheduler=sched2)
+    p = torch.nn.Parameter(torch.zeros(2))
+    reference = torch.optim.AdamW([p])
+    p.grad = torch.ones(2)
+    reference.step()
+    inner = opt2.chained_optimizers[0].optimizer
+    steps = [inner.state[q]["step"] for group in inner.param_groups for q in group["params"]]
+    assert steps and len({id(s) for s in steps}) == len(steps)
+    assert all(s.dtype == reference.state[p]["step"].dtype and s.item() == 2 for s in steps), steps

@@ -1,7 +1,7 @@
-"""Pins of submitting a chain's jobs (megatron_ext.launch_submit, through megatron_ext.launch) from the mutation audit
-(round 7): the one line that ends a submission sbatch refused half-way, and what it leaves behind. sbatch is the stub
-of test_launch_pins (submitit runs for real), taught to refuse the jobs named in FAKE_SBATCH_REFUSE as Slurm does:
-'sbatch: error: ...' on stderr, exit 1."""
+"""Pins of submitting a chain's jobs (megatron_ext.launch_submit, through megatron_ext.launch) from the mutation audits
+(rounds 7 and 9): the one line that ends a submission sbatch refused half-way, and what it leaves behind (ours
+removed, another launch's kept). sbatch is the stub of test_launch_pins (submitit runs for real), taught to refuse the
+jobs named in FAKE_SBATCH_REFUSE as Slurm does: 'sbatch: error: ...' on stderr, exit 1."""
 
 from __future__ import annotations
 
@@ -112,3 +112,54 @@ def test_after_leaves_the_parameters_it_was_given():
     assert after(params, "7") == {"job_name": "cpt", "additional_parameters": {
         "requeue": True, "dependency": "afterok:7", "kill_on_invalid_dep": "yes"}}
     assert params == {"job_name": "cpt", "additional_parameters": {"requeue": True}}
+
+
+# mutation audit round 9
+
+SILENT_REFUSAL = ("if name in os.environ.get('FAKE_SBATCH_SILENT', '').split(','):\n"
+                  "    sys.exit(3)\n")
+
+
+def test_sbatch_refusing_without_a_word_is_said_by_its_exit_status(fake_sbatch, tmp_path, token_data, capsys,
+                                                                   monkeypatch):
+    """sbatch that exits 3 and prints nothing: the line gives its exit status (LS3: 'exit None')."""
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(sbatch.read_text().replace("failed = name in", SILENT_REFUSAL + "failed = name in", 1))
+    monkeypatch.setenv("FAKE_SBATCH_SILENT", "cpt")
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(tmp_path / "s" / "%j"),
+                        *TINY, f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'cpt'}"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: sbatch refused the cpt job (exit 3); nothing launched"]
+
+
+def test_a_full_submit_folder_leaves_the_empty_files_that_were_there(fake_sbatch, small_disk, tmp_path,
+                                                                     token_data, capsys):
+    """--folder on a full disk, where another launch's pickle is still empty (between its open and its write, the
+    default --folder being shared): our empty pickle is removed, that one is not (LS2: every empty pickle under a
+    uuid name removed)."""
+    logs = small_disk / "logs"
+    logs.mkdir()
+    other = logs / f"{'ab' * 16}.pkl"
+    other.write_bytes(b"")
+    with open(small_disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(logs / "%j"), *TINY,
+                        f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'cpt'}"]) == 1
+    assert "cannot write submitit's files for the cpt job there (No space left on device)" in capsys.readouterr().err
+    assert [p.name for p in logs.iterdir()] == [other.name]
+
+
+def test_a_refused_job_leaves_another_launchs_files(refusing_sbatch, tmp_path, token_data, capsys, monkeypatch):
+    """The first job refused, in a --folder where another launch's pickle and script lie between its sbatch and
+    their move (the default --folder is shared): those stay, only ours go (LS11: every pickle and script under a
+    uuid name removed)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    theirs = [mine / f"{'cd' * 16}.pkl", mine / f".submission_file_{'ef' * 16}.sh"]
+    for path in theirs:
+        path.write_text("# megatron_ext submission of another launch\n")
+    monkeypatch.setenv("FAKE_SBATCH_REFUSE", "cpt")
+    assert launch.main(["--recipe", "recipes/tiny/cpt.yaml", "--time", "30", "--folder", str(mine / "%j"), *TINY,
+                        f"data.prefix={token_data}", f"checkpoint.dir={tmp_path / 'cpt'}"]) == 1
+    assert capsys.readouterr().err.endswith("; nothing launched\n")
+    assert sorted(mine.iterdir()) == sorted(theirs)
