@@ -104,3 +104,31 @@ def test_one_recipe_given_both_ways_and_no_gpus(capsys):
     rc, out, _ = _run(capsys, CPT_1M, "--recipe", CPT_1M)
     assert rc == 0 and out.startswith("plan: cpt_1m  on 256 x h100-80gb")
     assert _run(capsys, CPT_1M, "--gpus", "0") == (1, "", f"error: {CPT_1M}: --gpus = 0: must be >= 1")
+
+
+def test_two_recipe_files_the_first_is_the_recipe(capsys):
+    """RECIPE is the first positional that is not KEY=VALUE; a second file is an override, refused as one, the line
+    naming the first as the recipe (PC41: the last file taken as the recipe)."""
+    cpt_2m = str(R / "cpt_2m.yaml")
+    assert _run(capsys, CPT_1M, cpt_2m) == (1, "", f"error: {CPT_1M}: override {cpt_2m!r}: expected dotted.key=value, "
+                                                   "e.g. train.steps=10")
+
+
+def test_an_evaluation_plans_the_recipes_attention_kernels(capsys):
+    """--eval of a recipe on torch's SDPA attention (no TE) plans the local kernels' CP memory (the gathered K/V),
+    as eval_plan with kernels='local' does, not TE's ring (PC43: always 'te')."""
+    from megatron_ext.cost_model import Shape, padded_vocab
+    from megatron_ext.eval_plan import eval_plan, eval_report
+
+    sets = ["runtime.attention=sdpa", "parallel.sequence_parallel=false"]
+    r = load_recipe(CPT_1M, sets)
+    shape = Shape.from_recipe(r)
+    layout = {"gpus": 64, "tensor": r.parallel.tensor, "pipeline": 1, "mfu": 0.35, "kernels": "local",
+              "vocab_rows": padded_vocab(shape.vocab, r.model.make_vocab_size_divisible_by, r.parallel.tensor)}
+    plans = [eval_plan(shape, resolve_gpu("h100"), n, context=4, **layout) for n in (1 << 17, 1 << 20)]
+    expected = eval_report(plans, 11, 16, 0.35, shape) + "\n"
+    te = [eval_plan(shape, resolve_gpu("h100"), n, context=4, **{**layout, "kernels": "te"})
+          for n in (1 << 17, 1 << 20)]
+    assert eval_report(te, 11, 16, 0.35, shape) + "\n" != expected  # the case tells the kernels apart
+    assert _run(capsys, CPT_1M, *[f"--set={s}" for s in sets], "--eval", "128K,1M", "--gpus", "64", "--cp", "4") == (
+        0, expected, "")
