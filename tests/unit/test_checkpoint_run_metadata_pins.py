@@ -1,14 +1,17 @@
-"""Pins of a save's run metadata (megatron_ext.checkpoint_run_metadata) from the mutation audit (round 7): the git
-commit it records (checked against git itself, in a repository made for the test), the save time in UTC and the
-values a caller's metadata may hold that JSON has no type for."""
+"""Pins of a save's run metadata (megatron_ext.checkpoint_run_metadata) from the mutation audits (rounds 7 and 9): the
+git commit it records (checked against git itself, in a repository made for the test, and None without git), the save
+time in UTC, the values a caller's metadata may hold that JSON has no type for, the package versions and the layout
+outside a parallel run."""
 
 import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +78,39 @@ def test_metadata_text_time_versions_and_non_json_values():
     assert info["block"] == {"size": 3, "where": "/a/b"} and info["kinds"] == ["x"]
     assert info["dtype"] == "torch.bfloat16"
     assert info["iteration"] == 5
+
+
+# mutation audit round 9
+
+
+def test_git_missing_records_no_commit(tmp_path, monkeypatch):
+    """Where git is not installed (not on PATH), the save records git_sha None and goes on (CR5: the
+    FileNotFoundError of starting git ended the save)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no git to start
+    assert json.loads(run_metadata.run_metadata_text(1, {}))["git_sha"] is None
+
+
+def test_metadata_file_text_all_versions_the_callers_keys_and_a_last_newline():
+    """The installed version of each package the run depends on (importlib.metadata; CR2: transformers left out),
+    a caller's key over ours of the same name (the docstring: 'which wins'; CR10), a value JSON cannot hold refused
+    with its type named (CR14: written as its str()), and the text ends in a newline (CR13)."""
+    text = run_metadata.run_metadata_text(3, {"parallel": {"tensor": 2}, "recipe": {"a": 1}})
+    assert text.endswith("}\n")
+    info = json.loads(text)
+    for pkg in ("megatron-core", "torch", "transformers", "safetensors"):
+        assert info["versions"][pkg] == importlib.metadata.version(pkg), pkg
+    assert info["parallel"] == {"tensor": 2} and info["recipe"] == {"a": 1}
+    with pytest.raises(TypeError, match="metadata value of type complex is not JSON-serialisable"):
+        run_metadata.run_metadata_text(3, {"x": 1j})
+
+
+def test_the_layout_outside_a_parallel_run_is_all_ones():
+    """A save from a process that never set up Megatron's parallel state (a conversion): every size 1 (CR6: data 0;
+    CR15: the sizes asked of the uninitialised state). In a fresh process: this one's tests may have set it up."""
+    code = ("import json, megatron_ext.checkpoint_run_metadata as m\n"
+            "print(json.dumps(json.loads(m.run_metadata_text(1, {}))['parallel']))\n")
+    root = Path(run_metadata.__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"tensor": 1, "pipeline": 1, "context": 1, "data": 1}
