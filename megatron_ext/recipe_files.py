@@ -4,9 +4,11 @@ model sources and the schema."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from megatron_ext.recipe_schema import RecipeError, bad_value, load_yaml_mapping
 
@@ -33,6 +35,31 @@ def _check_file(path: Path) -> None:
                           "(see recipes/)")
 
 
+def _not_plain(value: Any, where: str, open_: set[int], done: set[int]) -> str | None:
+    """What in `value` (read at `where`) no recipe value can be, said in a line, or None: a YAML date, timestamp,
+    binary or set (`name: 2024-06-01` is a date), or an alias inside its own anchor (a value that holds itself).
+    They failed later as a TypeError / ValueError traceback from the recipe's JSON copy."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    if not isinstance(value, (dict, list)):
+        quote = f"; quote it: {where.rsplit('.', 1)[-1]}: '{value}'" if isinstance(value, datetime.date) else ""
+        return f"{where} = {value!r}: YAML read a {type(value).__name__}, which no recipe field takes{quote}"
+    if id(value) in done:  # an alias of a value already checked
+        return None
+    if id(value) in open_:
+        return f"{where}: an alias inside its own anchor (a value that holds itself); write the value out"
+    open_.add(id(value))
+    for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+        sub = f"{where}[{key}]" if isinstance(value, list) else f"{where}.{key}" if where else str(key)
+        problem = (_not_plain(key, sub, open_, done) if isinstance(value, dict) else None) or \
+            _not_plain(item, sub, open_, done)
+        if problem:
+            return problem
+    open_.discard(id(value))
+    done.add(id(value))
+    return None
+
+
 def _read_yaml(path: Path) -> dict:
     _check_file(path)
     try:
@@ -45,6 +72,9 @@ def _read_yaml(path: Path) -> dict:
                           "in it, or give another file (see recipes/)")
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe file {str(path)!r}: top level must be a mapping of sections, got {type(raw).__name__}")
+    problem = _not_plain(raw, "", set(), set())
+    if problem:
+        raise RecipeError(f"recipe file {str(path)!r}: {problem}")
     return raw
 
 

@@ -41,3 +41,55 @@ def test_a_top_level_list(tmp_path):
     (tmp_path / "r.yaml").write_text("- train\n- data\n")
     with pytest.raises(RecipeError, match=r"r\.yaml': top level must be a mapping of sections, got list$"):
         resolve_extends(tmp_path / "r.yaml")
+
+
+def _message(path):
+    with pytest.raises(RecipeError) as e:
+        resolve_extends(path)
+    return str(e.value)
+
+
+def test_links_are_named_as_given(tmp_path):
+    """Round 9: a link to nowhere is said to be one, by the path given (RF2: 'not found'; RF11: the target named
+    'not found'); a link to a pipe (/dev/stdin is one when input is piped) is a pipe, not a link to nowhere (RF15)."""
+    (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere.yaml")
+    assert _message(tmp_path / "gone.yaml") == (f"recipe file {str(tmp_path / 'gone.yaml')!r} is a link to "
+                                                f"{tmp_path / 'nowhere.yaml'}, which does not exist; give the path to "
+                                                "a .yaml recipe (see recipes/)")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        (tmp_path / "r.yaml").symlink_to(tmp_path / "fifo")
+        assert _message(tmp_path / "r.yaml") == (f"recipe file {str(tmp_path / 'r.yaml')!r} is not a regular file but "
+                                                 "a pipe; give the path to a .yaml recipe (see recipes/)")
+
+
+def test_values_that_are_no_recipe_values(tmp_path):
+    """Round 9, product bug: `name: 2024-06-01` is a YAML date, and an alias inside its own anchor a value that holds
+    itself; `recipe check`, launch and the trainer failed with a traceback (TypeError 'Object of type date is not JSON
+    serializable' / ValueError 'Circular reference detected' from load_recipe's JSON copy). Now one line naming the
+    field. Control (old code): those tracebacks. The alias one is also RS1 (a RecursionError)."""
+    from megatron_ext.recipe import load_recipe
+
+    r = tmp_path / "r.yaml"
+    r.write_text("name: 2024-06-01\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(r)  # where the traceback came from
+    assert str(e.value) == (f"recipe file {str(r)!r}: name = datetime.date(2024, 6, 1): YAML read a date, which no "
+                            "recipe field takes; quote it: name: '2024-06-01'")
+    r.write_text("data: {prefix: [a, !!binary aGVsbG8=]}\n")
+    assert _message(r) == f"recipe file {str(r)!r}: data.prefix[1] = b'hello': YAML read a bytes, which no recipe " \
+                          "field takes"
+    r.write_text("train: &t {x: [*t]}\n")
+    assert _message(r) == f"recipe file {str(r)!r}: train.x[0]: an alias inside its own anchor (a value that holds " \
+                          "itself); write the value out"
+    r.write_text("a: &a {x: [1]}\nb: [*a, *a]\n")  # an anchor used twice is fine
+    assert resolve_extends(r) == {"a": {"x": [1]}, "b": [{"x": [1]}, {"x": [1]}]}
+
+
+@pytest.mark.parametrize("value, said", [("false", "False"), ("[]", "[]"), ("0", "0")])
+def test_extends_that_is_empty_but_not_null(tmp_path, value, said):
+    """Round 9: `extends: false` / `[]` / `0` is refused like any value that is no path (RF19: taken for no
+    `extends` at all, the file loaded alone)."""
+    (tmp_path / "r.yaml").write_text(f"extends: {value}\n")
+    assert _message(tmp_path / "r.yaml") == f"r.yaml: extends = {said}: expected a path to another recipe, relative " \
+                                            "to this file"
