@@ -122,8 +122,10 @@ def load_tokenizer(location: str | Path, what: str, fix: str):
 
     try:
         return AutoTokenizer.from_pretrained(location)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers raises many types (AttributeError for a bad config value)
         reason = " ".join(str(e).split())  # transformers' messages span lines; tools/niah.py prints one
+        if not isinstance(e, (OSError, ValueError)):
+            reason = f"{type(e).__name__}: {reason}"
         if not Path(location).exists():  # a mistyped folder is looked up on the hub (retried for ~50 s offline)
             reason = f"no local folder {str(location)!r}, and as a hub name: {reason}"
         raise EvalError(f"{what}: cannot load its tokenizer ({reason}); {fix}") from None

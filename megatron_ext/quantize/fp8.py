@@ -118,9 +118,10 @@ def load_tokenizer(path: str | Path, required: bool = False):
 
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers raises many types (AttributeError for a bad config value)
         if required:
-            raise QuantizeError(f"--tokenizer {path}: cannot load a tokenizer ({' '.join(str(e).split())})") from None
+            raise QuantizeError(f"--tokenizer {path}: cannot load a tokenizer ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())})") from None
         return None
 
 
@@ -148,10 +149,15 @@ def quantize(model, windows: Sequence[torch.Tensor], weights: str = "fp8", kv_ca
     model = mtq.quantize(model, cfg, calibrate_forward(windows, progress))
     missing = [n for n, q in tensor_quantizers(model) if q.is_enabled and getattr(q, "amax", None) is None
                and not getattr(q, "_dynamic", False)]
-    if missing:
-        raise QuantizeError(f"calibration left {len(missing)} quantizers without a scale (e.g. {missing[0]}): "
+    kv_missing = [n for n in missing if n.endswith(KV_QUANTIZERS)]
+    if kv_missing:
+        raise QuantizeError(f"calibration left {len(missing)} quantizers without a scale (e.g. {kv_missing[0]}): "
                             f"ModelOpt {version} did not hook this model's attention "
                             f"({model.config._attn_implementation}); try --kv-cache none or another ModelOpt")
+    if missing:  # a layer the forward never calls gets a weight scale from its weights, no input scale
+        raise QuantizeError(f"calibration left {len(missing)} quantizers without a scale (e.g. {missing[0]}): the "
+                            "calibration forward never reached their layers, which the model's forward does not "
+                            "call; quantize a model without such layers")
     if kv_cache == "fp8" and not any(n.endswith(KV_QUANTIZERS) and q.is_enabled for n, q in tensor_quantizers(model)):
         raise QuantizeError(f"ModelOpt {version} inserted no KV-cache quantizers into {type(model).__name__}: "
                             "pass --kv-cache none or upgrade nvidia-modelopt")

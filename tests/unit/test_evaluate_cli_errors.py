@@ -170,6 +170,11 @@ def test_megatron_checkpoint_without_a_tokenizer(no_tokenizer, tmp_path):
            f"vocab_size is {TINY['vocab_size']}" in msg
     assert f"cannot load its tokenizer (no local folder '{tmp_path / 'none'}', and as a hub name: " in \
         _error(run + ["--out", str(out), "--tokenizer", str(tmp_path / "none")])
+    # a tokenizer_config.json value of the wrong type: transformers' AttributeError was a traceback
+    (tmp_path / "bad_tok").mkdir()
+    (tmp_path / "bad_tok" / "tokenizer_config.json").write_text('{"tokenizer_class": 5}')
+    assert _error(run + ["--out", str(out), "--tokenizer", str(tmp_path / "bad_tok")]).startswith(
+        f"error: --tokenizer {tmp_path / 'bad_tok'}: cannot load its tokenizer (AttributeError: ")
     assert main(run + ["--out", str(out), "--tokenizer", str(no_tokenizer / "tok")]) == 0
     assert json.loads((out / "results.json").read_text())["cells"]
     assert sorted(p.name for p in out.iterdir()) == ["heatmap.png", "results.json"]

@@ -83,8 +83,11 @@ def test_a_single_quantizer_left_without_a_scale_is_an_error():
     model = _tiny_model()
     model.model.unused = torch.nn.Linear(8, 8)
     with pytest.raises(QuantizeError, match=r"calibration left 1 quantizers without a scale \(e\.g\. "
-                                            r"model\.unused\.input_quantizer\)"):
+                                            r"model\.unused\.input_quantizer\): the calibration forward never "
+                                            r"reached their layers") as e:
         quantize(model, [torch.arange(3, 35)], progress=False)
+    # not an attention quantizer: the line blamed ModelOpt's attention hooks and suggested --kv-cache none
+    assert "attention" not in str(e.value) and "--kv-cache" not in str(e.value)
 
 
 WINDOWS = [torch.arange(3, 7) * (k + 1) for k in range(6)]  # six windows of four tokens
@@ -189,4 +192,8 @@ def test_a_tokenizer_is_optional_unless_asked_for(tmp_path):
 
     assert load_tokenizer(tmp_path) is None
     with pytest.raises(QuantizeError, match=f"--tokenizer {tmp_path}: cannot load a tokenizer"):
+        load_tokenizer(tmp_path, required=True)
+    # a config value of the wrong type: transformers raises AttributeError, which was a traceback
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": 5}')
+    with pytest.raises(QuantizeError, match=f"--tokenizer {tmp_path}: cannot load a tokenizer \\(AttributeError: "):
         load_tokenizer(tmp_path, required=True)
