@@ -1,0 +1,45 @@
+"""`tools/niah.py` arguments (megatron_ext.evaluate.cli_args) where the CLI tests do not look: a depth range of one
+point, an --out inside a Megatron checkpoint known by its iter_* folders alone (no latest pointer, or an iteration
+folder reached through a link), and the defaults README.md states (mutation audit round 9). Each mistake is one
+`error: ...` line before a model is loaded (the models named here are folders without weights)."""
+
+import pytest
+
+from megatron_ext.evaluate.cli import main
+from megatron_ext.evaluate.cli_args import parse_depths, parsers
+
+
+def _error(argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+    return e.value.code
+
+
+def test_a_depth_range_of_one_point():
+    """START:END:STEP with START == END is allowed (the message says START <= END): that one depth."""
+    assert parse_depths("50:50:10") == [50.0]
+    assert parse_depths("100:100:5") == [100.0]
+
+
+def test_out_inside_a_checkpoint_known_by_its_iteration_folders(tmp_path, monkeypatch):
+    """A checkpoint root whose latest pointer is not written yet (iter_* folders only), and one iteration folder
+    given through a link: --out inside either is refused as inside the model, as for a root with its pointer."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck" / "iter_0000005").mkdir(parents=True)
+    (tmp_path / "it").symlink_to(tmp_path / "ck" / "iter_0000005")
+    run = ["--lengths", "256", "--no-progress"]
+    assert _error(["--megatron", "ck", "--out", "ck/niah", *run]) == (
+        "error: --out ck/niah lies inside --megatron ck (the model being evaluated): write the results to a separate "
+        "folder, e.g. --out runs/niah")
+    assert _error(["ruler", "--megatron", "it", "--out", "it", *run]) == (
+        "error: --out it is --megatron it (the model being evaluated): write the results to a separate folder, e.g. "
+        "--out runs/ruler")
+    assert not (tmp_path / "ck" / "niah").exists()
+
+
+def test_the_defaults_readme_states():
+    """README.md: ruler's `--samples` defaults to 4."""
+    p = parsers()
+    ruler = p["ruler"].parse_args(["--model", "m", "--out", "o"])
+    assert ruler.samples == 4
