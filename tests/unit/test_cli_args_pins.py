@@ -38,8 +38,22 @@ def test_out_inside_a_checkpoint_known_by_its_iteration_folders(tmp_path, monkey
     assert not (tmp_path / "ck" / "niah").exists()
 
 
-def test_the_defaults_readme_states():
-    """README.md: ruler's `--samples` defaults to 4."""
+def test_the_defaults_are_the_library_s():
+    """A sweep from the command line runs the grid the Python API (README.md) runs by default: the same samples,
+    seed, answer budget, batch and prefill chunk as run_niah's and run_ruler's (README: ruler's `--samples`
+    defaults to 4), and ppl's buckets per octave as perplexity_by_position's."""
+    import inspect
+
+    from megatron_ext.evaluate import perplexity_by_position, run_niah
+    from megatron_ext.evaluate.ruler import run_ruler
+
     p = parsers()
-    ruler = p["ruler"].parse_args(["--model", "m", "--out", "o"])
-    assert ruler.samples == 4
+    for command, library in (("niah", run_niah), ("ruler", run_ruler)):
+        args = vars(p[command].parse_args(["--model", "m", "--out", "o"]))
+        defaults = inspect.signature(library).parameters
+        for flag, name in (("samples", "samples"), ("seed", "seed"), ("max_new_tokens", "max_new_tokens"),
+                           ("batch_tokens", "batch_tokens"), ("chunk", "prefill_chunk")):
+            assert args[flag] == defaults[name].default, (command, flag)
+    assert p["ruler"].parse_args(["--model", "m", "--out", "o"]).samples == 4
+    ppl = p["ppl"].parse_args(["--model", "m", "--out", "o", "--text", "t"])
+    assert ppl.per_octave == inspect.signature(perplexity_by_position).parameters["per_octave"].default

@@ -14,6 +14,7 @@ import pytest
 from megatron_ext.checkpoint_index import METADATA_FILE
 from megatron_ext.evaluate import EvalError
 from megatron_ext.evaluate.cli_model import data_tokenizer, early_tokenizer, model_vocab_size
+from tests.unit.test_evaluate import tiny_dir  # noqa: F401 (fixture)
 
 
 def _args(model=None, megatron=None, tokenizer=None, engine="hf"):
@@ -84,3 +85,23 @@ def test_vocab_size_read_before_the_model(tmp_path, config, vocab):
     ValueError or TypeError here."""
     (tmp_path / "config.json").write_text(config)
     assert model_vocab_size(_args(model=tmp_path)) == vocab
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_named_by_its_flag(tiny_dir, tmp_path):
+    """--model with a --tokenizer of more ids than the model's embeddings: the one line names --tokenizer (the
+    model folder's own tokenizer is not the culprit)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_ext.evaluate.cli import main
+    from megatron_ext.presets import TINY
+
+    words = {f"w{i}": i for i in range(TINY["vocab_size"] + 10)}
+    big = tmp_path / "big"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")),
+                            unk_token="w0").save_pretrained(big)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tiny_dir), "--tokenizer", str(big), "--out", str(tmp_path / "o"), "--lengths", "64",
+              "--depths", "50", "--device", "cpu", "--no-progress"])
+    assert f"--tokenizer {big} has {TINY['vocab_size'] + 10} tokens but the model's vocab_size is " \
+           f"{TINY['vocab_size']}" in e.value.code, e.value.code

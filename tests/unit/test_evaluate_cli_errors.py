@@ -72,7 +72,7 @@ def _error(argv) -> str:
                           "give another --out"),
     (["ruler", "--out", "{link}"], "--out {link} is a link to {tmp}/gone, which does not exist"),
     (["ppl", "--text", "{doc}", "--out", "{link}/sub"], "--out {link}/sub lies under {link}, which is a link to "
-                                                         "{tmp}/gone, which does not exist"),
+                                                        "{tmp}/gone, which does not exist"),
     (["generate", "--question", "q", "--out", "{link}"], "--out {link} is a link to {tmp}/gone, which does not"),
     (["--device", "tpu"], "--device tpu: not a device this tool runs on; give cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "--device cuda:99: " + ("this process sees" if torch.cuda.is_available() else
@@ -378,6 +378,7 @@ def test_out_may_not_be_the_model_folder(tiny_dir, tmp_path, monkeypatch, capsys
     assert "memory note" not in capsys.readouterr().out  # found before the model loaded
     assert main(["--model", "hf", "--out", ".", *run]) == 0 and Path("results.json").is_file()
 
+
 def test_a_save_that_fails_is_one_line(tiny_dir, tmp_path):
     """A save after a length that fails (here a file-size limit, EFBIG, no root needed; a full disk or an --out
     changed under the run alike) ended in a traceback from write_atomic; now one line naming --out and the file,
@@ -497,7 +498,12 @@ def test_a_conversion_that_fails_leaves_no_out_it_made(no_tokenizer, tmp_path):
     for shard in (ckpt / "iter_0000000").glob("*.distcp"):  # same size, garbage content
         shard.write_bytes(b"\0" * shard.stat().st_size)
     out = tmp_path / "out"
-    msg = _error(["--megatron", str(ckpt), "--tokenizer", str(no_tokenizer / "tok"), "--out", str(out),
-                  "--device", "cpu", "--lengths", "64", "--no-progress"])
+    run = ["--megatron", str(ckpt), "--tokenizer", str(no_tokenizer / "tok"), "--out", str(out), "--device", "cpu",
+           "--lengths", "64", "--no-progress"]
+    msg = _error(run)
     assert msg.startswith(f"error: converting {ckpt} to HF failed: "), msg
     assert not out.exists()
+    # an --out the user made (empty) is theirs: kept, with no hidden folder left in it (mutation audit round 9)
+    out.mkdir()
+    assert _error(run).startswith(f"error: converting {ckpt} to HF failed: ")
+    assert out.is_dir() and not any(out.iterdir())

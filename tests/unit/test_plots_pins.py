@@ -48,7 +48,7 @@ def test_heatmap_axes_cells_and_the_max_position_line(saved, tmp_path):
               [1.0, 1.0, 0.25, None],  # depth 50
               [0.0, 1.0, 1.0, None]]  # depth 100
     res = NiahResult(lengths, depths, scores, settings={"max_position_embeddings": 2048,
-                                                          "model": str(tmp_path / "runs" / "llama-4m")})
+                                                        "model": str(tmp_path / "runs" / "llama-4m")})
     path = plots.plot_niah_heatmap(res.to_dict(), tmp_path / "h.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ax = _axes(saved[0])
@@ -108,3 +108,42 @@ def test_perplexity_points_skip_empty_buckets_and_marks_are_drawn(saved, tmp_pat
     assert (fmt(1024, 0), fmt(1.0, 0), fmt(0.5, 0)) == ("1K", "1", "")
     plots.plot_perplexity({"x": res}, tmp_path / "q.png", title="step 100")
     assert _axes(saved[1]).get_title() == "step 100"
+
+
+def test_a_wide_heatmap_tilts_its_lengths_and_grows(saved, tmp_path):
+    """Up to 8 lengths the labels stand upright; beyond, 45 degrees (anchored right, under their column), and the
+    figure widens and heightens with the grid so that the cells stay readable (mutation audit round 9)."""
+    depths = [0.0, 50.0, 100.0]
+    for n_len in (8, 9):
+        lengths = [256 * (i + 1) for i in range(n_len)]
+        plots.plot_niah_heatmap(NiahResult(lengths, depths, [[1.0] * n_len for _ in depths]), tmp_path / "h.png")
+    upright, tilted = (_axes(f).get_xticklabels() for f in saved)
+    assert {t.get_rotation() for t in upright} == {0.0} and {t.get_ha() for t in upright} == {"center"}
+    assert {t.get_rotation() for t in tilted} == {45.0} and {t.get_ha() for t in tilted} == {"right"}
+    big = [1 << (10 + i) for i in range(20)]
+    grid = NiahResult(big, [float(d) for d in range(0, 101, 5)], [[1.0] * 20] * 21)
+    plots.plot_niah_heatmap(grid, tmp_path / "b.png")
+    small_w, small_h = saved[0].get_size_inches()
+    big_w, big_h = saved[2].get_size_inches()
+    assert big_w > small_w + 5 and big_h > small_h + 4
+
+
+def test_positions_are_on_a_log2_axis_with_a_legend(saved, tmp_path):
+    """Octaves of the position are evenly spaced (major ticks at powers of two, the buckets' own spacing) and each
+    curve is named in the legend."""
+    buckets = [{"start": 1 << k, "end": 2 << k, "tokens": 4, "mean_loss": 5.0 - k / 4} for k in range(12)]
+    res = PerplexityResult(buckets, 1, [4096])
+    plots.plot_perplexity({"base": res, "extended": res}, tmp_path / "p.png")
+    ax = _axes(saved[0])
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 4096]
+    assert len(ticks) >= 3 and all(math.log2(t).is_integer() for t in ticks), ticks
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["base", "extended"]
+
+
+def test_no_max_position_line_at_the_left_edge(saved, tmp_path):
+    """Every length beyond max_position_embeddings (a --force run): no line and no label drawn on the axis at x = 0,
+    where there is no column of lengths within the window to separate (mutation audit round 9)."""
+    res = NiahResult([512, 1024], [0.0, 100.0], [[1.0, 0.0], [0.0, 0.0]], settings={"max_position_embeddings": 256})
+    plots.plot_niah_heatmap(res, tmp_path / "h.png")
+    ax = _axes(saved[0])
+    assert len(ax.get_lines()) == 0 and len(ax.texts) == 0

@@ -59,3 +59,26 @@ def test_a_corrupt_manifest_names_the_flag(token_data, tmp_path):
     bad = _copy(token_data, tmp_path)
     open(bad + ".json", "w").write("{")
     assert token_data_problem(bad, "--calib").startswith(f"--calib: data prefix {bad}: {bad}.json is truncated")
+
+
+def test_the_refusal_says_the_data_s_vocabulary_then_the_model_s(token_data, toy_tokenizer):
+    """Another tokenizer's data: the data's tokenizer and vocabulary (its manifest's) first, then the model's (as
+    prepare_data.py would record it), and the --tokenizer to prepare the data again with; without a name, words
+    in its place, not 'None' (mutation audit round 9)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_ext.data.common import tokenizer_vocabulary_hash
+
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    data = json.loads(open(token_data + ".json").read())["vocabulary_hash"][:len("sha256:") + 12]
+    model = tokenizer_vocabulary_hash(other)[:len("sha256:") + 12]
+    assert data != model
+    assert token_data_problem(token_data, "--indexed", other, "runs/tok") == (
+        f"--indexed {token_data} was tokenized with another tokenizer ({toy_tokenizer}, vocabulary {data}) than the "
+        f"model's (runs/tok, vocabulary {model}); prepare it again with --tokenizer runs/tok (tools/prepare_data.py "
+        "cpt)")
+    unnamed = token_data_problem(token_data, "--calib", other)
+    assert f"than the model's (the model's tokenizer, vocabulary {model}); prepare it again" in unnamed
+    assert "None" not in unnamed
