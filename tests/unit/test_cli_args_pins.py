@@ -3,17 +3,8 @@ point, an --out inside a Megatron checkpoint known by its iter_* folders alone (
 folder reached through a link), and the defaults README.md states (mutation audit round 9). Each mistake is one
 `error: ...` line before a model is loaded (the models named here are folders without weights)."""
 
-import pytest
-
-from megatron_ext.evaluate.cli import main
 from megatron_ext.evaluate.cli_args import parse_depths, parsers
-
-
-def _error(argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
-    return e.value.code
+from tests.unit.test_evaluate_cli_errors import _error
 
 
 def test_a_depth_range_of_one_point():

@@ -12,6 +12,9 @@ import pytest
 from megatron_ext.runtime.gpu_packages import hide_gpu_packages
 from megatron_ext.runtime.job_env import DeviceError
 
+# what Megatron-Core 0.16 tries to import for its GPU kernels, listed here from its sources (not from our module)
+GPU_PACKAGES = ("transformer_engine", "transformer_engine_torch", "apex", "amp_C", "fused_weight_gradient_mlp_cuda")
+
 
 def test_a_gpu_package_imported_before_is_refused_in_words(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "apex", types.ModuleType("apex"))
@@ -25,14 +28,11 @@ def test_a_gpu_package_imported_before_is_refused_in_words(monkeypatch):
 def test_hiding_twice_is_no_error(monkeypatch):
     import sys
 
-    for name in ("transformer_engine", "transformer_engine_torch", "apex", "amp_C", "fused_weight_gradient_mlp_cuda"):
+    for name in GPU_PACKAGES:
         monkeypatch.setitem(sys.modules, name, None)  # hidden already, as after the converter's start
     hide_gpu_packages()
     with pytest.raises(ImportError):
         importlib.import_module("apex")
-
-
-GPU_PACKAGES = ("transformer_engine", "transformer_engine_torch", "apex", "amp_C", "fused_weight_gradient_mlp_cuda")
 
 
 def test_every_gpu_package_megatron_tries_is_hidden(tmp_path):

@@ -4,14 +4,13 @@ that reach the planner, against hand computations and the plan model (megatron_e
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatron_ext.cost_model import RECOMPUTE_MODES, resolve_gpu
 from megatron_ext.plan import min_context, recommend
 from megatron_ext.plan_cli import main
 from megatron_ext.recipe import load_recipe
+from tests.conftest import ROOT
 
-R = Path(__file__).resolve().parents[2] / "recipes"
+R = ROOT / "recipes"
 CPT_1M = str(R / "cpt_1m.yaml")
 
 

@@ -2,15 +2,13 @@
 `--fields` listing, the exit status and lines of several files, the resolved recipe printed, the recipe's own
 warnings, and what a missing file list or a folder named like an override gets."""
 
-from pathlib import Path
-
 import pytest
 import yaml
 
 from megatron_ext.recipe import load_recipe
 from megatron_ext.recipe_cli import main
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = "recipes/tiny/cpt.yaml"
 
 

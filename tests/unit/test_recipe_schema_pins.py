@@ -9,13 +9,7 @@ import yaml
 
 from megatron_ext.recipe import RecipeError, RopeConfig, load_recipe
 from megatron_ext.recipe_schema import load_yaml_mapping
-
-BASE = {
-    "model": {"preset": "tiny"},
-    "train": {"seq_length": 256, "steps": 3, "lr": 3e-5, "global_batch_size": 4},
-    "cluster": {"nodes": 1, "gpus_per_node": 2},
-    "runtime": {"device": "cpu"},
-}
+from tests.unit.test_recipe import BASE
 
 
 def error(overrides=(), raw=None, path=None):

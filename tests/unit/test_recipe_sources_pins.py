@@ -9,13 +9,7 @@ import pytest
 
 from megatron_ext.presets import PRESETS, ROPE_PRESETS, TINY
 from megatron_ext.recipe import RecipeError, load_recipe
-
-BASE = {
-    "model": {"preset": "tiny"},
-    "train": {"seq_length": 256, "steps": 3, "lr": 3e-5, "global_batch_size": 4},
-    "cluster": {"nodes": 1, "gpus_per_node": 2},
-    "runtime": {"device": "cpu"},
-}
+from tests.unit.test_recipe import BASE
 
 
 def error(raw=BASE, overrides=()):
