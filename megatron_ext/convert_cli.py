@@ -79,10 +79,11 @@ def _error_line(e: Exception, out: Path, removed: str) -> str | None:
     from megatron_ext.checkpoint_space import CheckpointSpaceError
     from megatron_ext.convert import ConvertError
     from megatron_ext.disk_space import no_space_message
+    from megatron_ext.runtime import DeviceError
 
     if isinstance(e, CheckpointSpaceError):  # to-megatron's save ran out of space
         return "error: " + e.say(f"--out {out}", "free space or choose another --out", outcome=removed)
-    if isinstance(e, (ConvertError, CheckpointError)):
+    if isinstance(e, (ConvertError, CheckpointError, DeviceError)):  # DeviceError: to-megatron's process group
         return f"error: {e}"
     if isinstance(e, OSError):  # a full disk, a quota, a file system gone: the unfinished output is removed
         traceback.clear_frames(e.__traceback__)  # closes the output files its frames hold: their space is free again

@@ -159,16 +159,15 @@ def torchrun():
 @pytest.fixture(scope="session")
 def cpu_parallel_state():
     """A single-process gloo group with Megatron parallel state (TP=PP=CP=1), CPU backend applied."""
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    yield from process_group("cpu")
+
+
+def process_group(device: str):
+    """A fixture's body: a single-process group on `device` with Megatron parallel state (TP=PP=CP=1), destroyed
+    after. Subprocesses a test starts meanwhile pick their own port (init_distributed leaves os.environ as it is)."""
     from megatron_ext.runtime import destroy_distributed, init_distributed
 
-    init_distributed("cpu", seed=1234)
-    for key, value in saved.items():  # the group exists: do not hand its port to subprocesses we start
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    init_distributed(device, seed=1234)
     yield
     destroy_distributed()
 

@@ -53,6 +53,16 @@ def gpu_of_local_rank(local_rank: int, visible: int, tasks_on_node: int | None) 
     return local_rank % visible
 
 
+def port_in_use(penv: ProcessEnv) -> str:
+    """What rank 0 says when another process holds the rendezvous port, and the fix for how the job was started."""
+    fix = {"torchrun": "give torchrun another --master_port",
+           "slurm": "export MASTER_PORT=<a free port below 32768> before srun (the default is derived from the job "
+                    "id, and another job on this node holds it)"}.get(
+        penv.launcher, "unset MASTER_PORT (a free port is then chosen) or export a free one")
+    return (f"rendezvous port {penv.master_addr}:{penv.master_port} (MASTER_PORT) is in use by another process; "
+            f"{fix}")
+
+
 def init_distributed(
     device: str,
     tensor: int = 1,
@@ -84,15 +94,20 @@ def init_distributed(
     from megatron.core import parallel_state, tensor_parallel
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", penv.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(penv.master_port))
-        torch.distributed.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
-            rank=penv.rank,
-            world_size=penv.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        # The address goes in init_method, not into os.environ: a program that starts others after this (a test
+        # suite, a notebook) would hand them a port its own store still holds after destroy_distributed.
+        try:
+            torch.distributed.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
+                rank=penv.rank,
+                world_size=penv.world_size,
+                timeout=timedelta(minutes=timeout_minutes),
+            )
+        except torch.distributed.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise DeviceError(port_in_use(penv)) from None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

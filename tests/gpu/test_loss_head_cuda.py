@@ -6,15 +6,6 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def gpu_state():
-    from megatron_ext.runtime import destroy_distributed, init_distributed
-
-    init_distributed("cuda")
-    yield
-    destroy_distributed()
-
-
 TOKENS, HIDDEN, VOCAB = 8192, 1024, 32768
 
 

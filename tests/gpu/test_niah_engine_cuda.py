@@ -31,15 +31,6 @@ def checkpoint(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def gpu_state():
-    from megatron_ext.runtime import destroy_distributed, init_distributed
-
-    init_distributed("cuda")
-    yield
-    destroy_distributed()
-
-
 def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
     from megatron_ext.evaluate import load_hf
     from megatron_ext.evaluate.engine import load_megatron_for_eval

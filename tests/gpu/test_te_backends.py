@@ -12,15 +12,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gpu_state():
-    from megatron_ext.runtime import destroy_distributed, init_distributed
-
-    init_distributed("cuda")
-    yield
-    destroy_distributed()
-
-
 def _logits(opts, cfg, tokens):
     from megatron_ext.model import build_model
 

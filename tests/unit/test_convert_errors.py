@@ -695,3 +695,25 @@ def test_tokenizer_folder_ids_fill_only_what_the_checkpoint_lacks(src, mcore, tm
     to_hf(mcore, tmp_path / "out", tokenizer=tok, progress=False)
     out = json.loads((tmp_path / "out/config.json").read_text())
     assert (out["eos_token_id"], out["pad_token_id"]) == (2, 5)
+
+
+def test_a_busy_rendezvous_port_is_one_line(src, tmp_path):
+    """to-megatron makes a one-process group; a MASTER_PORT another process holds was a DistNetworkError traceback."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")},
+               "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(src),
+                               "--out", str(tmp_path / "o"), "--no-progress"], capture_output=True, text=True,
+                              timeout=300, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
+    assert lines == [f"error: rendezvous port 127.0.0.1:{port} (MASTER_PORT) is in use by another process; unset "
+                     "MASTER_PORT (a free port is then chosen) or export a free one"], proc.stderr
+    no_leftovers(tmp_path, "o")

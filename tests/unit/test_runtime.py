@@ -235,3 +235,43 @@ destroy_distributed()
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, err[-2000:]
         assert out.splitlines()[-1] == f"{r} 2 0 3.0"
+
+
+def test_port_in_use_names_the_fix_for_each_launcher():
+    from megatron_ext.runtime import ProcessEnv
+    from megatron_ext.runtime.distributed import port_in_use
+
+    def said(launcher):
+        return port_in_use(ProcessEnv(0, 8, 0, "gpu004", 20123, launcher))
+
+    assert said("single") == ("rendezvous port gpu004:20123 (MASTER_PORT) is in use by another process; unset "
+                              "MASTER_PORT (a free port is then chosen) or export a free one")
+    assert said("torchrun").endswith("; give torchrun another --master_port")
+    assert "export MASTER_PORT=<a free port below 32768> before srun" in said("slurm")
+
+
+def test_a_group_leaves_its_port_out_of_the_environment_of_later_programs():
+    """A test suite (tests/gpu) made a group in its own process, destroyed it, then started the trainer and the
+    converter: they read the MASTER_PORT init_distributed had exported, which the suite's store still held, and
+    failed with EADDRINUSE. Now the port goes in init_method only; a program started after picks its own."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = """
+import os, subprocess, sys
+from megatron_ext.runtime import destroy_distributed, init_distributed
+init_distributed("cpu")
+destroy_distributed()
+print("exported:", os.environ.get("MASTER_PORT"))
+child = "from megatron_ext.runtime import init_distributed; init_distributed('cpu'); print('child ok')"
+proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+print(proc.stdout.strip(), proc.returncode)
+print(proc.stderr[-300:], file=sys.stderr)
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**env, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["exported: None", "child ok 0"], proc.stdout + proc.stderr[-2000:]
