@@ -2,8 +2,10 @@
 
 The CPU tests run the loop on gloo only; NCCL takes CUDA tensors only and the model lives on the GPU, so the
 batches and every tensor of a collective must be there too (they were not until this test was written: the
-loop had never run on a GPU). Oracle: the same recipe with runtime.device=cpu, fp32: losses, gradient norms
-and validation losses step by step; then a resume on the GPU (saving in the background), an SFT stage on the
+loop had never run on a GPU). Oracle: the same recipe with runtime.device=cpu, fp32, from the same weights (a
+converted HF model: each device draws its own random initial weights, the CPU from torch's CPU generator with
+`use_cpu_initialization`, the GPU from the CUDA one; the first H200 run, without it, differed by 0.2% at step 1
+and 2.7% at step 4): losses, gradient norms and validation losses step by step; then a resume on the GPU (saving in the background), an SFT stage on the
 GPU from the CPU run's checkpoint, and a diverging run stopping with EXIT_DIVERGED (its flag goes through an
 NCCL all-reduce). Also the CPU path (conversion, runtime.device=cpu) on this machine with its GPU visible.
 """
@@ -45,9 +47,21 @@ def columns(metrics: list[dict], key: str) -> list[float]:
     return [m[key] for m in metrics if key in m]
 
 
-def test_training_on_cuda_equals_cpu(tmp_path, token_data, sft_data):
-    cpu = train("cpt", tmp_path / "cpu", token_data, "cpu", "train.steps=4")
-    gpu = train("cpt", tmp_path / "gpu", token_data, "cuda", "train.steps=4")
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """The tiny preset's HF model converted to a Megatron checkpoint: the initial weights of both devices' runs."""
+    from tests.unit.test_evaluate import save_tiny
+
+    d = tmp_path_factory.mktemp("base")
+    save_tiny(d / "hf")
+    subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(d / "hf"),
+                    "--out", str(d / "mc"), "--no-progress"], check=True, cwd=ROOT, capture_output=True)
+    return f"checkpoint.init_from={d / 'mc'}"
+
+
+def test_training_on_cuda_equals_cpu(tmp_path, token_data, sft_data, base):
+    cpu = train("cpt", tmp_path / "cpu", token_data, "cpu", "train.steps=4", base)
+    gpu = train("cpt", tmp_path / "gpu", token_data, "cuda", "train.steps=4", base)
     assert [m["step"] for m in gpu] == [1, 2, 3, 4] and len(columns(gpu, "val_loss")) == 2
     for key in ("loss", "grad_norm", "val_loss"):
         np.testing.assert_allclose(columns(gpu, key), columns(cpu, key), rtol=1e-3, err_msg=key)
@@ -67,10 +81,10 @@ def test_training_on_cuda_equals_cpu(tmp_path, token_data, sft_data):
         np.testing.assert_allclose(columns(sft_gpu, key), columns(sft_cpu, key), rtol=1e-3, err_msg=key)
 
 
-def test_plain_optimizer_on_cuda_equals_cpu(tmp_path, token_data):
+def test_plain_optimizer_on_cuda_equals_cpu(tmp_path, token_data, base):
     """train.distributed_optimizer=false on the GPU. Only the distributed optimizer's DDP buffers move parameters,
     so the model itself must be on the GPU: the local spec's norms (torch RMSNorm) are built on the host."""
-    plain = ["train.steps=2", "train.eval_interval=0", "train.distributed_optimizer=false"]
+    plain = ["train.steps=2", "train.eval_interval=0", "train.distributed_optimizer=false", base]
     cpu = train("cpt", tmp_path / "cpu", token_data, "cpu", *plain)
     gpu = train("cpt", tmp_path / "gpu", token_data, "cuda", *plain)
     for key in ("loss", "grad_norm"):
