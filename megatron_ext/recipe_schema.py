@@ -47,11 +47,39 @@ def _repeated_key(node: yaml.Node | None, seen_nodes: set[int]) -> tuple[str, ya
     return None
 
 
+MAX_EXPANDED_VALUES = 100_000  # a recipe holds a few hundred; YAML aliases of aliases can stand for billions
+
+
+def _expanded_values(node: yaml.Node | None, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for once every alias in it is written out (what the recipe's JSON copy makes).
+    Memoised by node, so counting is linear in the document; an alias inside its own anchor counts once here
+    (recipe_files refuses it by name)."""
+    if node is None:
+        return 0
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = 1  # while open: a node reached again from inside itself
+    children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
+        node.value if isinstance(node, yaml.SequenceNode) else []
+    total = 1
+    for child in children:
+        total += _expanded_values(child, sizes)
+        if total > MAX_EXPANDED_VALUES:
+            break
+    sizes[id(node)] = total
+    return total
+
+
 def load_yaml_mapping(text: str, what: str) -> Any:
-    """`text` parsed with yaml.safe_load, refusing a key given twice in one mapping (PyYAML keeps the last silently);
-    a mistake is a RecipeError naming `what`, the line and column, and the problem."""
+    """`text` parsed with yaml.safe_load, refusing a key given twice in one mapping (PyYAML keeps the last silently)
+    and aliases that expand past MAX_EXPANDED_VALUES values; a mistake is a RecipeError naming `what`, the line and
+    column where there is one, and the problem."""
     try:
-        repeated = _repeated_key(yaml.compose(text, Loader=yaml.SafeLoader), set())
+        document = yaml.compose(text, Loader=yaml.SafeLoader)
+        if _expanded_values(document, {}) > MAX_EXPANDED_VALUES:
+            raise RecipeError(f"{what}: its YAML aliases (*name) expand to more than {MAX_EXPANDED_VALUES:,} values, "
+                              "where a recipe holds a few hundred; write the values out or use fewer aliases")
+        repeated = _repeated_key(document, set())
         if repeated is None:
             return yaml.safe_load(text)
     except yaml.YAMLError as e:
