@@ -103,6 +103,15 @@ def _placeholder_weight_grad(weight: torch.Tensor, product: torch.Tensor | None)
     return grad.zero_() if getattr(weight, "zero_out_wgrad", False) else grad
 
 
+def _minus_fp32(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`logits` [c, V/TP] minus `shift` [c] per row, in fp32: in place when the logits are fp32 already; from bf16 in
+    one pass (the subtraction upcasts; on a GPU inside the kernel), where a cast and then an in-place subtraction
+    went over the fp32 logits twice. The same values either way."""
+    if logits.dtype == torch.float32:
+        return logits.sub_(shift.unsqueeze(-1))
+    return torch.sub(logits, shift.unsqueeze(-1))
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """loss[t] = logsumexp(h[t] @ W.T) - (h[t] @ W.T)[label[t]] with W split over TP ranks by vocabulary rows.
 
@@ -122,14 +131,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         logsumexp = torch.empty_like(loss)
         for rows, where in _chunks(hidden.shape[0], tp, sequence_parallel, chunk_tokens, hidden.device):
             h = _gather_sequence(hidden[rows], group) if sequence_parallel else hidden[rows]
-            logits = (h @ weight.t()).float()  # [c, V/TP]
-            row_max = logits.max(dim=-1).values
+            logits = h @ weight.t()  # [c, V/TP], the model's dtype
+            row_max = logits.amax(dim=-1).float()  # exact in any dtype
             _all_reduce(row_max, dist.ReduceOp.MAX, group)
-            logits.sub_(row_max.unsqueeze(-1))
-            target, in_slice = _local_targets(labels[where], rank * vocab_rows, vocab_rows)
-            target_logit = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) * in_slice  # nonzero on one rank
-            sum_exp = logits.exp_().sum(dim=-1)
+            shifted = _minus_fp32(logits, row_max)
             del logits
+            target, in_slice = _local_targets(labels[where], rank * vocab_rows, vocab_rows)
+            target_logit = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1) * in_slice  # nonzero on one rank
+            sum_exp = shifted.exp_().sum(dim=-1)
+            del shifted
             parts = torch.stack([target_logit, sum_exp], dim=-1)  # [c, 2]: one all-reduce for both
             _all_reduce(parts, dist.ReduceOp.SUM, group)
             log_sum = parts[:, 1].log()
@@ -156,10 +166,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for rows, where in _chunks(hidden.shape[0], tp, sequence_parallel, ctx.chunk_tokens, hidden.device):
             h = _gather_sequence(hidden[rows], group) if sequence_parallel else hidden[rows]
             # softmax - one_hot(label), scaled by each token's incoming gradient: [c, V/TP]
-            probs = (h @ weight.t()).float().sub_(logsumexp[where].unsqueeze(-1)).exp_()
+            probs = _minus_fp32(h @ weight.t(), logsumexp[where]).exp_()
             target, in_slice = _local_targets(labels[where], rank * vocab_rows, vocab_rows)
             probs.scatter_add_(-1, target.unsqueeze(-1), -in_slice.to(probs.dtype).unsqueeze(-1))
-            grad_logits = probs.mul_(grad_loss[where].unsqueeze(-1)).to(hidden.dtype)
+            scale = grad_loss[where].unsqueeze(-1)
+            if hidden.dtype == probs.dtype:
+                grad_logits = probs.mul_(scale)
+            else:  # the product written in the model's dtype: one pass, not an fp32 product and then its cast
+                grad_logits = torch.mul(probs, scale, out=torch.empty(probs.shape, dtype=hidden.dtype,
+                                                                      device=probs.device))
             del probs
             if product is None:  # fp32: accumulate in place
                 grad_weight.addmm_(grad_logits.t(), h)
