@@ -167,6 +167,23 @@ def test_cli_one_line_before_the_model_is_built(tmp_path, token_data):
         assert not (tmp_path / "run").exists()
 
 
+def test_a_busy_rendezvous_port_is_one_line(tmp_path, token_data):
+    """A MASTER_PORT another process holds (a second run started with the first one's exported port) was a
+    DistNetworkError traceback; now one line naming the port and the fix. Nothing is written."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = train_cli(f"checkpoint.dir={tmp_path / 'run'}", f"data.prefix={token_data}", MASTER_PORT=str(port))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: rendezvous port 127.0.0.1:{port} (MASTER_PORT) is in use by another process; unset MASTER_PORT (a "
+        "free port is then chosen) or export a free one"], proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_mistake_before_the_ranks_meet_is_said_once_per_node(tmp_path, token_data):
     """Under torchrun or srun every rank finds a recipe mistake alike: the first rank of each node says it (rank 2 of
     a 2-GPU-per-node job below), the others exit 1 without a word (else 256 copies of the line in a 256-GPU log)."""
