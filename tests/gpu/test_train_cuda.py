@@ -6,8 +6,9 @@ loop had never run on a GPU). Oracle: the same recipe with runtime.device=cpu, f
 converted HF model: each device draws its own random initial weights, the CPU from torch's CPU generator with
 `use_cpu_initialization`, the GPU from the CUDA one; the first H200 run, without it, differed by 0.2% at step 1
 and 2.7% at step 4): losses, gradient norms and validation losses step by step; then a resume on the GPU (saving
-in the background), an SFT stage on the GPU from the CPU run's checkpoint, and a diverging run stopping with EXIT_DIVERGED (its flag goes through an
-NCCL all-reduce). Also the CPU path (conversion, runtime.device=cpu) on this machine with its GPU visible.
+in the background), an SFT stage on the GPU from the CPU run's checkpoint, and a diverging run stopping with
+EXIT_DIVERGED (its flag goes through an NCCL all-reduce). Also the CPU path (conversion, runtime.device=cpu) on
+this machine with its GPU visible.
 """
 
 import gzip

@@ -254,6 +254,7 @@ def test_a_group_leaves_its_port_out_of_the_environment_of_later_programs():
     """A test suite (tests/gpu) made a group in its own process, destroyed it, then started the trainer and the
     converter: they read the MASTER_PORT init_distributed had exported, which the suite's store still held, and
     failed with EADDRINUSE. Now the port goes in init_method only; a program started after picks its own."""
+    import os
     import subprocess
     import sys
 
@@ -270,7 +271,7 @@ proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=T
 print(proc.stdout.strip(), proc.returncode)
 print(proc.stderr[-300:], file=sys.stderr)
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**env, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-2000:]
