@@ -169,13 +169,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = _minus_fp32(h @ weight.t(), logsumexp[where]).exp_()
             target, in_slice = _local_targets(labels[where], rank * vocab_rows, vocab_rows)
             probs.scatter_add_(-1, target.unsqueeze(-1), -in_slice.to(probs.dtype).unsqueeze(-1))
-            scale = grad_loss[where].unsqueeze(-1)
-            if hidden.dtype == probs.dtype:
-                grad_logits = probs.mul_(scale)
-            else:  # the product written in the model's dtype: one pass, not an fp32 product and then its cast
-                grad_logits = torch.mul(probs, scale, out=torch.empty(probs.shape, dtype=hidden.dtype,
-                                                                      device=probs.device))
-            del probs
+            # the product written in the model's dtype (in place in fp32): one pass, not an fp32 product and its cast
+            out = probs if hidden.dtype == probs.dtype else torch.empty(probs.shape, dtype=hidden.dtype,
+                                                                        device=probs.device)
+            grad_logits = torch.mul(probs, grad_loss[where].unsqueeze(-1), out=out)
+            del probs, out
             if product is None:  # fp32: accumulate in place
                 grad_weight.addmm_(grad_logits.t(), h)
             else:

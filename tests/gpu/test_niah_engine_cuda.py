@@ -9,35 +9,19 @@ prompt sharing its first 120 tokens with the cached one through an extension pas
 mask over the cached prefix's keys and its own, as CP ranks run it).
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
-
-from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from tests.unit.test_evaluate import save_tiny
-
-    d = tmp_path_factory.mktemp("niah_cuda")
-    save_tiny(d / "hf")
-    subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(d / "hf"),
-                    "--out", str(d / "mc")], check=True, cwd=ROOT, capture_output=True)
-    return d
-
-
-def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
+def test_engine_on_cuda_matches_transformers(tiny_checkpoint, gpu_state):
     from megatron_ext.evaluate import load_hf
     from megatron_ext.evaluate.engine import load_megatron_for_eval
     from megatron_ext.evaluate.parallel import MegatronGreedy, MegatronTokenLosses
     from megatron_ext.evaluate.perplexity import token_losses
 
-    hf, _ = load_hf(checkpoint / "hf", "cuda", "fp32")
+    hf, _ = load_hf(tiny_checkpoint / "hf", "cuda", "fp32")
     ids = torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = hf(input_ids=ids[None].cuda()).logits[0].argmax(-1).tolist()
@@ -45,7 +29,7 @@ def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
     device = torch.device("cuda", torch.cuda.current_device())
     losses = {}
     for precision in ("fp32", "bf16"):
-        model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision=precision)
+        model, cfg, _ = load_megatron_for_eval(tiny_checkpoint / "mc", device="cuda", precision=precision)
         # every weight on the GPU, the local spec's torch norms too (they were built on the host)
         assert {t.device for t in [*model.parameters(), *model.buffers()]} == {device}
         losses[precision] = MegatronTokenLosses(model, device)(ids)
@@ -65,25 +49,25 @@ def test_engine_on_cuda_matches_transformers(checkpoint, gpu_state):
     assert (losses["bf16"] - want_losses).abs().mean() < 0.05
 
 
-def test_rows_of_different_lengths_on_cuda(checkpoint, gpu_state):
+def test_rows_of_different_lengths_on_cuda(tiny_checkpoint, gpu_state):
     """What the RULER-style runs send the engine: one call with prompts of different lengths; each row's greedy
     continuation (KV cache on) equals transformers' on the GPU."""
     from megatron_ext.evaluate import greedy_generate, load_hf
     from megatron_ext.evaluate.engine import load_megatron_for_eval
     from megatron_ext.evaluate.parallel import MegatronGreedy
 
-    hf, _ = load_hf(checkpoint / "hf", "cuda", "fp32")
+    hf, _ = load_hf(tiny_checkpoint / "hf", "cuda", "fp32")
     gen = torch.Generator().manual_seed(5)
     rows = [torch.randint(3, 500, (n,), generator=gen) for n in (77, 120, 201)]
     want = [greedy_generate(hf, row[None].cuda(), 6, eos_token_ids=(2,), prefill_chunk=None)[0] for row in rows]
-    model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision="fp32")
+    model, cfg, _ = load_megatron_for_eval(tiny_checkpoint / "mc", device="cuda", precision="fp32")
     engine = MegatronGreedy(model, cfg["vocab_size"], 6, eos_token_ids=(2,),
                             device=torch.device("cuda", torch.cuda.current_device()))
     assert engine([row.tolist() for row in rows]) == want
     assert engine.passes == 3
 
 
-def test_pass_after_a_shared_prefix_on_cuda(checkpoint, gpu_state):
+def test_pass_after_a_shared_prefix_on_cuda(tiny_checkpoint, gpu_state):
     """An extension pass (`kv_cache.extending`) on the GPU: the greedy token after each position of a prompt whose
     first 120 tokens are the cached prompt's equals transformers' on the whole prompt, and so do the decode steps
     after it."""
@@ -91,13 +75,13 @@ def test_pass_after_a_shared_prefix_on_cuda(checkpoint, gpu_state):
     from megatron_ext.evaluate.engine import load_megatron_for_eval
     from megatron_ext.evaluate.parallel import MegatronGreedy
 
-    hf, _ = load_hf(checkpoint / "hf", "cuda", "fp32")
+    hf, _ = load_hf(tiny_checkpoint / "hf", "cuda", "fp32")
     gen = torch.Generator().manual_seed(9)
     first = torch.randint(3, 500, (200,), generator=gen).tolist()
     other = first[:120] + torch.randint(3, 500, (84,), generator=gen).tolist()  # 204 tokens
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([other]).cuda()).logits[0].argmax(-1).tolist()
-    model, cfg, _ = load_megatron_for_eval(checkpoint / "mc", device="cuda", precision="fp32")
+    model, cfg, _ = load_megatron_for_eval(tiny_checkpoint / "mc", device="cuda", precision="fp32")
     engine = MegatronGreedy(model, cfg["vocab_size"], 4, device=torch.device("cuda", torch.cuda.current_device()))
     engine.max_decode_tokens = 4  # a pass over the 80 tokens after the prefix, not a decode step
     engine.predict(first, 199)

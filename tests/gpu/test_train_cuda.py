@@ -49,15 +49,9 @@ def columns(metrics: list[dict], key: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> str:
-    """The tiny preset's HF model converted to a Megatron checkpoint: the initial weights of both devices' runs."""
-    from tests.unit.test_evaluate import save_tiny
-
-    d = tmp_path_factory.mktemp("base")
-    save_tiny(d / "hf")
-    subprocess.run([sys.executable, str(ROOT / "tools/convert.py"), "to-megatron", "--hf", str(d / "hf"),
-                    "--out", str(d / "mc"), "--no-progress"], check=True, cwd=ROOT, capture_output=True)
-    return f"checkpoint.init_from={d / 'mc'}"
+def base(tiny_checkpoint) -> str:
+    """The override that starts both devices' runs from one converted model's weights."""
+    return f"checkpoint.init_from={tiny_checkpoint / 'mc'}"
 
 
 def test_training_on_cuda_equals_cpu(tmp_path, token_data, sft_data, base):

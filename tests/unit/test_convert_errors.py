@@ -703,6 +703,9 @@ def test_a_busy_rendezvous_port_is_one_line(src, tmp_path):
     import socket
     import subprocess
 
+    from megatron_ext.runtime import ProcessEnv
+    from megatron_ext.runtime.distributed import port_in_use
+
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -714,6 +717,5 @@ def test_a_busy_rendezvous_port_is_one_line(src, tmp_path):
                               timeout=300, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
-    assert lines == [f"error: rendezvous port 127.0.0.1:{port} (MASTER_PORT) is in use by another process; unset "
-                     "MASTER_PORT (a free port is then chosen) or export a free one"], proc.stderr
+    assert lines == [f"error: {port_in_use(ProcessEnv(0, 1, 0, '127.0.0.1', port, 'single'))}"], proc.stderr
     no_leftovers(tmp_path, "o")
